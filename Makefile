@@ -1,0 +1,28 @@
+# Two commands do everything on a fresh machine:  make demo  |  make test
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	# torch first, pinned exactly: this pin resolves to the CPU wheel kept on disk
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/shardlib run --nproc 2 examples/bert_tp_demo.py
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+bench: $(STAMP)
+	$(VPY) benchmarks/tp_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
