@@ -1,0 +1,72 @@
+"""BERT: every HF BERT class (BertModel and all its task heads).
+
+Tensor-parallel plan (Megatron): in each layer, self-attention (and cross-attention for decoders) enters the TP
+region once (``CopyInputs``), q/k/v are column-parallel (heads split), the attention output projection is
+row-parallel; the MLP is column- then row-parallel. The word embedding and, where the model has one, the LM
+decoder are vocab-parallel and stay tied. Position / token-type embeddings, LayerNorms, the pooler, the
+prediction-head transform and the small classifiers (NSP, sequence / token / QA / multiple-choice) stay
+replicated: they are at most hidden x hidden and sharding them would add collectives for no memory win.
+Attention-probability dropout acts on local heads, so it draws from the per-rank RNG stream (``LocalRNG``).
+"""
+
+from __future__ import annotations
+
+from transformers import (
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForNextSentencePrediction,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertLMHeadModel,
+    BertModel,
+)
+
+from shardlib.plan import LossSpec, Plan
+from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+
+from . import Policy, register_policy
+
+HEAD_CLASSES = (
+    BertForPreTraining, BertForMaskedLM, BertLMHeadModel, BertForNextSentencePrediction,
+    BertForSequenceClassification, BertForMultipleChoice, BertForTokenClassification, BertForQuestionAnswering,
+)
+
+LOSSES = {
+    BertForMaskedLM: LossSpec(kind="masked_lm", head="cls.predictions.decoder"),
+    BertLMHeadModel: LossSpec(kind="causal_lm", head="cls.predictions.decoder"),
+    BertForPreTraining: LossSpec(kind="pretraining", head="cls.predictions.decoder", logits="prediction_logits",
+                                 labels=("labels", "next_sentence_label")),
+}
+
+
+def attention_styles(prefix: str, inputs: tuple[str, ...]) -> dict:
+    return {
+        f"{prefix}.self": (CopyInputs(*inputs), LocalRNG()),
+        f"{prefix}.self.query": ColwiseParallel(copy_input=False),
+        f"{prefix}.self.key": ColwiseParallel(copy_input=False),
+        f"{prefix}.self.value": ColwiseParallel(copy_input=False),
+        f"{prefix}.output.dense": RowwiseParallel(),
+    }
+
+
+def bert_plan(model, tp: int) -> Plan:
+    config = model.config
+    base = "" if isinstance(model, BertModel) else "bert."
+    layer = f"{base}encoder.layer.*"
+    styles = {f"{base}embeddings.word_embeddings": VocabParallel()}
+    styles |= attention_styles(f"{layer}.attention", ("hidden_states",))
+    heads = {f"{layer}.attention.self": ("num_attention_heads", "all_head_size")}
+    if config.is_decoder and config.add_cross_attention:
+        styles |= attention_styles(f"{layer}.crossattention", ("hidden_states", "encoder_hidden_states"))
+        heads[f"{layer}.crossattention.self"] = ("num_attention_heads", "all_head_size")
+    styles[f"{layer}.intermediate.dense"] = ColwiseParallel()
+    styles[f"{layer}.output.dense"] = RowwiseParallel()
+    loss = next((spec for cls, spec in LOSSES.items() if isinstance(model, cls)), None)
+    if loss is not None:
+        styles[loss.head] = VocabParallel()
+    return Plan(styles=styles, divide_by_tp=heads, trunk=(f"{base}encoder.layer",), loss=loss)
+
+
+POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

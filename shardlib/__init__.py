@@ -1,0 +1,21 @@
+"""shardlib: policy-driven sharding of unmodified HuggingFace models over a dp x pp x tp mesh.
+
+    mesh = shardlib.init_mesh(tp=2)          # under `shardlib run` / torchrun
+    model = shardlib.shard(model, mesh)      # policy found from the model class
+"""
+
+from .layout import Layout, layout_of, named_layouts
+from .mesh import Mesh, MeshError, init_mesh
+from .plan import LossSpec, Plan, PlanError
+from .random import RNGStatesTracker, manual_seed
+from .sharder import ShardReport, report, shard
+from .state import full_state_dict, load_full_state_dict, materialize
+from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "PlanError",
+    "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
+    "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
+]

@@ -1,0 +1,179 @@
+"""Differentiable tensor-parallel collectives (the Megatron mappings).
+
+Each mapping is one autograd Function whose docstring states its forward and backward in one line. The process
+group is always passed explicitly; with a group of one rank every mapping returns its input unchanged (no
+communication, no autograd node). The wire operations are torch's functional collectives
+(``torch.distributed._functional_collectives``), which stay traceable by ``torch.compile`` and are counted by
+``torch.distributed.tensor.debug.CommDebugMode``. Every wait is bounded by the process group's timeout.
+
+Names follow the direction of the forward pass:
+
+============================  ===================================  ===================================
+mapping                       forward                              backward
+============================  ===================================  ===================================
+``copy_to_tp``                identity                             all-reduce
+``reduce_from_tp``            all-reduce                           identity
+``scatter_to_tp(dim)``        keep this rank's chunk along dim     all-gather along dim
+``gather_from_tp(dim)``       all-gather along dim                 keep this rank's chunk along dim
+``reduce_scatter_to_tp(dim)`` reduce-scatter along dim             all-gather along dim
+``all_gather_from_tp(dim)``   all-gather along dim                 reduce-scatter along dim
+============================  ===================================  ===================================
+
+``reduce_scatter_to_tp`` / ``all_gather_from_tp`` are the sequence-parallel pair (dim = the sequence dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+Group = dist.ProcessGroup
+
+
+def group_size(group: Group | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ----------------------------------------------------------------------------------------------- wire operations
+def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Out-of-place all-reduce (``op`` in sum / max / min / avg), waited on."""
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (same shape on every rank)."""
+    out = funcol.all_gather_single(x.contiguous(), 0, group)
+    out = funcol.wait_tensor(out)
+    dim = dim % x.dim()
+    if dim == 0:
+        return out
+    return torch.cat(out.chunk(group_size(group), dim=0), dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's chunk along ``dim`` (``x.shape[dim]`` divisible by the group)."""
+    dim = dim % x.dim()
+    if dim != 0:
+        x = torch.cat(x.chunk(group_size(group), dim=dim), dim=0)
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group))
+
+
+def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (no communication)."""
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split size {x.shape[dim]} of dim {dim} evenly over {n} ranks")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- autograd mappings
+class _CopyToTP(torch.autograd.Function):
+    """forward: identity, backward: all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """forward: all-reduce, backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """forward: keep this rank's chunk along dim, backward: all-gather along dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """forward: all-gather along dim, backward: keep this rank's chunk along dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    """forward: reduce-scatter along dim, backward: all-gather along dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherFromTP(torch.autograd.Function):
+    """forward: all-gather along dim, backward: reduce-scatter along dim."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input. forward: identity, backward: all-reduce."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results. forward: all-reduce, backward: identity."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
+    """forward: keep this rank's chunk along ``dim``, backward: all-gather along ``dim``."""
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:
+    """forward: all-gather along ``dim``, backward: keep this rank's chunk along ``dim``."""
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group, dim)
+
+
+def reduce_scatter_to_tp(x: torch.Tensor, group: Group | None, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel exit. forward: reduce-scatter along ``dim``, backward: all-gather along ``dim``."""
+    return x if group_size(group) == 1 else _ReduceScatterToTP.apply(x, group, dim)
+
+
+def all_gather_from_tp(x: torch.Tensor, group: Group | None, dim: int = 1) -> torch.Tensor:
+    """Sequence parallel entry. forward: all-gather along ``dim``, backward: reduce-scatter along ``dim``."""
+    return x if group_size(group) == 1 else _AllGatherFromTP.apply(x, group, dim)

@@ -1,0 +1,199 @@
+"""Tensor-parallel layers on local tensors with explicit collectives.
+
+Each layer subclasses the torch module it replaces (``nn.Linear`` / ``nn.Embedding``), so ``isinstance`` checks in
+HF code and state-dict key names keep working; ``in_features`` / ``out_features`` / ``num_embeddings`` are the
+*local* sizes. Each layer records the layout of its parameters (``shardlib.layout``) where they are sharded.
+
+Shapes below: ``n`` = TP group size, ``r`` = this rank, ``*`` = any leading dims.
+
+* :class:`ColumnParallelLinear`: ``W`` [out, in] split along out -> ``W_r`` [out/n, in]. ``y_r = x W_r^T + b_r``;
+  optionally all-gathers ``y`` [*, out]. Output dims that ``n`` does not divide are zero-padded (vocab heads).
+* :class:`RowParallelLinear`: ``W`` split along in -> ``W_r`` [out, in/n]. ``y = sum_r x_r W_r^T + b`` (one
+  all-reduce), bias replicated and added once after the reduction.
+* :class:`VocabParallelEmbedding`: table [V, H] split along V (padded) -> rows ``[r V/n, (r+1) V/n)``. Ids outside
+  the range look up zeros, then one all-reduce sums the rows.
+* :func:`vocab_parallel_cross_entropy`: cross-entropy on vocab-sharded logits without gathering them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .collectives import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
+from .layout import Layout, set_layout
+
+
+def _new_param(local: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(local, requires_grad=like.requires_grad)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Linear with its output features split over the TP group (see module docstring for the math).
+
+    ``copy_input``: enter the TP region here (forward identity, backward all-reduce of the input gradient). Turn it
+    off when an enclosing module already copied the input once for several column linears (q, k, v).
+    ``gather_output``: all-gather the output features (padding stripped), else return this rank's slice.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Group | None, *, copy_input=True, gather_output=False, pad=False):
+        nn.Module.__init__(self)
+        n, r = group_size(group), group_rank(group)
+        out_features, in_features = linear.weight.shape
+        if out_features % n and not pad:
+            raise ValueError(f"out_features {out_features} is not divisible by tp={n}")
+        self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
+        self.global_out_features = out_features
+        w_layout = Layout(tuple(linear.weight.shape), shard_dim=0, num_shards=n)
+        self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
+        set_layout(self, "weight", w_layout)
+        if linear.bias is not None:
+            b_layout = Layout(tuple(linear.bias.shape), shard_dim=0, num_shards=n)
+            self.bias = _new_param(b_layout.shard(linear.bias.detach(), r), linear.bias)
+            set_layout(self, "bias", b_layout)
+        else:
+            self.register_parameter("bias", None)
+        self.out_features, self.in_features = self.weight.shape
+        self.vocab_start, vocab_stop = w_layout.valid_range(r)
+        self.valid_out_features = vocab_stop - self.vocab_start  # real (non-padding) output features here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tp(y, self.group, -1)[..., : self.global_out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (global {self.global_out_features}), "
+            f"bias={self.bias is not None}, copy_input={self.copy_input}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Linear):
+    """Linear with its input features split over the TP group; the output is all-reduced (bias added after)."""
+
+    def __init__(self, linear: nn.Linear, group: Group | None):
+        nn.Module.__init__(self)
+        n, r = group_size(group), group_rank(group)
+        out_features, in_features = linear.weight.shape
+        if in_features % n:
+            raise ValueError(f"in_features {in_features} is not divisible by tp={n}")
+        self.group = group
+        w_layout = Layout(tuple(linear.weight.shape), shard_dim=1, num_shards=n)
+        self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
+        set_layout(self, "weight", w_layout)
+        if linear.bias is not None:
+            self.bias = linear.bias  # replicated, added once after the reduction
+        else:
+            self.register_parameter("bias", None)
+        self.out_features, self.in_features = self.weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (global {self.in_features * group_size(self.group)}), " \
+               f"out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding table split along the vocabulary (padded to a multiple of the TP size)."""
+
+    def __init__(self, embedding: nn.Embedding, group: Group | None):
+        nn.Module.__init__(self)
+        for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
+            if getattr(embedding, attr):
+                raise ValueError(f"VocabParallelEmbedding does not support {attr}={getattr(embedding, attr)!r}")
+        n, r = group_size(group), group_rank(group)
+        self.group = group
+        layout = Layout(tuple(embedding.weight.shape), shard_dim=0, num_shards=n)
+        self.weight = _new_param(layout.shard(embedding.weight.detach(), r), embedding.weight)
+        set_layout(self, "weight", layout)
+        self.num_embeddings, self.embedding_dim = self.weight.shape
+        self.global_num_embeddings = embedding.num_embeddings
+        self.vocab_start, self.vocab_stop = layout.valid_range(r)
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
+        pad = embedding.padding_idx
+        self.global_padding_idx = pad
+        self.padding_idx = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_stop else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self.padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, vocab rows [{self.vocab_start}, {self.vocab_stop}) "
+            f"of {self.global_num_embeddings}, padding_idx={self.global_padding_idx}"
+        )
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits.
+
+    forward: two all-reduces (max; then [target logit, sum exp] stacked), loss_i = log(sum_j e^{z_ij - m_i}) -
+    (z_{i,t_i} - m_i). backward: local, dz_i = (softmax_i - onehot(t_i)) * dloss_i; no communication.
+    Padding columns (``valid`` <= j < local vocab) are excluded; ``ignore_index`` targets get loss 0 and no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, valid, group, ignore_index):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        z = logits.to(dtype)
+        if valid < z.shape[-1]:
+            z = z.clone()
+            z[:, valid:] = float("-inf")
+        local_max = z.max(dim=-1).values
+        global_max = all_reduce(local_max, group, "max") if group_size(group) > 1 else local_max
+        z = z - global_max.unsqueeze(-1)
+        in_shard = (target >= vocab_start) & (target < vocab_start + valid)
+        local_t = (target - vocab_start).masked_fill(~in_shard, 0)
+        target_logit = z.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(~in_shard, 0.0)
+        exp = z.exp_()
+        sum_exp = exp.sum(dim=-1)
+        if group_size(group) > 1:
+            target_logit, sum_exp = all_reduce(torch.stack([target_logit, sum_exp]), group).unbind(0)
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, in_shard & ~ignored, local_t, ignored)
+        ctx.logits_dtype, ctx.consumed = logits.dtype, False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy reuses its saved softmax; it cannot backward twice")
+        ctx.consumed = True
+        softmax, hit, local_t, ignored = ctx.saved_tensors
+        grad = softmax  # reuse the saved [N, V_local] buffer instead of allocating another
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= hit.to(grad.dtype)
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    valid: int,
+    group: Group | None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token loss (shape of ``target``) of logits [*, V_local] holding global vocab columns
+    ``[vocab_start, vocab_start + valid)`` in their first ``valid`` columns. Ignored targets give 0."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), vocab_start, valid, group, ignore_index)
+    return loss.view(target.shape)

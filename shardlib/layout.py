@@ -1,0 +1,140 @@
+"""A tensor's layout over the mesh: which mesh dim splits which tensor dim, and the padding.
+
+A layout is recorded once, by the parallel module that owns the parameter (``module._shardlib_layouts[name]``),
+and everything downstream (state-dict gather and load, checkpoints, reports) reads it from there via
+:func:`layout_of` / :func:`named_layouts`. Nothing re-derives a layout from parameter names.
+
+Padding: a dim of global size ``G`` split ``n`` ways is padded at its end to ``P = ceil(G / n) * n``; rank ``r``
+holds rows ``[r * P/n, (r+1) * P/n)`` of the padded tensor, of which ``[r * P/n, min((r+1) * P/n, G))`` are real
+and the rest are zero padding (e.g. BERT's vocabulary 30522 at tp=4 is padded to 30524, 7631 rows per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+LAYOUTS_ATTR = "_shardlib_layouts"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one global tensor maps onto the ranks of one mesh dimension.
+
+    ``shard_dim=None`` means replicated on every rank of ``mesh_dim``.
+    """
+
+    global_shape: tuple[int, ...]
+    shard_dim: int | None = None
+    mesh_dim: str = "tp"
+    num_shards: int = 1
+
+    def __post_init__(self):
+        if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.global_shape):
+            raise ValueError(f"shard_dim {self.shard_dim} out of range for shape {self.global_shape}")
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+
+    @classmethod
+    def replicated(cls, shape) -> Layout:
+        return cls(global_shape=tuple(shape))
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.shard_dim is not None and self.num_shards > 1
+
+    @property
+    def padded_size(self) -> int:
+        """Global size of the sharded dim after padding to a multiple of ``num_shards``."""
+        if self.shard_dim is None:
+            return 0
+        g = self.global_shape[self.shard_dim]
+        return -(-g // self.num_shards) * self.num_shards
+
+    @property
+    def padding(self) -> int:
+        return self.padded_size - self.global_shape[self.shard_dim] if self.shard_dim is not None else 0
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.shard_dim] = self.padded_size // self.num_shards
+        return tuple(shape)
+
+    def valid_range(self, rank: int) -> tuple[int, int]:
+        """The global index range ``[start, stop)`` of real (non-padding) rows that ``rank`` holds."""
+        if self.shard_dim is None:
+            return 0, self.global_shape[0] if self.global_shape else 0
+        local = self.padded_size // self.num_shards
+        g = self.global_shape[self.shard_dim]
+        start = min(rank * local, g)
+        return start, min(start + local, g) if rank * local < g else start
+
+    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's local piece of ``full`` (a new tensor; zero padding appended where needed)."""
+        if tuple(full.shape) != self.global_shape:
+            raise ValueError(f"tensor of shape {tuple(full.shape)} does not match layout {self.global_shape}")
+        if self.shard_dim is None:
+            return full.clone()
+        start, stop = self.valid_range(rank)
+        piece = full.narrow(self.shard_dim, start, stop - start)
+        pad = self.local_shape[self.shard_dim] - (stop - start)
+        if pad:
+            pad_shape = list(self.local_shape)
+            pad_shape[self.shard_dim] = pad
+            piece = torch.cat([piece, piece.new_zeros(pad_shape)], dim=self.shard_dim)
+        return piece.clone()
+
+    def unshard(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The global tensor from every rank's local piece (in rank order), padding stripped."""
+        if self.shard_dim is None:
+            return pieces[0]
+        full = torch.cat(pieces, dim=self.shard_dim)
+        return full.narrow(self.shard_dim, 0, self.global_shape[self.shard_dim])
+
+    def placements(self):
+        """The equivalent DTensor placement on ``mesh_dim`` (padding is not expressible there)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        return (Shard(self.shard_dim),) if self.is_sharded else (Replicate(),)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["global_shape"] = list(self.global_shape)
+        d["padded_size"] = self.padded_size
+        return d
+
+    def describe(self) -> str:
+        if not self.is_sharded:
+            return "replicated"
+        pad = f", padded {self.global_shape[self.shard_dim]}->{self.padded_size}" if self.padding else ""
+        return f"dim {self.shard_dim} split {self.num_shards}-way over {self.mesh_dim}{pad}"
+
+
+def set_layout(module: nn.Module, name: str, layout: Layout) -> None:
+    layouts = module.__dict__.setdefault(LAYOUTS_ATTR, {})
+    layouts[name] = layout
+
+
+def layout_of(model: nn.Module, name: str) -> Layout:
+    """The layout of parameter or buffer ``name`` (a dotted path from ``model``); replicated if none recorded."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    layout = owner.__dict__.get(LAYOUTS_ATTR, {}).get(attr)
+    if layout is not None:
+        return layout
+    tensor = getattr(owner, attr)
+    return Layout.replicated(tensor.shape)
+
+
+def named_layouts(model: nn.Module, *, buffers: bool = False):
+    """Yield ``(name, tensor, layout)`` for every parameter (and persistent buffers if asked), ties once."""
+    items = list(model.named_parameters())
+    if buffers:
+        items += list(model.named_buffers())
+    for name, tensor in items:
+        yield name, tensor, layout_of(model, name)

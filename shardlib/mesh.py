@@ -1,0 +1,119 @@
+"""The dp x pp x tp device mesh.
+
+`init_mesh` is the one entry point: it initializes torch.distributed from the launcher's environment (torchrun's
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) when that has not been done yet, picks NCCL when CUDA is available
+and gloo otherwise, and returns a validated :class:`Mesh` over a torch ``DeviceMesh`` with dimensions named
+``("dp", "pp", "tp")``. There is no module-level process-group state: the mesh is passed explicitly to
+everything that communicates.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIM_NAMES = ("dp", "pp", "tp")
+
+#: Default bound on every collective wait (seconds). A hung or dead rank turns into an error after this long.
+DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLIB_TIMEOUT", "120"))
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the world: the message shows the arithmetic."""
+
+
+def _resolve_sizes(world_size: int, dp: int | None, pp: int, tp: int) -> tuple[int, int, int]:
+    for name, value in (("pp", pp), ("tp", tp)):
+        if not isinstance(value, int) or value < 1:
+            raise MeshError(f"{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (pp * tp):
+            raise MeshError(
+                f"pp({pp}) * tp({tp}) = {pp * tp} does not divide WORLD_SIZE {world_size}, so dp cannot be inferred"
+            )
+        dp = world_size // (pp * tp)
+    elif not isinstance(dp, int) or dp < 1:
+        raise MeshError(f"dp must be a positive integer, got {dp!r}")
+    if dp * pp * tp != world_size:
+        raise MeshError(f"dp({dp}) * pp({pp}) * tp({tp}) = {dp * pp * tp} != WORLD_SIZE {world_size}")
+    return dp, pp, tp
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A validated dp x pp x tp mesh. ``device_mesh`` is torch's DeviceMesh with dims ("dp", "pp", "tp")."""
+
+    device_mesh: DeviceMesh
+    dp: int
+    pp: int
+    tp: int
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        if dim not in self._groups:
+            self._groups[dim] = self.device_mesh.get_group(dim)
+        return self._groups[dim]
+
+    def size(self, dim: str) -> int:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}[dim]
+
+    def local_rank(self, dim: str) -> int:
+        return self.device_mesh.get_local_rank(dim)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.local_rank("tp")
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    def __str__(self) -> str:
+        coord = self.device_mesh.get_coordinate()
+        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; this rank at (dp, pp, tp) = {tuple(coord or ())})"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialize the default process group from torchrun's environment unless it already is initialized."""
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise MeshError(
+            "torch.distributed is not initialized and the launcher environment is incomplete "
+            f"(missing {', '.join(missing)}); start the script with `shardlib run --nproc N script.py` or torchrun"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # pragma: no cover - no GPU in CI
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def init_mesh(
+    dp: int | None = None,
+    pp: int = 1,
+    tp: int = 1,
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Mesh:
+    """Return a validated dp x pp x tp :class:`Mesh` over all ranks (``dp=None`` infers dp from WORLD_SIZE).
+
+    Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible).
+    """
+    init_distributed(backend, timeout_s)
+    world = dist.get_world_size()
+    dp, pp, tp = _resolve_sizes(world, dp, pp, tp)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=DIM_NAMES)
+    return Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp)

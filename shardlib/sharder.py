@@ -1,0 +1,275 @@
+"""The generic sharder: validate a plan against a model and a mesh, then rewrite the model in place.
+
+Everything is checked before anything changes: a pattern that matches no module, a style on the wrong module
+type, a width or head count that tp does not divide, tied parameters that would get different layouts. All
+problems are reported together in one :class:`PlanError`, and the model is left untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .collectives import all_reduce
+from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
+from .losses import install_vocab_parallel_loss
+from .mesh import Mesh
+from .plan import Plan, PlanError, match_modules
+from .random import RNGStatesTracker, TP_SEED_OFFSET
+from .styles import ColwiseParallel, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+
+log = logging.getLogger("shardlib")
+
+_PARAM_STYLES = (ColwiseParallel, RowwiseParallel, VocabParallel)
+
+
+@dataclass
+class ReportRow:
+    module: str
+    style: str
+    tensors: list[tuple[str, tuple[int, ...], tuple[int, ...], str]]  # name, global shape, local shape, layout
+
+
+@dataclass
+class ShardReport:
+    """Every rewrite the sharder made on this rank, and the parameter bytes per rank before and after."""
+
+    policy: str
+    model_class: str
+    mesh: str
+    rows: list[ReportRow] = field(default_factory=list)
+    attributes: list[tuple[str, str, int, int]] = field(default_factory=list)  # module, attr, before, after
+    unsharded_bytes: int = 0
+    local_bytes: int = 0
+
+    def __str__(self) -> str:
+        lines = [f"shardlib: {self.model_class} with policy '{self.policy}' on {self.mesh}"]
+        lines.append(f"{'module':<56} {'style':<44} {'tensor':<7} {'global':>14} {'local':>14}")
+        for row in self.rows:
+            if not row.tensors:
+                lines.append(f"{row.module:<56} {row.style:<44}")
+            for i, (name, glob, loc, _) in enumerate(row.tensors):
+                mod, sty = (row.module, row.style) if i == 0 else ("", "")
+                lines.append(f"{mod:<56} {sty:<44} {name:<7} {_shape(glob):>14} {_shape(loc):>14}")
+        for module, attr, before, after in self.attributes:
+            lines.append(f"{module:<56} {'attribute ' + attr:<44} {before:>7} -> {after}")
+        ratio = self.local_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0
+        lines.append(
+            f"parameter bytes per rank: {_mib(self.local_bytes)} (unsharded {_mib(self.unsharded_bytes)}, "
+            f"{ratio:.3f}x)"
+        )
+        return "\n".join(lines)
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@dataclass
+class ShardState:
+    """Attached to a sharded model as ``model._shardlib``."""
+
+    mesh: Mesh
+    plan: Plan
+    report: ShardReport
+    rng_tracker: RNGStatesTracker | None
+
+
+def _unique_param_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for _, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _resolve(plan: Plan, model: nn.Module, tp: int):
+    """Match every pattern and collect all problems. Returns ({path: styles}, {path: attrs}) in module order."""
+    modules = dict(model.named_modules())
+    problems: list[str] = []
+    assigned: dict[str, tuple] = {}
+    for pattern, styles in plan.styles.items():
+        matches = match_modules(pattern, modules)
+        if not matches:
+            problems.append(f"pattern {pattern!r} matches no module of {type(model).__name__}")
+        for path in matches:
+            for style in as_tuple(styles):
+                problems += style.check(path, modules[path], tp)
+            assigned[path] = assigned.get(path, ()) + as_tuple(styles)
+    attrs: dict[str, tuple[str, ...]] = {}
+    for pattern, names in plan.divide_by_tp.items():
+        matches = match_modules(pattern, modules)
+        if not matches:
+            problems.append(f"attribute pattern {pattern!r} matches no module of {type(model).__name__}")
+        for path in matches:
+            for name in names:
+                value = getattr(modules[path], name, None)
+                if not isinstance(value, int):
+                    problems.append(f"{path}.{name}: expected an integer attribute, found {value!r}")
+                elif value % tp:
+                    problems.append(f"{path}.{name} = {value} is not divisible by tp={tp}")
+            attrs[path] = names
+    for path, styles in assigned.items():
+        if sum(isinstance(s, _PARAM_STYLES) for s in styles) > 1:
+            problems.append(f"{path}: more than one parameter style ({', '.join(map(style_name, styles))})")
+        if LAYOUTS_ATTR in modules[path].__dict__:
+            problems.append(f"{path}: already sharded")
+    if plan.loss is not None:
+        head = plan.loss.head
+        if not isinstance(next((s for s in assigned.get(head, ()) if isinstance(s, VocabParallel)), None), VocabParallel):
+            problems.append(f"loss head {head!r} must be styled VocabParallel in the plan")
+    order = {path: i for i, path in enumerate(modules)}
+    return dict(sorted(assigned.items(), key=lambda kv: order[kv[0]])), attrs, problems
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Parameters held by more than one (module path, attribute): the ties to restore after rewriting."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((path, name))
+    return [h for h in holders.values() if len(set(h)) > 1]
+
+
+def _check_ties(ties, assigned, model) -> list[str]:
+    problems = []
+    for group in ties:
+        styled = {(path, name): assigned[path] for path, name in group if path in assigned}
+        kinds = {
+            type(s).__name__ for styles in styled.values() for s in styles if isinstance(s, _PARAM_STYLES)
+        }
+        if len(kinds) > 1:
+            names = ", ".join(f"{p}.{n}" for p, n in group)
+            problems.append(f"tied parameters {names} would get different styles ({', '.join(sorted(kinds))})")
+    return problems
+
+
+def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+
+
+def _retie(model: nn.Module, ties) -> None:
+    for group in ties:
+        sharded = [(p, n) for p, n in group if n in model.get_submodule(p).__dict__.get(LAYOUTS_ATTR, {})]
+        if not sharded:
+            continue
+        src_path, src_name = sharded[0]
+        src_module = model.get_submodule(src_path)
+        param, layout = src_module._parameters[src_name], src_module.__dict__[LAYOUTS_ATTR][src_name]
+        for path, name in group:
+            other = model.get_submodule(path)
+            other_layout = other.__dict__.get(LAYOUTS_ATTR, {}).get(name)
+            if other_layout is not None and other_layout != layout:
+                raise PlanError(f"tied {src_path}.{src_name} and {path}.{name} got layouts {layout} / {other_layout}")
+            other._parameters[name] = param
+            set_layout(other, name, layout)
+
+
+def shard(
+    model: nn.Module,
+    mesh: Mesh,
+    policy=None,
+    *,
+    gather_logits: bool | None = None,
+    rng_tracker: RNGStatesTracker | None = None,
+    check_replicated_inputs: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
+
+    ``policy``: defaults to the registered policy for the model class (``shardlib.policies``).
+    ``gather_logits``: see :mod:`shardlib.losses` (None: gather only when no labels are passed).
+    ``rng_tracker``: the per-rank dropout stream for sharded activations (default: seeded from the current default
+    generator state, which must be identical on all ranks: call ``torch.manual_seed`` first).
+    ``check_replicated_inputs``: verify at every forward that the tensor inputs are identical across the TP group
+    (one small all-reduce; catches silently wrong results from divergent inputs).
+
+    The report of every rewrite is ``model._shardlib.report`` (also ``shardlib.report(model)``).
+    """
+    from shardlib.policies import policy_for
+
+    if hasattr(model, "_shardlib"):
+        raise PlanError(f"{type(model).__name__} is already sharded")
+    policy = policy or policy_for(model)
+    tp, group = mesh.tp, mesh.tp_group if mesh.tp > 1 else None
+    plan = policy.plan(model, tp)
+    assigned, attrs, problems = _resolve(plan, model, tp)
+    ties = _tied_groups(model)
+    problems += _check_ties(ties, assigned, model)
+    if problems:
+        raise PlanError(
+            f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}:\n  " + "\n  ".join(problems)
+        )
+
+    if rng_tracker is None:
+        rng_tracker = RNGStatesTracker()
+        rng_tracker.add("tensor-parallel", torch.initial_seed() + TP_SEED_OFFSET + mesh.tp_rank)
+    report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
+    report.unsharded_bytes = _unique_param_bytes(model)
+    ctx = ShardContext(group=group, tp=tp, rng_tracker=rng_tracker)
+    for path, styles in assigned.items():
+        module = model.get_submodule(path)
+        for style in styles:
+            module = style.apply(path, module, ctx)
+        if path:
+            _set_submodule(model, path, module)
+        tensors = [
+            (name, layout_of(module, name).global_shape, tuple(p.shape), layout_of(module, name).describe())
+            for name, p in module.named_parameters(recurse=False)
+        ] if isinstance(module, (nn.Linear, nn.Embedding)) else []
+        report.rows.append(ReportRow(path, " + ".join(style_name(s) for s in styles), tensors))
+    _retie(model, ties)
+    for path, names in attrs.items():
+        module = model.get_submodule(path)
+        for name in names:
+            before = getattr(module, name)
+            setattr(module, name, before // tp)
+            report.attributes.append((path, name, before, before // tp))
+    if plan.loss is not None:
+        install_vocab_parallel_loss(model, plan.loss, gather_logits)
+    if check_replicated_inputs and tp > 1:
+        model.register_forward_pre_hook(_replicated_input_check(group), with_kwargs=True)
+    report.local_bytes = _unique_param_bytes(model)
+    model._shardlib = ShardState(mesh=mesh, plan=plan, report=report, rng_tracker=rng_tracker)
+    log.info("%s", report)
+    return model
+
+
+def _replicated_input_check(group):
+    def check(module, args, kwargs):
+        named = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        tensors = [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return None
+        sig = torch.stack([t.detach().double().sum() + t.detach().double().abs().sum() * 1e-3 for _, t in tensors])
+        both = all_reduce(torch.cat([sig, -sig]), group, "max")
+        hi, lo = both[: len(tensors)], -both[len(tensors):]
+        differ = [n for (n, _), h, l in zip(tensors, hi, lo) if h != l]
+        if differ:
+            raise ValueError(
+                f"inputs {', '.join(differ)} of {type(module).__name__} differ across the tensor-parallel group; "
+                "every TP rank must get the same batch"
+            )
+        return None
+
+    return check
+
+
+def report(model: nn.Module) -> ShardReport:
+    """The :class:`ShardReport` of a sharded model."""
+    if not hasattr(model, "_shardlib"):
+        raise ValueError(f"{type(model).__name__} is not sharded")
+    return model._shardlib.report
+
+
+__all__ = ["shard", "report", "ShardReport", "ShardState", "PlanError", "Layout"]

@@ -1,0 +1,97 @@
+"""Full (unsharded) views of a sharded model's tensors, and loading full tensors into shards.
+
+Both read every tensor's layout from where it was recorded (:func:`shardlib.layout.layout_of`). Gathering is a
+collective over the TP group: every TP rank must call it. Loading slices locally and needs no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import all_gather
+from .layout import layout_of
+
+
+def _tp_group(model: nn.Module):
+    state = getattr(model, "_shardlib", None)
+    return state.mesh.tp_group if state is not None and state.mesh.tp > 1 else None
+
+
+def _gather(tensor: torch.Tensor, layout, group) -> torch.Tensor:
+    if not layout.is_sharded:
+        return tensor.detach().clone()
+    full = all_gather(tensor.detach(), layout.shard_dim, group)
+    return full.narrow(layout.shard_dim, 0, layout.global_shape[layout.shard_dim]).clone()
+
+
+def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Parameter (or, with ``grads=True``, gradient) name -> full unsharded tensor, on every TP rank.
+
+    Tied parameters appear under their first name only, like ``named_parameters()``. Parameters without a
+    gradient are left out when ``grads=True``.
+    """
+    group = _tp_group(model)
+    out = {}
+    for name, p in model.named_parameters():
+        tensor = p.grad if grads else p
+        if tensor is None:
+            continue
+        out[name] = _gather(tensor, layout_of(model, name), group)
+    return out
+
+
+def _unique_tensors(model: nn.Module):
+    """(tensor, [(module, attr), ...]) for every distinct parameter and buffer, holders in module order."""
+    holders: dict[int, tuple[torch.Tensor, list]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for store in (module._parameters, module._buffers):
+            for attr, t in store.items():
+                if t is not None:
+                    holders.setdefault(id(t), (t, []))[1].append((module, attr))
+    return list(holders.values())
+
+
+def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    """Give every meta tensor real (uninitialized) storage on ``device``, keeping ties and layouts, then run the
+    HF weight initializer so non-persistent buffers (position ids) get their values. Local shapes only: no rank
+    allocates a full sharded tensor."""
+    for tensor, holders in _unique_tensors(model):
+        if tensor.device.type != "meta":
+            continue
+        new = torch.empty_like(tensor, device=device)
+        if isinstance(tensor, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+        for module, attr in holders:
+            store = module._parameters if attr in module._parameters else module._buffers
+            store[attr] = new
+    if hasattr(model, "init_weights"):
+        with torch.no_grad():
+            model.init_weights()
+    return model
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Copy full tensors into a sharded model, each rank keeping its slice (padding zeroed).
+
+    Meta tensors are materialized first (:func:`materialize`). With ``strict``, every parameter must be present
+    and every key must name a parameter or buffer; shapes must equal the global shape of the layout.
+    """
+    if any(t.device.type == "meta" for t, _ in _unique_tensors(model)):
+        materialize(model)
+    group = _tp_group(model)
+    rank = torch.distributed.get_rank(group) if group is not None else 0
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    problems = []
+    if strict:
+        problems += [f"unexpected key {k!r}" for k in state_dict if k not in targets]
+        problems += [f"missing parameter {k!r}" for k, _ in model.named_parameters() if k not in state_dict]
+    for name, full in state_dict.items():
+        if name in targets and tuple(full.shape) != layout_of(model, name).global_shape:
+            problems.append(f"{name}: shape {tuple(full.shape)} != model {layout_of(model, name).global_shape}")
+    if problems:
+        raise ValueError("cannot load state dict:\n  " + "\n  ".join(problems))
+    for name, full in state_dict.items():
+        if name in targets:
+            targets[name].copy_(layout_of(model, name).shard(full, rank))

@@ -1,0 +1,166 @@
+"""Parallel styles: small keyword-only objects that say how one module is parallelized.
+
+A plan maps module-path patterns to a style (or a tuple of styles). Each style checks a module before anything
+changes (``check`` returns a list of problems, each naming the module and the numbers) and then rewrites it
+(``apply`` returns the module that takes its place, possibly the same object with hooks added).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .collectives import Group, copy_to_tp
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclass
+class ShardContext:
+    """What a style needs to rewrite one module on this rank."""
+
+    group: Group | None
+    tp: int
+    rng_tracker: object | None = None
+
+
+class Style:
+    def check(self, path: str, module: nn.Module, tp: int) -> list[str]:
+        return []
+
+    def apply(self, path: str, module: nn.Module, ctx: ShardContext) -> nn.Module:
+        raise NotImplementedError
+
+    def _expect(self, path, module, kind) -> list[str]:
+        if not isinstance(module, kind):
+            return [f"{path}: {type(self).__name__} applies to {kind.__name__}, found {type(module).__name__}"]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColwiseParallel(Style):
+    """nn.Linear -> ColumnParallelLinear: output features split; copy the input into the TP region unless an
+    enclosing :class:`CopyInputs` already did; optionally gather the output."""
+
+    copy_input: bool = True
+    gather_output: bool = False
+
+    def check(self, path, module, tp):
+        problems = self._expect(path, module, nn.Linear)
+        if not problems and module.out_features % tp:
+            problems.append(f"{path}: out_features {module.out_features} is not divisible by tp={tp}")
+        return problems
+
+    def apply(self, path, module, ctx):
+        return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowwiseParallel(Style):
+    """nn.Linear -> RowParallelLinear: input features split (input already sharded), output all-reduced."""
+
+    def check(self, path, module, tp):
+        problems = self._expect(path, module, nn.Linear)
+        if not problems and module.in_features % tp:
+            problems.append(f"{path}: in_features {module.in_features} is not divisible by tp={tp}")
+        return problems
+
+    def apply(self, path, module, ctx):
+        return RowParallelLinear(module, ctx.group)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabParallel(Style):
+    """The vocabulary dimension split (padded to a multiple of tp): nn.Embedding -> VocabParallelEmbedding, an
+    output head nn.Linear -> ColumnParallelLinear with padding whose logits stay vocab-sharded unless
+    ``gather_output``. A head and an embedding that share their weight stay tied."""
+
+    gather_output: bool = False
+
+    def check(self, path, module, tp):
+        if isinstance(module, (nn.Embedding, nn.Linear)):
+            return []
+        return [f"{path}: VocabParallel applies to nn.Embedding or nn.Linear, found {type(module).__name__}"]
+
+    def apply(self, path, module, ctx):
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding(module, ctx.group)
+        return ColumnParallelLinear(module, ctx.group, copy_input=True, gather_output=self.gather_output, pad=True)
+
+
+@dataclass(frozen=True)
+class CopyInputs(Style):
+    """Enter the TP region once at this module: the named replicated inputs go through ``copy_to_tp`` (forward
+    identity, backward one all-reduce each), so the column linears inside need no copy of their own."""
+
+    names: tuple[str, ...]
+
+    def __init__(self, *names: str):
+        object.__setattr__(self, "names", tuple(names))
+
+    def apply(self, path, module, ctx):
+        if ctx.tp == 1:
+            return module
+        params = list(inspect.signature(module.forward).parameters)
+        positions = {name: params.index(name) for name in self.names if name in params}
+        names, group = self.names, ctx.group
+
+        def copy_inputs(mod, args, kwargs):
+            args = list(args)
+            for name in names:
+                pos = positions.get(name)
+                if pos is not None and pos < len(args):
+                    if isinstance(args[pos], torch.Tensor):
+                        args[pos] = copy_to_tp(args[pos], group)
+                elif isinstance(kwargs.get(name), torch.Tensor):
+                    kwargs[name] = copy_to_tp(kwargs[name], group)
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(copy_inputs, with_kwargs=True)
+        return module
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalRNG(Style):
+    """The module's dropout acts on TP-sharded activations (e.g. attention probabilities of local heads): run its
+    forward with the per-rank "tensor-parallel" RNG stream so ranks draw different masks."""
+
+    stream: str = "tensor-parallel"
+
+    def apply(self, path, module, ctx):
+        tracker, stream = ctx.rng_tracker, self.stream
+        if tracker is None:
+            return module
+        active: list = []
+
+        def enter(mod, args):
+            cm = tracker.fork(stream)
+            cm.__enter__()
+            active.append(cm)
+
+        def leave(mod, args, output):
+            active.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+        return module
+
+
+def as_tuple(styles) -> tuple[Style, ...]:
+    return styles if isinstance(styles, tuple) else (styles,)
+
+
+def style_name(style: Style) -> str:
+    fields = {k: v for k, v in vars(style).items() if v != getattr(type(style), k, object())}
+    if isinstance(style, CopyInputs):
+        return f"CopyInputs({', '.join(style.names)})"
+    args = ", ".join(f"{k}={v}" for k, v in fields.items())
+    return f"{type(style).__name__}({args})"
+
+
+__all__ = [
+    "ShardContext", "Style", "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG",
+]
+_ = field  # keep dataclasses.field importable for policy authors extending styles
