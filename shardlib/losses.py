@@ -85,6 +85,9 @@ def install_vocab_parallel_loss(model, spec, gather_logits: bool | None) -> None
     def forward(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         labels = {name: bound.arguments.pop(name, None) for name in spec.labels}
+        has_labels = any(v is not None for v in labels.values())
+        if has_labels and "use_cache" in signature.parameters:
+            bound.arguments["use_cache"] = False  # as HF's forward does when it gets labels
         extra = dict(bound.arguments.get("kwargs", {}))
         return_dict = extra.pop("return_dict", None)
         if "kwargs" in bound.arguments:
@@ -93,7 +96,6 @@ def install_vocab_parallel_loss(model, spec, gather_logits: bool | None) -> None
         head = self.get_submodule(spec.head)
         loss = loss_fn(out, spec, labels, head, extra)
         fields = {k: v for k, v in out.items() if k != "loss"}
-        has_labels = any(v is not None for v in labels.values())
         if gather_logits or (gather_logits is None and not has_labels):
             fields[spec.logits] = gather_from_tp(fields[spec.logits], head.group, -1)[..., : head.global_out_features]
         result = type(out)(loss=loss, **fields)

@@ -82,7 +82,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         materialize(model)
     group = _tp_group(model)
     rank = torch.distributed.get_rank(group) if group is not None else 0
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     problems = []
     if strict:
         problems += [f"unexpected key {k!r}" for k in state_dict if k not in targets]

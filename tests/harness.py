@@ -1,0 +1,155 @@
+"""A persistent pool of real gloo ranks for multi-rank tests.
+
+Starting processes and process groups costs seconds; a hypothesis example costs milliseconds. So the pool starts
+``world_size`` rank processes once (spawned, 1 thread each, gloo on 127.0.0.1, every collective bounded by
+``collective_timeout_s``) and then runs one *task* at a time on all of them: a module-level function, named by
+module and qualified name, called with picklable arguments on every rank. ``pool.run`` returns every rank's
+return value, or raises :class:`RankFailure` with each failing rank's traceback. A task that does not finish
+within its timeout kills the pool (a hung collective cannot be recovered) and fails with the ranks that did not
+answer; the next task starts a fresh pool. After any failure the pool is restarted too, since ranks may have
+left collectives unmatched.
+
+Inside a task, :func:`mesh` returns a cached mesh of the requested shape (building process groups is slow).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Ranks did not answer in time (a hang); the pool was killed."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ in the ranks
+_MESHES: dict = {}
+
+
+def mesh(dp=None, pp=1, tp=1):
+    """A cached ``shardlib.Mesh`` over the pool's world (call inside a task)."""
+    import torch.distributed as dist
+
+    import shardlib
+
+    world = dist.get_world_size()
+    key = (dp or world // (pp * tp), pp, tp)
+    if key not in _MESHES:
+        _MESHES[key] = shardlib.init_mesh(*key)
+    return _MESHES[key]
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, module, name, args, kwargs = task
+        try:
+            fn = importlib.import_module(module)
+            for part in name.split("."):
+                fn = getattr(fn, part)
+            results.put((task_id, rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the driver
+            results.put((task_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------- the driver
+class RankPool:
+    def __init__(self, world_size: int = 4, collective_timeout_s: float = 60.0):
+        self.world_size = world_size
+        self.collective_timeout_s = collective_timeout_s
+        self._procs: list = []
+        self._task_id = 0
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, self.world_size, port, self.collective_timeout_s, self._tasks[r], self._results))
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def stop(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self._procs = []
+
+    def run(self, fn, *args, timeout_s: float = 120.0, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self._procs:
+            self.start()
+        self._task_id += 1
+        task = (self._task_id, fn.__module__, fn.__qualname__, args, kwargs)
+        for q in self._tasks:
+            q.put(task)
+        results, failures = {}, {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) + len(failures) < self.world_size:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                self.stop(graceful=False)
+                raise RankFailure(f"{fn.__qualname__}: rank(s) {dead} died (exit codes "
+                                  f"{[self._procs[r].exitcode if r < len(self._procs) else '?' for r in dead]})")
+            try:
+                task_id, rank, ok, value = self._results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+                    self.stop(graceful=False)
+                    raise RankTimeout(f"{fn.__qualname__}: rank(s) {missing} did not finish within {timeout_s}s")
+                continue
+            if task_id != self._task_id:
+                continue  # a stale answer from an earlier, failed task
+            (results if ok else failures)[rank] = value
+        if failures:
+            self.stop(graceful=False)
+            first = min(failures)
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise RankFailure(f"{fn.__qualname__} failed on rank(s) {sorted(failures)} (first: rank {first})\n{detail}")
+        return [results[r] for r in range(self.world_size)]
+
+
+def ensure_importable() -> None:
+    """Tasks are looked up by module name in the ranks: make the tests folder importable there too."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)

@@ -1,0 +1,158 @@
+"""Tasks that run on every rank of the test pool (see harness.py). Each builds the unsharded model and its sharded
+copy under the same seed on every rank, runs both, and checks them against each other here, so a failure
+reaches the driver as the failing rank's traceback. Each returns counts of what it compared so the driver can
+check that the comparison was not empty.
+
+Tolerances. float32: the sharded model sums the same products in a different order (row-parallel partial sums
+are all-reduced; the vocab-parallel softmax normalizes per shard), so results differ by rounding that grows
+with depth: rtol 2e-4 / atol 2e-5 on outputs and gradients. float64: the same reorderings at 1e-16 unit
+roundoff: rtol 1e-9 / atol 1e-11. Weights after one AdamW step: AdamW's first update is about
+lr * g / (|g| + eps), so a gradient that is pure rounding noise in both models (e.g. the attention key bias,
+whose true gradient is zero because softmax ignores a constant shift) would move by up to lr in either
+direction. eps = 1e-6 and lr = 1e-4 bound that noise term far below atol while real updates (~lr) stay visible.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+import shardlib
+from bert_cases import DTYPES, cast_batch, make_batch, make_model, scalar_objective
+from harness import mesh as pool_mesh
+
+TOL = {torch.float32: dict(rtol=2e-4, atol=2e-5), torch.float64: dict(rtol=1e-9, atol=1e-11)}
+
+
+def _close(name, actual, expected, dtype):
+    torch.testing.assert_close(actual, expected, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4, eps=1e-6, weight_decay=0.01)
+
+
+def bert_equivalence(spec: dict) -> dict:
+    """Outputs, every gradient and the weights after one AdamW step: sharded == unsharded."""
+    mesh = pool_mesh(tp=spec["tp"])
+    dtype = DTYPES[spec["dtype"]]
+    ref = make_model(spec)
+    if spec.get("meta"):
+        with torch.device("meta"):
+            model = make_model(spec)
+        shardlib.shard(model, mesh, gather_logits=True)
+        assert all(p.device.type == "meta" for p in model.parameters())
+        shardlib.load_full_state_dict(model, ref.state_dict())
+    else:
+        model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True)
+    batch = cast_batch(make_batch(spec, ref.config), dtype)
+    out_ref, out = ref(**batch), model(**batch)
+    compared = {"outputs": 0, "grads": 0, "weights": 0}
+    assert set(out_ref.keys()) == set(out.keys()), (out_ref.keys(), out.keys())
+    for key, value in out_ref.items():
+        if torch.is_tensor(value):
+            _close(f"output {key}", out[key], value, dtype)
+            compared["outputs"] += 1
+    scalar_objective(out_ref).backward()
+    scalar_objective(out).backward()
+    grads = shardlib.full_state_dict(model, grads=True)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
+    for name, g in ref_grads.items():
+        _close(f"grad {name}", grads[name], g, dtype)
+        compared["grads"] += 1
+    for m in (ref, model):
+        _adamw(m.parameters()).step()
+    weights = shardlib.full_state_dict(model)
+    for name, p in ref.named_parameters():
+        _close(f"weight after AdamW {name}", weights[name], p.detach(), dtype)
+        compared["weights"] += 1
+    return compared
+
+
+def bert_collective_counts(spec: dict) -> dict:
+    """Collectives per forward and per backward, by op name."""
+    mesh = pool_mesh(tp=spec["tp"])
+    model = shardlib.shard(make_model(spec), mesh)
+    batch = make_batch(spec, model.config)
+    with CommDebugMode() as fwd:
+        out = model(**batch)
+    with CommDebugMode() as bwd:
+        scalar_objective(out).backward()
+    name = lambda op: str(op).split(".")[-1]  # noqa: E731
+    return {"forward": {name(k): v for k, v in fwd.get_comm_counts().items()},
+            "backward": {name(k): v for k, v in bwd.get_comm_counts().items()},
+            "logits_last_dim": out.logits.shape[-1] if "logits" in out else None}
+
+
+def _gathered_copies(t: torch.Tensor, group) -> list[torch.Tensor]:
+    copies = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(copies, t.contiguous(), group=group)
+    return copies
+
+
+def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dict:
+    """Train with dropout; replicated parameters stay bitwise identical across the TP group, sharded-activation
+    dropout draws differ across TP ranks, replicated-activation dropout draws agree."""
+    mesh = pool_mesh(tp=spec["tp"])
+    group = mesh.tp_group
+    torch.manual_seed(spec["seed"])
+    model = make_model(spec)
+    tracker = shardlib.manual_seed(spec["seed"], mesh)
+    shardlib.shard(model, mesh, rng_tracker=tracker)
+    model.train()
+    opt = _adamw(model.parameters())
+    losses = []
+    for step in range(steps):
+        batch = make_batch({**spec, "seed": spec["seed"] + step}, model.config)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    checked = 0
+    for name, p, layout in shardlib.named_layouts(model):
+        if layout.is_sharded:
+            continue
+        copies = _gathered_copies(p.detach(), group)
+        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across TP ranks"
+        checked += 1
+    with tracker.fork():
+        sharded_draw = torch.rand(64)
+    replicated_draw = torch.rand(64)
+    sharded_copies = _gathered_copies(sharded_draw, group)
+    replicated_copies = _gathered_copies(replicated_draw, group)
+    assert all(not torch.equal(sharded_copies[0], c) for c in sharded_copies[1:]), "TP stream identical across ranks"
+    assert all(torch.equal(replicated_copies[0], c) for c in replicated_copies[1:]), "default stream differs"
+    return {"replicated_checked": checked, "losses": losses}
+
+
+def divergent_inputs_are_caught(spec: dict) -> str:
+    mesh = pool_mesh(tp=spec["tp"])
+    model = shardlib.shard(make_model(spec), mesh, check_replicated_inputs=True)
+    batch = make_batch(spec, model.config)
+    model(**batch)  # identical inputs pass
+    batch["input_ids"] = (batch["input_ids"] + mesh.tp_rank) % model.config.vocab_size
+    try:
+        model(**batch)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError("divergent inputs were not detected")
+
+
+def sharded_logits_with_labels(spec: dict) -> dict:
+    """With labels and default gather_logits, logits stay vocab-sharded and the loss equals the unsharded one."""
+    mesh = pool_mesh(tp=spec["tp"])
+    ref = make_model(spec)
+    model = shardlib.shard(copy.deepcopy(ref), mesh)
+    batch = make_batch(spec, ref.config)
+    out, out_ref = model(**batch), ref(**batch)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=2e-5, atol=2e-6)
+    head = model.get_submodule(model._shardlib.plan.loss.head)
+    local = out.logits[..., : head.valid_out_features]
+    expected = out_ref.logits[..., head.vocab_start : head.vocab_start + head.valid_out_features]
+    torch.testing.assert_close(local, expected, rtol=2e-5, atol=2e-6)
+    return {"local_vocab": out.logits.shape[-1], "valid": head.valid_out_features}
