@@ -147,8 +147,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, valid, group, ignore_index):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
+    def forward(ctx, logits, target, vocab_start, valid, group, ignore_index, dtype):
         z = logits.to(dtype)
         if valid < z.shape[-1]:
             z = z.clone()
@@ -180,7 +179,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= hit.to(grad.dtype)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -191,9 +190,12 @@ def vocab_parallel_cross_entropy(
     valid: int,
     group: Group | None,
     ignore_index: int = -100,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per-token loss (shape of ``target``) of logits [*, V_local] holding global vocab columns
-    ``[vocab_start, vocab_start + valid)`` in their first ``valid`` columns. Ignored targets give 0."""
+    ``[vocab_start, vocab_start + valid)`` in their first ``valid`` columns. Ignored targets give 0.
+    Computed in ``dtype`` (default: the logits' dtype promoted to at least float32)."""
+    dtype = dtype or torch.promote_types(logits.dtype, torch.float32)
     flat = logits.reshape(-1, logits.shape[-1])
-    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), vocab_start, valid, group, ignore_index)
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), vocab_start, valid, group, ignore_index, dtype)
     return loss.view(target.shape)

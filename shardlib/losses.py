@@ -4,9 +4,10 @@ The sharded model's forward takes the label arguments (``LossSpec.labels``) out 
 without them (so HF never sees the vocab-sharded logits), then computes the loss with
 :func:`shardlib.layers.vocab_parallel_cross_entropy` exactly as HF defines it for that head:
 
-* ``masked_lm``: mean cross-entropy over targets != -100 (``nn.CrossEntropyLoss()``), as in BertForMaskedLM;
+* ``masked_lm``: mean cross-entropy over targets != -100 (``nn.CrossEntropyLoss()``), as in BertForMaskedLM,
+  computed in at least float32 and returned in the logits' dtype;
 * ``causal_lm``: labels shifted left by one, then the mean over targets != -100, or the sum divided by
-  ``num_items_in_batch`` when that keyword is given (transformers' ``ForCausalLMLoss``);
+  ``num_items_in_batch`` when that keyword is given, in float32 (transformers' ``ForCausalLMLoss``);
 * ``pretraining``: ``masked_lm`` + the next-sentence cross-entropy, only when both label sets are given.
 
 Logits in the returned output: with ``gather_logits=None`` (default) they are gathered to the full vocabulary
@@ -28,10 +29,10 @@ from .layers import vocab_parallel_cross_entropy
 IGNORE_INDEX = -100
 
 
-def _token_losses(logits, labels, head):
+def _token_losses(logits, labels, head, dtype=None):
     return vocab_parallel_cross_entropy(
         logits, labels.to(logits.device), vocab_start=head.vocab_start, valid=head.valid_out_features,
-        group=head.group, ignore_index=IGNORE_INDEX,
+        group=head.group, ignore_index=IGNORE_INDEX, dtype=dtype,
     )
 
 
@@ -43,7 +44,8 @@ def masked_lm_loss(out, spec, labels, head, extra):
     lm_labels = labels["labels"]
     if lm_labels is None:
         return None
-    return _mean_over_targets(_token_losses(out[spec.logits], lm_labels, head), lm_labels)
+    logits = out[spec.logits]
+    return _mean_over_targets(_token_losses(logits, lm_labels, head), lm_labels).to(logits.dtype)
 
 
 def causal_lm_loss(out, spec, labels, head, extra):
@@ -51,7 +53,7 @@ def causal_lm_loss(out, spec, labels, head, extra):
     if lm_labels is None:
         return None
     shifted = F.pad(lm_labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
-    per_token = _token_losses(out[spec.logits], shifted, head)
+    per_token = _token_losses(out[spec.logits], shifted, head, dtype=torch.float32)  # HF upcasts with .float()
     num_items = extra.get("num_items_in_batch")
     if num_items is None:
         return _mean_over_targets(per_token, shifted)
@@ -64,7 +66,8 @@ def pretraining_loss(out, spec, labels, head, extra):
     lm_labels, nsp_labels = labels["labels"], labels["next_sentence_label"]
     if lm_labels is None or nsp_labels is None:
         return None
-    mlm = _mean_over_targets(_token_losses(out[spec.logits], lm_labels, head), lm_labels)
+    logits = out[spec.logits]
+    mlm = _mean_over_targets(_token_losses(logits, lm_labels, head), lm_labels).to(logits.dtype)
     nsp_logits = out["seq_relationship_logits"]
     return mlm + F.cross_entropy(nsp_logits.view(-1, nsp_logits.shape[-1]), nsp_labels.view(-1))
 

@@ -47,7 +47,7 @@ def make_batch(spec: dict, config: BertConfig) -> dict:
     if not spec.get("labels", True):
         return batch
     token_labels = torch.where(torch.rand(shape, generator=g) < 0.3, torch.full(shape, -100), ids)
-    token_labels[..., 0] = ids[..., 0]  # at least one target per row, so the mean is defined
+    token_labels[..., :2] = ids[..., :2]  # a target per row even after the causal shift: the mean is defined
     cls = spec["cls"]
     if cls in ("BertForMaskedLM", "BertLMHeadModel"):
         batch["labels"] = token_labels

@@ -59,7 +59,8 @@ def mesh(dp=None, pp=1, tp=1):
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                      TRANSFORMERS_VERBOSITY="error")
     import torch
     import torch.distributed as dist
 
