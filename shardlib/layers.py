@@ -29,7 +29,26 @@ def _new_param(local: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=like.requires_grad)
 
 
-class ColumnParallelLinear(nn.Linear):
+class _TPModule:
+    """Shared by the parallel layers: the group, and this rank's place in it.
+
+    ``tp_size`` / ``tp_rank`` default to the group's. Passing them with ``group=None`` shards *offline* (plans,
+    meta-device inspection, checkpoint conversion): such a module has the right local shapes but refuses to run.
+    """
+
+    def _init_tp(self, group: Group | None, tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
+        self.group = group
+        self.tp_size = group_size(group) if tp_size is None else tp_size
+        self.tp_rank = group_rank(group) if tp_rank is None else tp_rank
+        return self.tp_size, self.tp_rank
+
+    def _check_runnable(self) -> None:
+        if self.group is None and self.tp_size > 1:
+            raise RuntimeError(f"{type(self).__name__} was sharded {self.tp_size}-way without a process group; "
+                               "it can be inspected and loaded but not run")
+
+
+class ColumnParallelLinear(_TPModule, nn.Linear):
     """Linear with its output features split over the TP group (see module docstring for the math).
 
     ``copy_input``: enter the TP region here (forward identity, backward all-reduce of the input gradient). Turn it
@@ -37,13 +56,14 @@ class ColumnParallelLinear(nn.Linear):
     ``gather_output``: all-gather the output features (padding stripped), else return this rank's slice.
     """
 
-    def __init__(self, linear: nn.Linear, group: Group | None, *, copy_input=True, gather_output=False, pad=False):
+    def __init__(self, linear: nn.Linear, group: Group | None, *, copy_input=True, gather_output=False, pad=False,
+                 tp_size: int | None = None, tp_rank: int | None = None):
         nn.Module.__init__(self)
-        n, r = group_size(group), group_rank(group)
+        n, r = self._init_tp(group, tp_size, tp_rank)
         out_features, in_features = linear.weight.shape
         if out_features % n and not pad:
             raise ValueError(f"out_features {out_features} is not divisible by tp={n}")
-        self.group, self.copy_input, self.gather_output = group, copy_input, gather_output
+        self.copy_input, self.gather_output = copy_input, gather_output
         self.global_out_features = out_features
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=0, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
@@ -59,6 +79,7 @@ class ColumnParallelLinear(nn.Linear):
         self.valid_out_features = vocab_stop - self.vocab_start  # real (non-padding) output features here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_runnable()
         if self.copy_input:
             x = copy_to_tp(x, self.group)
         y = F.linear(x, self.weight, self.bias)
@@ -73,16 +94,16 @@ class ColumnParallelLinear(nn.Linear):
         )
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_TPModule, nn.Linear):
     """Linear with its input features split over the TP group; the output is all-reduced (bias added after)."""
 
-    def __init__(self, linear: nn.Linear, group: Group | None):
+    def __init__(self, linear: nn.Linear, group: Group | None, *, tp_size: int | None = None,
+                 tp_rank: int | None = None):
         nn.Module.__init__(self)
-        n, r = group_size(group), group_rank(group)
+        n, r = self._init_tp(group, tp_size, tp_rank)
         out_features, in_features = linear.weight.shape
         if in_features % n:
             raise ValueError(f"in_features {in_features} is not divisible by tp={n}")
-        self.group = group
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=1, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
         set_layout(self, "weight", w_layout)
@@ -93,24 +114,25 @@ class RowParallelLinear(nn.Linear):
         self.out_features, self.in_features = self.weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_runnable()
         y = reduce_from_tp(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features} (global {self.in_features * group_size(self.group)}), " \
+        return f"in_features={self.in_features} (global {self.in_features * self.tp_size}), " \
                f"out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(_TPModule, nn.Embedding):
     """Embedding table split along the vocabulary (padded to a multiple of the TP size)."""
 
-    def __init__(self, embedding: nn.Embedding, group: Group | None):
+    def __init__(self, embedding: nn.Embedding, group: Group | None, *, tp_size: int | None = None,
+                 tp_rank: int | None = None):
         nn.Module.__init__(self)
         for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
             if getattr(embedding, attr):
                 raise ValueError(f"VocabParallelEmbedding does not support {attr}={getattr(embedding, attr)!r}")
-        n, r = group_size(group), group_rank(group)
-        self.group = group
+        n, r = self._init_tp(group, tp_size, tp_rank)
         layout = Layout(tuple(embedding.weight.shape), shard_dim=0, num_shards=n)
         self.weight = _new_param(layout.shard(embedding.weight.detach(), r), embedding.weight)
         set_layout(self, "weight", layout)
@@ -123,7 +145,8 @@ class VocabParallelEmbedding(nn.Embedding):
         self.padding_idx = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_stop else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if group_size(self.group) == 1:
+        self._check_runnable()
+        if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)

@@ -46,13 +46,18 @@ class Plan:
 
 @lru_cache(maxsize=None)
 def compile_pattern(pattern: str) -> re.Pattern:
-    atoms = []
-    for atom in pattern.split("."):
+    atoms = pattern.split(".")
+    regex = ""
+    for i, atom in enumerate(atoms):
         if atom == "**":
-            atoms.append(r"(?:[^.]+(?:\.[^.]+)*)?")
-        else:
-            atoms.append(re.escape(atom).replace(r"\*", r"[^.]+"))
-    regex = r"\.".join(atoms).replace(r"(?:[^.]+(?:\.[^.]+)*)?\.", r"(?:[^.]+\.)*")
+            if i == len(atoms) - 1:
+                regex += r"(?:\.[^.]+)*" if i else r".*"
+            else:
+                regex += (r"\." if i else "") + r"(?:[^.]+\.)*"
+            continue
+        if i and atoms[i - 1] != "**":
+            regex += r"\."
+        regex += re.escape(atom).replace(r"\*", r"[^.]+")
     return re.compile(regex)
 
 

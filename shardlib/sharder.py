@@ -216,7 +216,7 @@ def shard(
         rng_tracker.add("tensor-parallel", torch.initial_seed() + TP_SEED_OFFSET + mesh.tp_rank)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
     report.unsharded_bytes = _unique_param_bytes(model)
-    ctx = ShardContext(group=group, tp=tp, rng_tracker=rng_tracker)
+    ctx = ShardContext(group=group, tp=tp, rank=mesh.tp_rank, rng_tracker=rng_tracker)
     for path, styles in assigned.items():
         module = model.get_submodule(path)
         for style in styles:

@@ -23,7 +23,12 @@ class ShardContext:
 
     group: Group | None
     tp: int
+    rank: int = 0
     rng_tracker: object | None = None
+
+    @property
+    def tp_args(self) -> dict:
+        return {"tp_size": self.tp, "tp_rank": self.rank}
 
 
 class Style:
@@ -54,7 +59,8 @@ class ColwiseParallel(Style):
         return problems
 
     def apply(self, path, module, ctx):
-        return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output)
+        return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output,
+                                    **ctx.tp_args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +74,7 @@ class RowwiseParallel(Style):
         return problems
 
     def apply(self, path, module, ctx):
-        return RowParallelLinear(module, ctx.group)
+        return RowParallelLinear(module, ctx.group, **ctx.tp_args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +92,9 @@ class VocabParallel(Style):
 
     def apply(self, path, module, ctx):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding(module, ctx.group)
-        return ColumnParallelLinear(module, ctx.group, copy_input=True, gather_output=self.gather_output, pad=True)
+            return VocabParallelEmbedding(module, ctx.group, **ctx.tp_args)
+        return ColumnParallelLinear(module, ctx.group, copy_input=True, gather_output=self.gather_output, pad=True,
+                                    **ctx.tp_args)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ def make_batch(spec: dict, config: BertConfig) -> dict:
     lengths = torch.randint(1, s + 1, shape[:-1], generator=g) if spec.get("padding", True) else torch.full(shape[:-1], s)
     mask = (torch.arange(s) < lengths.unsqueeze(-1)).long()
     batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.randint(0, 2, shape, generator=g)}
+    if spec["cls"] == "BertLMHeadModel" and config.add_cross_attention:
+        enc_len = spec.get("enc_seq", s)
+        batch["encoder_hidden_states"] = torch.randn(b, enc_len, config.hidden_size, generator=g)
+        batch["encoder_attention_mask"] = (torch.arange(enc_len) < torch.randint(1, enc_len + 1, (b, 1), generator=g)).long()
     if not spec.get("labels", True):
         return batch
     token_labels = torch.where(torch.rand(shape, generator=g) < 0.3, torch.full(shape, -100), ids)
@@ -65,10 +69,6 @@ def make_batch(spec: dict, config: BertConfig) -> dict:
     elif cls == "BertForQuestionAnswering":
         batch["start_positions"] = torch.randint(0, s, (b,), generator=g)
         batch["end_positions"] = torch.randint(0, s, (b,), generator=g)
-    if cls == "BertLMHeadModel" and config.add_cross_attention:
-        enc_len = spec.get("enc_seq", s)
-        batch["encoder_hidden_states"] = torch.randn(b, enc_len, config.hidden_size, generator=g)
-        batch["encoder_attention_mask"] = (torch.arange(enc_len) < torch.randint(1, enc_len + 1, (b, 1), generator=g)).long()
     return batch
 
 

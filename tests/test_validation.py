@@ -1,0 +1,191 @@
+"""Single-process tests: plan validation errors (the model is left untouched), mesh arithmetic, layouts,
+pattern matching, the vocab-parallel cross-entropy at tp=1."""
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2Model
+
+import shardlib
+from shardlib.layers import vocab_parallel_cross_entropy
+from shardlib.mesh import MeshError, _resolve_sizes
+from shardlib.plan import Plan, match_modules
+from shardlib.policies import policy_for
+from shardlib.styles import ColwiseParallel, RowwiseParallel
+
+
+@dataclass
+class FakeMesh:
+    """Enough of a Mesh for paths that must fail before any communication."""
+
+    tp: int
+    tp_group: object = None
+    tp_rank: int = 0
+
+
+def tiny_bert(cls=BertForMaskedLM, **overrides):
+    cfg = dict(vocab_size=50, hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=36,
+               max_position_embeddings=16)
+    torch.manual_seed(0)
+    return cls(BertConfig(**{**cfg, **overrides}))
+
+
+def assert_untouched(before, after):
+    assert [type(m) for m in before.modules()] == [type(m) for m in after.modules()]
+    sd_b, sd_a = before.state_dict(), after.state_dict()
+    assert sd_b.keys() == sd_a.keys() and all(torch.equal(sd_b[k], sd_a[k]) for k in sd_b)
+    assert type(after) is type(before) and not hasattr(after, "_shardlib")
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, expected",
+    [
+        ({}, 4, "num_attention_heads = 6 is not divisible by tp=4"),
+        ({"intermediate_size": 30}, 4, "intermediate.dense: out_features 30 is not divisible by tp=4"),
+        ({"intermediate_size": 30}, 4, "layer.1.output.dense: in_features 30 is not divisible by tp=4"),
+        ({"num_attention_heads": 4, "hidden_size": 24, "intermediate_size": 30}, 4, "bert.encoder.layer.1.intermediate"),
+    ],
+)
+def test_indivisible_sizes_are_refused_and_model_untouched(overrides, tp, expected):
+    model = tiny_bert(**overrides)
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError) as err:
+        shardlib.shard(model, FakeMesh(tp=tp))
+    assert expected in str(err.value)
+    assert "BertForMaskedLM" in str(err.value) and "tp=4" in str(err.value)
+    assert_untouched(before, model)
+
+
+def test_unknown_model_class_names_it_and_the_supported_ones():
+    model = GPT2Model(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10))
+    with pytest.raises(shardlib.PlanError, match=r"no shardlib policy for model class GPT2Model; supported: .*BertModel"):
+        shardlib.shard(model, FakeMesh(tp=2))
+
+
+def test_pattern_matching_nothing_is_an_error():
+    policy = policy_for(tiny_bert())
+    bad = type(policy)(name="bad", model_classes=(), make_plan=lambda m, tp: Plan(
+        styles={"bert.encoder.layers.*.attention.self.query": ColwiseParallel()}))
+    model = tiny_bert()
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError, match=r"pattern 'bert.encoder.layers.\*.attention.self.query' matches no module"):
+        shardlib.shard(model, FakeMesh(tp=2), policy=bad)
+    assert_untouched(before, model)
+
+
+def test_style_on_wrong_module_type_is_an_error():
+    policy = policy_for(tiny_bert())
+    bad = type(policy)(name="bad", model_classes=(), make_plan=lambda m, tp: Plan(
+        styles={"bert.embeddings.LayerNorm": RowwiseParallel()}))
+    with pytest.raises(shardlib.PlanError, match="bert.embeddings.LayerNorm: RowwiseParallel applies to Linear, found LayerNorm"):
+        shardlib.shard(tiny_bert(), FakeMesh(tp=2), policy=bad)
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(shardlib.PlanError) as err:
+        shardlib.shard(tiny_bert(num_attention_heads=3, hidden_size=24, intermediate_size=30), FakeMesh(tp=4))
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) >= 2 * 3  # every layer: heads, all_head_size, intermediate out, output in (and q/k/v)
+
+
+def test_mesh_arithmetic_errors():
+    assert _resolve_sizes(8, None, 2, 2) == (2, 2, 2)
+    with pytest.raises(MeshError, match=r"dp\(2\) \* pp\(2\) \* tp\(2\) = 8 != WORLD_SIZE 4"):
+        _resolve_sizes(4, 2, 2, 2)
+    with pytest.raises(MeshError, match=r"pp\(1\) \* tp\(3\) = 3 does not divide WORLD_SIZE 4"):
+        _resolve_sizes(4, None, 1, 3)
+    with pytest.raises(MeshError, match="tp must be a positive integer"):
+        _resolve_sizes(4, None, 1, 0)
+
+
+def test_init_mesh_without_launcher_says_how_to_launch(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(MeshError, match="shardlib run --nproc N"):
+        shardlib.init_mesh(tp=2)
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.data())
+def test_layout_shard_unshard_roundtrip(shape, data):
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    n = data.draw(st.integers(1, 5))
+    layout = shardlib.Layout(tuple(shape), shard_dim=dim, num_shards=n)
+    full = torch.randn(shape)
+    pieces = [layout.shard(full, r) for r in range(n)]
+    assert all(tuple(p.shape) == layout.local_shape for p in pieces)
+    assert torch.equal(layout.unshard(pieces), full)
+    assert sum(layout.valid_range(r)[1] - layout.valid_range(r)[0] for r in range(n)) == shape[dim]
+    assert layout.padded_size % n == 0 and 0 <= layout.padding < n
+
+
+def test_vocab_30522_at_tp4_layout():
+    layout = shardlib.Layout((30522, 768), shard_dim=0, num_shards=4)
+    assert layout.local_shape == (7631, 768) and layout.padding == 2
+    assert layout.valid_range(3) == (22893, 30522)
+
+
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3), st.data())
+def test_vocab_parallel_cross_entropy_single_rank_matches_torch(vocab, n_tokens, pad, data):
+    logits = torch.randn(n_tokens, vocab + pad, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor(data.draw(st.lists(st.sampled_from([-100, *range(vocab)]), min_size=n_tokens,
+                                            max_size=n_tokens)))
+    loss = vocab_parallel_cross_entropy(logits, target, vocab_start=0, valid=vocab, group=None)
+    ref = F.cross_entropy(logits[:, :vocab], target, reduction="none")
+    torch.testing.assert_close(loss, ref)
+    w = torch.randn(n_tokens, dtype=torch.float64)
+    (g,) = torch.autograd.grad((loss * w).sum(), logits)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), logits)
+    torch.testing.assert_close(g, g_ref)
+    assert torch.all(g[:, vocab:] == 0)
+
+
+@pytest.mark.parametrize(
+    "pattern, expected",
+    [
+        ("a.*.c", ["a.1.c", "a.22.c"]),
+        ("a.**", ["a", "a.1", "a.1.c", "a.22", "a.22.c", "a.22.c.d"]),
+        ("**.c", ["a.1.c", "a.22.c", "ab.1.c"]),
+        ("a.1", ["a.1"]),
+        ("a.**.d", ["a.22.c.d"]),
+        ("a.**.c", ["a.1.c", "a.22.c"]),
+    ],
+)
+def test_pattern_matching(pattern, expected):
+    paths = ["", "a", "a.1", "a.1.c", "a.22", "a.22.c", "a.22.c.d", "ab.1.c"]
+    assert match_modules(pattern, paths) == expected
+
+
+def test_tp1_shard_in_one_process_is_identity_numerically():
+    """tp=1 needs no process group at all: every collective returns early."""
+    model = tiny_bert().eval()
+    ref = copy.deepcopy(model)
+    shardlib.shard(model, FakeMesh(tp=1))
+    ids = torch.randint(0, 50, (2, 5))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+    report = str(shardlib.report(model))
+    assert "VocabParallel" in report and "parameter bytes per rank" in report
+
+
+def test_sharding_twice_is_refused():
+    model = tiny_bert(BertModel)
+    shardlib.shard(model, FakeMesh(tp=1))
+    with pytest.raises(shardlib.PlanError, match="already sharded"):
+        shardlib.shard(model, FakeMesh(tp=1))
+
+
+def test_meta_model_shards_without_allocating():
+    with torch.device("meta"):
+        model = BertForMaskedLM(BertConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=2,
+                                           num_attention_heads=12, intermediate_size=3072))
+    shardlib.shard(model, FakeMesh(tp=4))  # no group is touched: construction only slices meta tensors
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.bert.embeddings.word_embeddings.weight.shape == (7631, 768)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.bert.encoder.layer[0].intermediate.dense.weight.shape == (768, 768)
+    r = shardlib.report(model)
+    assert r.local_bytes < 0.3 * r.unsharded_bytes
