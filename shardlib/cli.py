@@ -10,6 +10,7 @@ script goes to torchrun unchanged.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -19,6 +20,7 @@ def run(nproc: int, script: str, script_args: list[str], nnodes: str = "1", node
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank unless told otherwise
     args = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", "0"]
     if nnodes == "1" and rdzv_endpoint is None:
         args.append("--standalone")

@@ -8,7 +8,7 @@ from harness import RankPool, ensure_importable
 ensure_importable()
 
 # "ci": the profile .ci/run selects; hundreds of examples across the property tests within the time budget.
-settings.register_profile("ci", max_examples=120, deadline=None, derandomize=True, print_blob=True,
+settings.register_profile("ci", max_examples=400, deadline=None, derandomize=True, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow], database=None)
 settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
