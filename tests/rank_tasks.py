@@ -17,6 +17,8 @@ above atol, so a wrong update cannot pass.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -51,9 +53,14 @@ def bert_equivalence(spec: dict) -> dict:
     else:
         model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True)
     batch = cast_batch(make_batch(spec, ref.config), dtype)
-    out_ref, out = ref(**batch), model(**batch)
     if spec["cls"] == "BertLMHeadModel":
         dtype = torch.float32  # HF's causal-LM loss runs in float32 (logits.float()), so gradients have fp32 noise
+    return compare_training_step(ref, model, batch, dtype)
+
+
+def compare_training_step(ref, model, batch, dtype) -> dict:
+    """Run both models on ``batch``; check outputs, every gathered gradient and every weight after AdamW."""
+    out_ref, out = ref(**batch), model(**batch)
     compared = {"outputs": 0, "grads": 0, "weights": 0}
     assert set(out_ref.keys()) == set(out.keys()), (out_ref.keys(), out.keys())
     for key, value in out_ref.items():
@@ -75,6 +82,26 @@ def bert_equivalence(spec: dict) -> dict:
         _close(f"weight after AdamW {name}", weights[name], p.detach(), dtype)
         compared["weights"] += 1
     return compared
+
+
+def roberta_example_equivalence(spec: dict) -> dict:
+    """The RoBERTa policy of examples/roberta_policy.py (the policy-authoring guide's worked example)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import roberta_policy
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    mesh = pool_mesh(tp=spec["tp"])
+    config = RobertaConfig(vocab_size=spec["vocab"], hidden_size=8 * spec["tp"], num_hidden_layers=2,
+                           num_attention_heads=2 * spec["tp"], intermediate_size=12 * spec["tp"],
+                           max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(spec["seed"])
+    ref = RobertaForMaskedLM(config)
+    model = shardlib.shard(copy.deepcopy(ref), mesh, policy=roberta_policy.POLICY, gather_logits=True)
+    g = torch.Generator().manual_seed(spec["seed"])
+    ids = torch.randint(3, spec["vocab"], (2, 7), generator=g)
+    labels = torch.where(torch.rand(2, 7, generator=g) < 0.5, ids, -100)
+    labels[:, 0] = ids[:, 0]
+    return compare_training_step(ref, model, {"input_ids": ids, "labels": labels}, torch.float32)
 
 
 def bert_collective_counts(spec: dict) -> dict:

@@ -1,0 +1,34 @@
+"""A policy for a new architecture written as data: RoBERTa (the worked example of docs/policy-authoring.md).
+
+    import shardlib, roberta_policy
+    model = shardlib.shard(RobertaForMaskedLM(config), mesh, policy=roberta_policy.POLICY)
+
+Proven equal to the unsharded model by tests/test_policy_example.py.
+"""
+
+from transformers import RobertaForMaskedLM, RobertaModel
+
+from shardlib import ColwiseParallel, CopyInputs, LocalRNG, LossSpec, Plan, RowwiseParallel, VocabParallel
+from shardlib.policies import Policy
+
+
+def roberta_plan(model, tp: int) -> Plan:
+    base = "" if isinstance(model, RobertaModel) else "roberta."
+    layer = f"{base}encoder.layer.*"
+    styles = {
+        f"{base}embeddings.word_embeddings": VocabParallel(),
+        f"{layer}.attention.self": (CopyInputs("hidden_states"), LocalRNG()),
+        **{f"{layer}.attention.self.{n}": ColwiseParallel(copy_input=False) for n in ("query", "key", "value")},
+        f"{layer}.attention.output.dense": RowwiseParallel(),
+        f"{layer}.intermediate.dense": ColwiseParallel(),
+        f"{layer}.output.dense": RowwiseParallel(),
+    }
+    loss = None
+    if isinstance(model, RobertaForMaskedLM):
+        loss = LossSpec(kind="masked_lm", head="lm_head.decoder")
+        styles["lm_head.decoder"] = VocabParallel()
+    return Plan(styles=styles, divide_by_tp={f"{layer}.attention.self": ("num_attention_heads", "all_head_size")},
+                trunk=(f"{base}encoder.layer",), loss=loss)
+
+
+POLICY = Policy(name="roberta", model_classes=(RobertaModel, RobertaForMaskedLM), make_plan=roberta_plan)
