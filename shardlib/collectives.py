@@ -97,56 +97,28 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    """forward: keep this rank's chunk along dim, backward: all-gather along dim."""
+def _dim_mapping(name: str, forward_op, backward_op, doc: str) -> type[torch.autograd.Function]:
+    """An autograd Function ``f(x, group, dim)`` running ``forward_op`` forward and ``backward_op`` backward."""
 
-    @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return split(x, dim, group)
+        return forward_op(x, dim, group)
 
-    @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        return backward_op(grad, ctx.dim, ctx.group), None, None
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc})
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """forward: all-gather along dim, backward: keep this rank's chunk along dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToTP(torch.autograd.Function):
-    """forward: reduce-scatter along dim, backward: all-gather along dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _AllGatherFromTP(torch.autograd.Function):
-    """forward: all-gather along dim, backward: reduce-scatter along dim."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+_ScatterToTP = _dim_mapping("_ScatterToTP", split, all_gather,
+                            "forward: keep this rank's chunk along dim, backward: all-gather along dim.")
+_GatherFromTP = _dim_mapping("_GatherFromTP", all_gather, split,
+                             "forward: all-gather along dim, backward: keep this rank's chunk along dim.")
+_ReduceScatterToTP = _dim_mapping("_ReduceScatterToTP", reduce_scatter, all_gather,
+                                  "forward: reduce-scatter along dim, backward: all-gather along dim.")
+_AllGatherFromTP = _dim_mapping("_AllGatherFromTP", all_gather, reduce_scatter,
+                                "forward: all-gather along dim, backward: reduce-scatter along dim.")
 
 
 def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:

@@ -132,7 +132,7 @@ def layout_of(model: nn.Module, name: str) -> Layout:
 
 
 def named_layouts(model: nn.Module, *, buffers: bool = False):
-    """Yield ``(name, tensor, layout)`` for every parameter (and persistent buffers if asked), ties once."""
+    """Yield ``(name, tensor, layout)`` for every parameter (and every buffer if asked); a tied tensor once."""
     items = list(model.named_parameters())
     if buffers:
         items += list(model.named_buffers())

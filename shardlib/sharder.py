@@ -124,7 +124,7 @@ def _resolve(plan: Plan, model: nn.Module, tp: int):
             problems.append(f"{path}: already sharded")
     if plan.loss is not None:
         head = plan.loss.head
-        if not isinstance(next((s for s in assigned.get(head, ()) if isinstance(s, VocabParallel)), None), VocabParallel):
+        if not any(isinstance(s, VocabParallel) for s in assigned.get(head, ())):
             problems.append(f"loss head {head!r} must be styled VocabParallel in the plan")
     order = {path: i for i, path in enumerate(modules)}
     return dict(sorted(assigned.items(), key=lambda kv: order[kv[0]])), attrs, problems
@@ -141,15 +141,22 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
 
 
 def _check_ties(ties, assigned, model) -> list[str]:
+    """Tied holders must agree: one parameter style for all, and no plain Linear / Embedding left to run a
+    sharded tensor as if it were whole. Other unstyled holders (e.g. a head's ``bias`` alias) are re-pointed."""
     problems = []
     for group in ties:
-        styled = {(path, name): assigned[path] for path, name in group if path in assigned}
-        kinds = {
-            type(s).__name__ for styles in styled.values() for s in styles if isinstance(s, _PARAM_STYLES)
-        }
+        names = ", ".join(f"{p}.{n}" for p, n in group)
+        kinds = {type(s).__name__ for p, _ in group for s in assigned.get(p, ()) if isinstance(s, _PARAM_STYLES)}
         if len(kinds) > 1:
-            names = ", ".join(f"{p}.{n}" for p, n in group)
             problems.append(f"tied parameters {names} would get different styles ({', '.join(sorted(kinds))})")
+        if kinds:
+            for path, _ in group:
+                module = model.get_submodule(path)
+                if isinstance(module, (nn.Linear, nn.Embedding)) and not any(
+                    isinstance(s, _PARAM_STYLES) for s in assigned.get(path, ())
+                ):
+                    problems.append(f"{path} shares a parameter with a sharded module ({names}) but has no "
+                                    f"parameter style; give it the same style ({', '.join(sorted(kinds))})")
     return problems
 
 

@@ -8,7 +8,7 @@ changes (``check`` returns a list of problems, each naming the module and the nu
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,6 +43,13 @@ class Style:
             return [f"{path}: {type(self).__name__} applies to {kind.__name__}, found {type(module).__name__}"]
         return []
 
+    def _linear_dim_divides(self, path, module, attr: str, tp: int) -> list[str]:
+        """Problems with splitting ``module.<attr>`` (in_features / out_features of a Linear) tp ways."""
+        problems = self._expect(path, module, nn.Linear)
+        if not problems and getattr(module, attr) % tp:
+            problems.append(f"{path}: {attr} {getattr(module, attr)} is not divisible by tp={tp}")
+        return problems
+
 
 @dataclass(frozen=True, kw_only=True)
 class ColwiseParallel(Style):
@@ -53,10 +60,7 @@ class ColwiseParallel(Style):
     gather_output: bool = False
 
     def check(self, path, module, tp):
-        problems = self._expect(path, module, nn.Linear)
-        if not problems and module.out_features % tp:
-            problems.append(f"{path}: out_features {module.out_features} is not divisible by tp={tp}")
-        return problems
+        return self._linear_dim_divides(path, module, "out_features", tp)
 
     def apply(self, path, module, ctx):
         return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output,
@@ -68,10 +72,7 @@ class RowwiseParallel(Style):
     """nn.Linear -> RowParallelLinear: input features split (input already sharded), output all-reduced."""
 
     def check(self, path, module, tp):
-        problems = self._expect(path, module, nn.Linear)
-        if not problems and module.in_features % tp:
-            problems.append(f"{path}: in_features {module.in_features} is not divisible by tp={tp}")
-        return problems
+        return self._linear_dim_divides(path, module, "in_features", tp)
 
     def apply(self, path, module, ctx):
         return RowParallelLinear(module, ctx.group, **ctx.tp_args)
@@ -170,4 +171,3 @@ def style_name(style: Style) -> str:
 __all__ = [
     "ShardContext", "Style", "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG",
 ]
-_ = field  # keep dataclasses.field importable for policy authors extending styles

@@ -189,3 +189,22 @@ def test_meta_model_shards_without_allocating():
     assert model.bert.encoder.layer[0].intermediate.dense.weight.shape == (768, 768)
     r = shardlib.report(model)
     assert r.local_bytes < 0.3 * r.unsharded_bytes
+
+
+def test_tied_module_left_replicated_is_refused():
+    """A plan that shards the word embedding but forgets the tied LM decoder would run the decoder on a shard."""
+    policy = policy_for(tiny_bert())
+    base_plan = policy.plan(tiny_bert(), 2)
+    styles = {k: v for k, v in base_plan.styles.items() if k != "cls.predictions.decoder"}
+    bad = type(policy)(name="bad", model_classes=(), make_plan=lambda m, tp: Plan(styles=styles))
+    model = tiny_bert()
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError, match="cls.predictions.decoder shares a parameter with a sharded module"):
+        shardlib.shard(model, FakeMesh(tp=2), policy=bad)
+    assert_untouched(before, model)
+
+
+def test_untied_embeddings_shard_separately():
+    model = tiny_bert(tie_word_embeddings=False)
+    shardlib.shard(model, FakeMesh(tp=1))
+    assert model.cls.predictions.decoder.weight is not model.bert.embeddings.word_embeddings.weight
