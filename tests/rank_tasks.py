@@ -187,3 +187,39 @@ def sharded_logits_with_labels(spec: dict) -> dict:
     expected = out_ref.logits[..., head.vocab_start : head.vocab_start + head.valid_out_features]
     torch.testing.assert_close(local, expected, rtol=2e-5, atol=2e-6)
     return {"local_vocab": out.logits.shape[-1], "valid": head.valid_out_features}
+
+
+def collective_mappings(spec: dict) -> int:
+    """Each Megatron mapping's forward and backward against the math in its docstring, on random data."""
+    from shardlib import collectives as C
+
+    mesh = pool_mesh(tp=spec["tp"])
+    group, n, r = mesh.tp_group, mesh.tp, mesh.tp_rank
+    g = torch.Generator().manual_seed(spec["seed"])
+    shape = (2, 4 * n, 3)
+    # per-rank inputs and upstream gradients: rank k's tensors are the k-th of these, every rank knows them all
+    xs = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n)]
+    gs = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n)]
+    chunk = lambda t, k, dim=1: t.chunk(n, dim=dim)[k]  # noqa: E731
+    checked = 0
+
+    def check(fn, grad_shape_from, expect_out, expect_grad):
+        nonlocal checked
+        x = xs[r].clone().requires_grad_(True)
+        y = fn(x)
+        torch.testing.assert_close(y, expect_out, msg=lambda m: f"{fn}: forward {m}")
+        y.backward(grad_shape_from[r] if grad_shape_from[r].shape == y.shape else chunk(grad_shape_from[r], r))
+        torch.testing.assert_close(x.grad, expect_grad, msg=lambda m: f"{fn}: backward {m}")
+        checked += 1
+
+    total = lambda ts: sum(ts)  # noqa: E731
+    check(lambda x: C.copy_to_tp(x, group), gs, xs[r], total(gs))
+    check(lambda x: C.reduce_from_tp(x, group), gs, total(xs), gs[r])
+    small_gs = [chunk(t, k) for k, t in enumerate(gs)]
+    check(lambda x: C.scatter_to_tp(x, group, 1), small_gs, chunk(xs[r], r),
+          torch.cat(small_gs, dim=1))
+    full_gs = [torch.cat([t] * n, dim=1) for t in gs]
+    check(lambda x: C.gather_from_tp(x, group, 1), full_gs, torch.cat(xs, dim=1), chunk(full_gs[r], r))
+    check(lambda x: C.reduce_scatter_to_tp(x, group, 1), small_gs, chunk(total(xs), r), torch.cat(small_gs, dim=1))
+    check(lambda x: C.all_gather_from_tp(x, group, 1), full_gs, torch.cat(xs, dim=1), chunk(total(full_gs), r))
+    return checked

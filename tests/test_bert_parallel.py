@@ -60,3 +60,8 @@ def test_dropout_keeps_replicated_parameters_identical(pool, tp):
 def test_divergent_inputs_across_tp_ranks_are_caught(pool):
     messages = pool.run(rank_tasks.divergent_inputs_are_caught, _spec("BertForMaskedLM", 2, 1))
     assert all("input_ids" in m and "differ across the tensor-parallel group" in m for m in messages)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_collective_mappings_forward_and_backward(pool, tp):
+    assert pool.run(rank_tasks.collective_mappings, {"tp": tp, "seed": tp}) == [6] * 4
