@@ -5,8 +5,9 @@ What is measured
 Forward + backward tokens/s of a ``transformers.BertModel`` (the bare encoder with pooler; no optimizer step) on a
 batch of 8 x 128 token ids (full attention mask, dropout 0, fp32, model in ``train()`` mode). The loss is
 ``last_hidden_state.float().pow(2).mean()`` in every mode, and every mode starts from the same random weights
-(``torch.manual_seed(seed); BertModel(config)``), so the arithmetic is identical; the first-step loss of each
-mode is printed as a check. Three modes, run one after another (never two at once: the machine has 2 cores):
+(``torch.manual_seed(seed); BertModel(config)``), so the arithmetic is identical. That loss is ~1 whatever the
+weights (it is the mean square of a LayerNorm output), so a fixed random projection of ``last_hidden_state`` from
+the first step is printed per mode as the check that all three compute the same thing. Three modes, run one after another (never two at once: the machine has 2 cores):
 
 1. ``unsharded``  one process, ``torch.set_num_threads(2)`` (both cores on one model);
 2. ``shardlib``   two processes, one thread each: ``mesh = shardlib.init_mesh(tp=2)``; ``shardlib.shard(model, mesh)``;
@@ -33,7 +34,13 @@ How to run
     .venv/bin/python benchmarks/tp_throughput.py --quick            # smoke check, well under a minute
     .venv/bin/python benchmarks/tp_throughput.py --modes shardlib,hf --sizes base
 
-On the reference machine (2 cores, no GPU) the full default run (small + base) takes about 4-6 minutes.
+On the reference machine (2 cores, no GPU) the full default run (small 20 + base 12 timed steps per mode) takes
+about 3 minutes, ``--quick`` about 20 s. The machine must otherwise be idle: two TP ranks with one thread each or
+one process with two threads leave no core spare, and a single busy neighbour process can halve a mode's speed
+(the two-thread unsharded run suffers most: its OpenMP regions wait for the descheduled thread). Each mode
+therefore first waits (``--wait-idle``, default up to 60 s) for other processes to go quiet, and every timing
+window records how much CPU other processes used meanwhile; windows with more than 0.1 cores of foreign load are
+flagged with a WARNING under the tables.
 """
 
 from __future__ import annotations
@@ -64,8 +71,8 @@ SIZES: dict[str, dict] = {
     "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
                  vocab_size=30522),
 }
-#: Timed steps per size when --steps is not given (base: ~1.5 s/step unsharded on 2 cores; see the docstring).
-DEFAULT_STEPS = {"tiny": 5, "small": 10, "base": 7}
+#: Timed steps per size when --steps is not given (on 2 cores a base step takes ~2-2.5 s, a small one ~0.1-0.2 s).
+DEFAULT_STEPS = {"tiny": 5, "small": 20, "base": 12}
 MODES = ("unsharded", "shardlib", "hf")
 MODE_TITLES = {"unsharded": "unsharded", "shardlib": "shardlib tp=2", "hf": "HF DTensor tp=2"}
 WORLD = {"unsharded": 1, "shardlib": 2, "hf": 2}
@@ -159,7 +166,7 @@ def _worker(rank: int, mode: str, size: str, batch: int, seq: int, warmup: int, 
     probe = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     checksum = None
 
-    def step() -> float:
+    def step() -> float:  # one forward + backward; no optimizer
         nonlocal checksum
         model.zero_grad(set_to_none=True)
         out = model(input_ids=input_ids, attention_mask=attention_mask)
@@ -192,13 +199,13 @@ def _worker(rank: int, mode: str, size: str, batch: int, seq: int, warmup: int, 
         o = torch.tensor([own], dtype=torch.float64)
         dist.all_reduce(o)
         own = o.item()
-    foreign_cores = max(0.0, (busy - own) / wall)
+    # /proc/stat counts in clock ticks (10 ms): windows shorter than 0.5 s are too coarse to judge.
+    foreign_cores = max(0.0, (busy - own) / wall) if wall >= 0.5 else None
     if rank == 0:
         result = dict(
             mode=mode, size=size, times=times, first_loss=first_loss, checksum=checksum, build_s=build_s,
-            threads=torch.get_num_threads(), foreign_cores=foreign_cores, own_cores=own / wall, attn=getattr(model.config, "_attn_implementation", None),
-            params_local=sum(p.numel() if not hasattr(p, "to_local") else p.to_local().numel()
-                             for p in model.parameters()),
+            threads=torch.get_num_threads(), foreign_cores=foreign_cores, own_cores=own / wall,
+            attn=getattr(model.config, "_attn_implementation", None),
         )
         with open(os.path.join(tmpdir, "result.json"), "w") as f:
             json.dump(result, f)
@@ -240,13 +247,20 @@ IDLE_CORES = 0.1  # other processes' average CPU use above which a timing is fla
 def _wait_idle(timeout_s: float) -> float:
     """Sample the machine's CPU use in 1 s windows until it is below IDLE_CORES or ``timeout_s`` has passed;
     return the last sample (cores busy)."""
-    deadline = time.perf_counter() + timeout_s
+    start = time.perf_counter()
     while True:
         b0, t0 = _machine_busy_s(), time.perf_counter()
         time.sleep(1.0)
         load = (_machine_busy_s() - b0) / (time.perf_counter() - t0)
-        if load <= IDLE_CORES or time.perf_counter() >= deadline:
+        waited = time.perf_counter() - start
+        if load <= IDLE_CORES or waited >= timeout_s:
+            if waited > 1.5:
+                print(f"  (waited {waited:.0f} s for other processes to go quiet; now {load:.2f} cores busy)", flush=True)
             return load
+
+
+def _fmt_cores(x: float | None) -> str:
+    return "n/a (window < 0.5 s)" if x is None else f"{x:.2f} cores"
 
 
 def _fmt_tok(x: float | None) -> str:
@@ -265,10 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per mode (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per mode (default 2)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; --quick 8)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; --quick 32)")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each mode, wait up to this long for other processes to go quiet (default 0)")
+    p.add_argument("--wait-idle", type=float, default=60.0, metavar="SECONDS",
+                   help="before each mode, wait up to this long for other processes to go quiet (default 60; 0: "
+                        "don't wait). Timings taken while other processes use CPU are flagged either way.")
     p.add_argument("--quick", action="store_true", help="smoke check: tiny model, 8x32 tokens, 3 timed steps")
     args = p.parse_args(argv)
 
@@ -294,23 +309,21 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     results: dict[tuple[str, str], dict] = {}
     busy_warnings: list[str] = []
-    load = _wait_idle(args.wait_idle)
-    if load > IDLE_CORES:
-        print(f"WARNING: the machine is not idle before the run ({load:.2f} cores busy); "
-              "close other CPU-heavy processes for meaningful numbers", flush=True)
     for size in sizes:
         steps = args.steps or (3 if args.quick else DEFAULT_STEPS[size])
         for mode in modes:
-            if args.wait_idle:
-                _wait_idle(args.wait_idle)
+            load = _wait_idle(args.wait_idle)
+            if load > IDLE_CORES:
+                print(f"  WARNING: the machine is not idle ({load:.2f} cores busy by other processes) before "
+                      f"{size}/{mode}", flush=True)
             r = run_mode(mode, size, batch, seq, args.warmup, steps)
             results[(size, mode)] = r
             med = statistics.median(r["times"])
             print(f"  {size:<5} {MODE_TITLES[mode]:<16} median {med * 1e3:8.1f} ms/step  "
                   f"({len(r['times'])} steps, {r['threads']} thread(s)/rank, attn={r['attn']}, "
                   f"output checksum {r['checksum']:+.6f}, wall {r['wall_s']:.0f} s, CPU in timed window: ours "
-                  f"{r['own_cores']:.2f} cores, others {r['foreign_cores']:.2f} cores)", flush=True)
-            if r["foreign_cores"] > IDLE_CORES:
+                  f"{r['own_cores']:.2f} cores, others {_fmt_cores(r['foreign_cores'])})", flush=True)
+            if r["foreign_cores"] is not None and r["foreign_cores"] > IDLE_CORES:
                 busy_warnings.append(f"{size}/{mode}: other processes used {r['foreign_cores']:.2f} cores on "
                                      "average while it was timed; its numbers are not reliable")
 
