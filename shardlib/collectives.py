@@ -40,8 +40,19 @@ def group_rank(group: Group | None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- wire operations
-def all_reduce(x: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
-    """Out-of-place all-reduce (``op`` in sum / max / min / avg), waited on."""
+_C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: str = "sum", *, inplace: bool = False) -> torch.Tensor:
+    """All-reduce (``op`` in sum / max / min / avg), waited on.
+
+    ``inplace=True`` (for tensors the caller owns, e.g. a fresh matmul output or gradient) reduces ``x`` itself
+    with c10d in eager mode, saving the copy and wrapper of the functional collective (~10% of a 3 MiB all-reduce
+    on gloo); under ``torch.compile`` the functional collective is used either way.
+    """
+    if inplace and x.is_contiguous() and not torch.compiler.is_compiling():
+        dist.all_reduce(x, op=_C10D_OPS[op], group=group)
+        return x
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
 
 
@@ -82,6 +93,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # not in place: the incoming gradient may be a tensor the caller still holds (out.backward(g))
         return all_reduce(grad, ctx.group), None
 
 
@@ -89,12 +101,14 @@ class _ReduceFromTP(torch.autograd.Function):
     """forward: all-reduce, backward: identity."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+    def forward(ctx, x, group, inplace):
+        if inplace:
+            ctx.mark_dirty(x)
+        return all_reduce(x, group, inplace=inplace)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 def _dim_mapping(name: str, forward_op, backward_op, doc: str) -> type[torch.autograd.Function]:
@@ -126,9 +140,11 @@ def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
-    """Leave a tensor-parallel region by summing partial results. forward: all-reduce, backward: identity."""
-    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+def reduce_from_tp(x: torch.Tensor, group: Group | None, *, inplace: bool = False) -> torch.Tensor:
+    """Leave a tensor-parallel region by summing partial results. forward: all-reduce, backward: identity.
+
+    ``inplace=True`` reduces ``x`` itself (pass only a tensor nobody else reads, like a fresh matmul output)."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group, inplace)
 
 
 def scatter_to_tp(x: torch.Tensor, group: Group | None, dim: int = -1) -> torch.Tensor:

@@ -115,7 +115,7 @@ class RowParallelLinear(_TPModule, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -152,7 +152,7 @@ class VocabParallelEmbedding(_TPModule, nn.Embedding):
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self.padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        return reduce_from_tp(out, self.group, inplace=True)
 
     def extra_repr(self) -> str:
         return (
@@ -184,7 +184,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = z.exp_()
         sum_exp = exp.sum(dim=-1)
         if group_size(group) > 1:
-            target_logit, sum_exp = all_reduce(torch.stack([target_logit, sum_exp]), group).unbind(0)
+            target_logit, sum_exp = all_reduce(torch.stack([target_logit, sum_exp]), group, inplace=True).unbind(0)
         ignored = target == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
