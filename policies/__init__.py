@@ -52,4 +52,4 @@ def registered_classes() -> list[type]:
     return list(_REGISTRY)
 
 
-from . import bert  # noqa: E402,F401  (registers the BERT policy)
+from . import bert, t5, vit  # noqa: E402,F401  (each module registers its policy)

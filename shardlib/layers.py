@@ -12,6 +12,7 @@ Shapes below: ``n`` = TP group size, ``r`` = this rank, ``*`` = any leading dims
   all-reduce), bias replicated and added once after the reduction.
 * :class:`VocabParallelEmbedding`: table [V, H] split along V (padded) -> rows ``[r V/n, (r+1) V/n)``. Ids outside
   the range look up zeros, then one all-reduce sums the rows.
+* :class:`ColumnParallelEmbedding`: table [V, D] split along D -> this rank's D/n columns, no communication.
 * :func:`vocab_parallel_cross_entropy`: cross-entropy on vocab-sharded logits without gathering them.
 """
 
@@ -159,6 +160,33 @@ class VocabParallelEmbedding(_TPModule, nn.Embedding):
             f"{self.num_embeddings}, {self.embedding_dim}, vocab rows [{self.vocab_start}, {self.vocab_stop}) "
             f"of {self.global_num_embeddings}, padding_idx={self.global_padding_idx}"
         )
+
+
+class ColumnParallelEmbedding(_TPModule, nn.Embedding):
+    """Embedding table split along the embedding dim: rank r looks up columns ``[r D/n, (r+1) D/n)`` and returns
+    them (no communication), optionally all-gathered. T5's relative attention bias table ([buckets, heads]) is
+    sharded this way: each rank gets the bias of its own heads."""
+
+    def __init__(self, embedding: nn.Embedding, group: Group | None, *, gather_output=False,
+                 tp_size: int | None = None, tp_rank: int | None = None):
+        nn.Module.__init__(self)
+        for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
+            if getattr(embedding, attr):
+                raise ValueError(f"ColumnParallelEmbedding does not support {attr}={getattr(embedding, attr)!r}")
+        n, r = self._init_tp(group, tp_size, tp_rank)
+        if embedding.embedding_dim % n:
+            raise ValueError(f"embedding_dim {embedding.embedding_dim} is not divisible by tp={n}")
+        layout = Layout(tuple(embedding.weight.shape), shard_dim=1, num_shards=n)
+        self.weight = _new_param(layout.shard(embedding.weight.detach(), r), embedding.weight)
+        set_layout(self, "weight", layout)
+        self.num_embeddings, self.embedding_dim = self.weight.shape
+        self.padding_idx, self.gather_output = embedding.padding_idx, gather_output
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_runnable()
+        out = F.embedding(ids, self.weight, self.padding_idx)
+        return gather_from_tp(out, self.group, -1) if self.gather_output else out
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

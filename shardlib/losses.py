@@ -8,7 +8,9 @@ without them (so HF never sees the vocab-sharded logits), then computes the loss
   computed in at least float32 and returned in the logits' dtype;
 * ``causal_lm``: labels shifted left by one, then the mean over targets != -100, or the sum divided by
   ``num_items_in_batch`` when that keyword is given, in float32 (transformers' ``ForCausalLMLoss``);
-* ``pretraining``: ``masked_lm`` + the next-sentence cross-entropy, only when both label sets are given.
+* ``pretraining``: ``masked_lm`` + the next-sentence cross-entropy, only when both label sets are given;
+* ``seq2seq_lm``: ``masked_lm`` on the decoder logits; labels shifted right become the decoder inputs when none
+  are given (T5ForConditionalGeneration).
 
 Logits in the returned output: with ``gather_logits=None`` (default) they are gathered to the full vocabulary
 (padding stripped) when no labels were passed (inference, generation) and left vocab-sharded, [..., V_pad/tp],
@@ -72,7 +74,24 @@ def pretraining_loss(out, spec, labels, head, extra):
     return mlm + F.cross_entropy(nsp_logits.view(-1, nsp_logits.shape[-1]), nsp_labels.view(-1))
 
 
-LOSSES = {"masked_lm": masked_lm_loss, "causal_lm": causal_lm_loss, "pretraining": pretraining_loss}
+def no_cache_with_labels(model, arguments: dict, labels: dict) -> None:
+    """As HF's causal-LM forward does: no KV cache when training on labels."""
+    if labels["labels"] is not None:
+        arguments["use_cache"] = False
+
+
+def shift_labels_into_decoder_inputs(model, arguments: dict, labels: dict) -> None:
+    """What a seq2seq HF forward does with labels besides the loss: decoder inputs = labels shifted right."""
+    lm_labels = labels["labels"]
+    if lm_labels is not None and arguments.get("decoder_input_ids") is None \
+            and arguments.get("decoder_inputs_embeds") is None:
+        arguments["decoder_input_ids"] = model._shift_right(lm_labels)
+
+
+LOSSES = {"masked_lm": masked_lm_loss, "causal_lm": causal_lm_loss, "pretraining": pretraining_loss,
+          "seq2seq_lm": masked_lm_loss}
+#: what a kind's HF forward derives from the labels before it runs (the wrapper removes the labels)
+PREPARE = {"causal_lm": no_cache_with_labels, "seq2seq_lm": shift_labels_into_decoder_inputs}
 
 
 def install_vocab_parallel_loss(model, spec, gather_logits: bool | None) -> None:
@@ -89,8 +108,8 @@ def install_vocab_parallel_loss(model, spec, gather_logits: bool | None) -> None
         bound = signature.bind(self, *args, **kwargs)
         labels = {name: bound.arguments.pop(name, None) for name in spec.labels}
         has_labels = any(v is not None for v in labels.values())
-        if has_labels and "use_cache" in signature.parameters:
-            bound.arguments["use_cache"] = False  # as HF's forward does when it gets labels
+        if spec.kind in PREPARE:
+            PREPARE[spec.kind](self, bound.arguments, labels)
         extra = dict(bound.arguments.get("kwargs", {}))
         return_dict = extra.pop("return_dict", None)
         if "kwargs" in bound.arguments:

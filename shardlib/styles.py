@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .collectives import Group, copy_to_tp
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 @dataclass
@@ -54,15 +54,23 @@ class Style:
 @dataclass(frozen=True, kw_only=True)
 class ColwiseParallel(Style):
     """nn.Linear -> ColumnParallelLinear: output features split; copy the input into the TP region unless an
-    enclosing :class:`CopyInputs` already did; optionally gather the output."""
+    enclosing :class:`CopyInputs` already did; optionally gather the output.
+    nn.Embedding -> ColumnParallelEmbedding: the embedding dim split (as torch's ColwiseParallel does), e.g. a
+    relative-position bias table [buckets, heads] split by head."""
 
     copy_input: bool = True
     gather_output: bool = False
 
     def check(self, path, module, tp):
+        if isinstance(module, nn.Embedding):
+            if module.embedding_dim % tp:
+                return [f"{path}: embedding_dim {module.embedding_dim} is not divisible by tp={tp}"]
+            return []
         return self._linear_dim_divides(path, module, "out_features", tp)
 
     def apply(self, path, module, ctx):
+        if isinstance(module, nn.Embedding):
+            return ColumnParallelEmbedding(module, ctx.group, gather_output=self.gather_output, **ctx.tp_args)
         return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output,
                                     **ctx.tp_args)
 

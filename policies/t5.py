@@ -1,0 +1,76 @@
+"""T5 family: T5, MT5 and UMT5 (Model, ForConditionalGeneration, EncoderModel, ForSequenceClassification,
+ForTokenClassification, ForQuestionAnswering), which share one module structure.
+
+Plan, per attention module (``SelfAttention``, and ``EncDecAttention`` in the decoder): the inputs enter the TP
+region once (``CopyInputs``: the hidden states, and the encoder states for cross-attention), q/k/v are
+column-parallel (heads split), o is row-parallel, the relative attention bias table [buckets, heads] is split by
+head (``ColwiseParallel`` on an Embedding: each rank looks up the bias of its own heads, no communication), and
+``n_heads`` / ``inner_dim`` become per-rank values (T5 builds the zero position bias of layers without a table
+from ``n_heads``). Attention dropout runs on the per-rank RNG stream.
+
+Feed-forward: ``T5DenseActDense`` (wi column, wo row) or the gated ``T5DenseGatedActDense`` used by T5 v1.1,
+Flan-T5 and mT5 (wi_0 and wi_1 column, wo row); its inner dropout acts on sharded activations, so the module runs
+on the per-rank RNG stream too.
+
+Embeddings: ``shared``, ``encoder.embed_tokens``, ``decoder.embed_tokens`` and the ``lm_head`` are vocab-parallel
+and stay tied wherever the model ties them (transformers 5 always ties them for the T5 family;
+``tie_word_embeddings=False`` now only turns off the decoder-output scaling, which HF's forward applies
+unchanged). The seq2seq loss runs on vocab-sharded logits. Classification / QA heads stay replicated.
+UMT5 has a relative bias table in every layer; the same patterns cover it.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+from shardlib.plan import LossSpec, Plan
+from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+
+from . import Policy, register_policy
+
+FAMILIES = ("T5", "MT5", "UMT5")
+HEADS = ("Model", "ForConditionalGeneration", "EncoderModel", "ForSequenceClassification",
+         "ForTokenClassification", "ForQuestionAnswering")
+MODEL_CLASSES = tuple(getattr(transformers, f"{family}{head}") for family in FAMILIES for head in HEADS)
+ATTENTION_INPUTS = ("hidden_states", "key_value_states", "encoder_hidden_states")  # T5/MT5 and UMT5 names
+
+
+def _attention(path: str) -> dict:
+    return {
+        path: (CopyInputs(*ATTENTION_INPUTS), LocalRNG()),
+        f"{path}.q": ColwiseParallel(copy_input=False),
+        f"{path}.k": ColwiseParallel(copy_input=False),
+        f"{path}.v": ColwiseParallel(copy_input=False),
+        f"{path}.o": RowwiseParallel(),
+    }
+
+
+def t5_plan(model, tp: int) -> Plan:
+    config = model.config
+    base = "transformer." if hasattr(model, "transformer") else ""
+    root = model.get_submodule(base.rstrip(".")) if base else model
+    stacks = ["encoder", "decoder"] if hasattr(root, "decoder") else ["encoder"]
+    styles = {f"{base}shared": VocabParallel()}
+    heads = {}
+    for stack in stacks:
+        block = f"{base}{stack}.block.*"
+        styles[f"{base}{stack}.embed_tokens"] = VocabParallel()
+        styles |= _attention(f"{block}.layer.0.SelfAttention")
+        styles[f"{base}{stack}.block.**.relative_attention_bias"] = ColwiseParallel()
+        heads[f"{block}.layer.0.SelfAttention"] = ("n_heads", "inner_dim")
+        if stack == "decoder":
+            styles |= _attention(f"{block}.layer.1.EncDecAttention")
+            heads[f"{block}.layer.1.EncDecAttention"] = ("n_heads", "inner_dim")
+        ff = f"{block}.layer.{2 if stack == 'decoder' else 1}.DenseReluDense"
+        styles[ff] = LocalRNG()
+        for wi in ("wi_0", "wi_1") if config.is_gated_act else ("wi",):
+            styles[f"{ff}.{wi}"] = ColwiseParallel()
+        styles[f"{ff}.wo"] = RowwiseParallel()
+    loss = None
+    if hasattr(model, "lm_head"):
+        loss = LossSpec(kind="seq2seq_lm", head="lm_head")
+        styles["lm_head"] = VocabParallel()
+    return Plan(styles=styles, divide_by_tp=heads, trunk=tuple(f"{base}{s}.block" for s in stacks), loss=loss)
+
+
+POLICY = register_policy(Policy(name="t5", model_classes=MODEL_CLASSES, make_plan=t5_plan))

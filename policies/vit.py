@@ -1,0 +1,40 @@
+"""ViT: ViTModel, ViTForImageClassification, ViTForMaskedImageModeling.
+
+transformers 5 names ViT's modules in memory ``layers.N.attention.{q,k,v,o}_proj`` and ``layers.N.mlp.fc{1,2}``
+(checkpoints on disk keep the Hub names ``encoder.layer.N.attention.attention.query``; that mapping belongs to
+the checkpoint code). Plan: attention enters the TP region once (``CopyInputs``), q/k/v column-parallel (heads
+split), o row-parallel; fc1 column-, fc2 row-parallel. The patch-embedding convolution, CLS and mask tokens,
+position embeddings (so ``interpolate_pos_encoding`` and other resolutions work unchanged), LayerNorms, pooler,
+classifier and the masked-image-modeling decoder stay replicated: a classifier of any label count works as is,
+no padding of the label set.
+"""
+
+from __future__ import annotations
+
+from transformers import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
+
+from shardlib.plan import Plan
+from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel
+
+from . import Policy, register_policy
+
+
+def vit_plan(model, tp: int) -> Plan:
+    base = "" if isinstance(model, ViTModel) else "vit."
+    layer = f"{base}layers.*"
+    styles = {
+        f"{layer}.attention": (CopyInputs("hidden_states"), LocalRNG()),
+        f"{layer}.attention.q_proj": ColwiseParallel(copy_input=False),
+        f"{layer}.attention.k_proj": ColwiseParallel(copy_input=False),
+        f"{layer}.attention.v_proj": ColwiseParallel(copy_input=False),
+        f"{layer}.attention.o_proj": RowwiseParallel(),
+        f"{layer}.mlp.fc1": ColwiseParallel(),
+        f"{layer}.mlp.fc2": RowwiseParallel(),
+    }
+    return Plan(styles=styles, divide_by_tp={f"{layer}.attention": ("num_attention_heads",)},
+                trunk=(f"{base}layers",))
+
+
+POLICY = register_policy(Policy(
+    name="vit", model_classes=(ViTModel, ViTForImageClassification, ViTForMaskedImageModeling), make_plan=vit_plan,
+))
