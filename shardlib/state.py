@@ -65,9 +65,9 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Modu
         for module, attr in holders:
             store = module._parameters if attr in module._parameters else module._buffers
             store[attr] = new
-    if hasattr(model, "init_weights"):
+    if hasattr(model, "initialize_weights"):  # HF's initializer without its re-tying (ties are ours to keep)
         with torch.no_grad():
-            model.init_weights()
+            model.initialize_weights()
     return model
 
 

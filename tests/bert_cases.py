@@ -12,7 +12,6 @@ CLASSES = (
     "BertForSequenceClassification", "BertForMultipleChoice", "BertForTokenClassification",
     "BertForQuestionAnswering",
 )
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def make_config(spec: dict) -> BertConfig:
@@ -32,7 +31,7 @@ def make_config(spec: dict) -> BertConfig:
 def make_model(spec: dict) -> torch.nn.Module:
     torch.manual_seed(spec["seed"])
     model = getattr(transformers, spec["cls"])(make_config(spec))
-    return model.to(DTYPES[spec.get("dtype", "float32")])
+    return model.to(getattr(torch, spec.get("dtype", "float32")))
 
 
 def make_batch(spec: dict, config: BertConfig) -> dict:
@@ -70,18 +69,3 @@ def make_batch(spec: dict, config: BertConfig) -> dict:
         batch["start_positions"] = torch.randint(0, s, (b,), generator=g)
         batch["end_positions"] = torch.randint(0, s, (b,), generator=g)
     return batch
-
-
-def cast_batch(batch: dict, dtype: torch.dtype) -> dict:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
-
-
-def scalar_objective(out) -> torch.Tensor:
-    """The loss when the model computed one, else a fixed function of every floating output (nonzero grads)."""
-    if getattr(out, "loss", None) is not None:
-        return out.loss
-    total = 0.0
-    for value in out.values():
-        if torch.is_tensor(value) and value.is_floating_point():
-            total = total + (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
-    return total

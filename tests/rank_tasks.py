@@ -17,6 +17,7 @@ above atol, so a wrong update cannot pass.
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from pathlib import Path
 
@@ -25,10 +26,25 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 import shardlib
-from bert_cases import DTYPES, cast_batch, make_batch, make_model, scalar_objective
 from harness import mesh as pool_mesh
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOL = {torch.float32: dict(rtol=2e-4, atol=2e-5), torch.float64: dict(rtol=1e-9, atol=1e-11)}
+
+
+def cast_batch(batch: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def scalar_objective(out) -> torch.Tensor:
+    """The loss when the model computed one, else a fixed function of every floating output (nonzero grads)."""
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    total = 0.0
+    for value in out.values():
+        if torch.is_tensor(value) and value.is_floating_point():
+            total = total + (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
+    return total
 
 
 def _close(name, actual, expected, dtype):
@@ -39,20 +55,26 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-3, weight_decay=0.01)
 
 
-def bert_equivalence(spec: dict) -> dict:
+def cases(spec: dict):
+    """The case module of the spec's model family: bert_cases, vit_cases or t5_cases."""
+    return importlib.import_module(f"{spec.get('family', 'bert')}_cases")
+
+
+def equivalence(spec: dict) -> dict:
     """Outputs, every gradient and the weights after one AdamW step: sharded == unsharded."""
     mesh = pool_mesh(tp=spec["tp"])
     dtype = DTYPES[spec["dtype"]]
-    ref = make_model(spec)
+    family = cases(spec)
+    ref = family.make_model(spec)
     if spec.get("meta"):
         with torch.device("meta"):
-            model = make_model(spec)
+            model = family.make_model(spec)
         shardlib.shard(model, mesh, gather_logits=True)
         assert all(p.device.type == "meta" for p in model.parameters())
         shardlib.load_full_state_dict(model, ref.state_dict())
     else:
         model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True)
-    batch = cast_batch(make_batch(spec, ref.config), dtype)
+    batch = cast_batch(family.make_batch(spec, ref.config), dtype)
     if spec["cls"] == "BertLMHeadModel":
         dtype = torch.float32  # HF's causal-LM loss runs in float32 (logits.float()), so gradients have fp32 noise
     return compare_training_step(ref, model, batch, dtype)
@@ -114,11 +136,11 @@ def _by_collective(mode: CommDebugMode) -> dict:
     return counts
 
 
-def bert_collective_counts(spec: dict) -> dict:
+def collective_counts(spec: dict) -> dict:
     """Collectives per forward and per backward, by op name."""
     mesh = pool_mesh(tp=spec["tp"])
-    model = shardlib.shard(make_model(spec), mesh)
-    batch = make_batch(spec, model.config)
+    model = shardlib.shard(cases(spec).make_model(spec), mesh)
+    batch = cases(spec).make_batch(spec, model.config)
     with CommDebugMode() as fwd:
         out = model(**batch)
     with CommDebugMode() as bwd:
@@ -139,14 +161,14 @@ def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dic
     mesh = pool_mesh(tp=spec["tp"])
     group = mesh.tp_group
     torch.manual_seed(spec["seed"])
-    model = make_model(spec)
+    model = cases(spec).make_model(spec)
     tracker = shardlib.manual_seed(spec["seed"], mesh)
     shardlib.shard(model, mesh, rng_tracker=tracker)
     model.train()
     opt = _adamw(model.parameters())
     losses = []
     for step in range(steps):
-        batch = make_batch({**spec, "seed": spec["seed"] + step}, model.config)
+        batch = cases(spec).make_batch({**spec, "seed": spec["seed"] + step}, model.config)
         loss = model(**batch).loss
         loss.backward()
         opt.step()
@@ -171,8 +193,8 @@ def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dic
 
 def divergent_inputs_are_caught(spec: dict) -> str:
     mesh = pool_mesh(tp=spec["tp"])
-    model = shardlib.shard(make_model(spec), mesh, check_replicated_inputs=True)
-    batch = make_batch(spec, model.config)
+    model = shardlib.shard(cases(spec).make_model(spec), mesh, check_replicated_inputs=True)
+    batch = cases(spec).make_batch(spec, model.config)
     model(**batch)  # identical inputs pass
     batch["input_ids"] = (batch["input_ids"] + mesh.tp_rank) % model.config.vocab_size
     try:
@@ -185,9 +207,9 @@ def divergent_inputs_are_caught(spec: dict) -> str:
 def sharded_logits_with_labels(spec: dict) -> dict:
     """With labels and default gather_logits, logits stay vocab-sharded and the loss equals the unsharded one."""
     mesh = pool_mesh(tp=spec["tp"])
-    ref = make_model(spec)
+    ref = cases(spec).make_model(spec)
     model = shardlib.shard(copy.deepcopy(ref), mesh)
-    batch = make_batch(spec, ref.config)
+    batch = cases(spec).make_batch(spec, ref.config)
     out, out_ref = model(**batch), ref(**batch)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=2e-5, atol=2e-6)
     head = model.get_submodule(model._shardlib.plan.loss.head)
@@ -231,3 +253,23 @@ def collective_mappings(spec: dict) -> int:
     check(lambda x: C.reduce_scatter_to_tp(x, group, 1), small_gs, chunk(total(xs), r), torch.cat(small_gs, dim=1))
     check(lambda x: C.all_gather_from_tp(x, group, 1), full_gs, torch.cat(xs, dim=1), chunk(total(full_gs), r))
     return checked
+
+
+def generation_matches(spec: dict) -> dict:
+    """generate() on the sharded seq2seq model (greedy and beam search, KV cache on) returns exactly the tokens
+    of the unsharded model."""
+    mesh = pool_mesh(tp=spec["tp"])
+    family = cases(spec)
+    ref = family.make_model(spec).eval()
+    model = shardlib.shard(copy.deepcopy(ref), mesh)
+    batch = family.make_batch({**spec, "labels": False}, ref.config)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    distinct = {}
+    for beams in (1, 3):
+        options = dict(max_new_tokens=spec.get("new_tokens", 8), do_sample=False, num_beams=beams, use_cache=True,
+                       min_new_tokens=spec.get("new_tokens", 8))
+        expected = ref.generate(**inputs, **options)
+        actual = model.generate(**inputs, **options)
+        assert torch.equal(actual, expected), f"num_beams={beams}:\nsharded   {actual.tolist()}\nunsharded {expected.tolist()}"
+        distinct[beams] = len(set(expected.flatten().tolist()))
+    return distinct

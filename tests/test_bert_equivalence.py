@@ -33,7 +33,7 @@ def bert_specs(draw, classes=CLASSES, tp=(1, 2, 4)):
 
 @given(spec=bert_specs())
 def test_sharded_bert_matches_unsharded(pool, spec):
-    results = pool.run(rank_tasks.bert_equivalence, spec)
+    results = pool.run(rank_tasks.equivalence, spec)
     for compared in results:
         assert compared["outputs"] >= 1 and compared["grads"] >= 1 and compared["weights"] >= compared["grads"]
 
@@ -45,7 +45,7 @@ def test_every_bert_class_float32(pool, cls, tp):
     spec = {"cls": cls, "tp": tp, "seq": 7, "batch": 2, "padding": True, "dtype": "float32", "seed": 7,
             "enc_seq": 5, "config": {"heads": 4, "head_dim": 8, "layers": 2, "intermediate": 64, "vocab": 97,
                                      "tie": True, "cross_attention": True, "num_labels": 3}}
-    pool.run(rank_tasks.bert_equivalence, spec)
+    pool.run(rank_tasks.equivalence, spec)
 
 
 def test_bert_base_vocab_30522_at_tp4(pool):
@@ -55,4 +55,4 @@ def test_bert_base_vocab_30522_at_tp4(pool):
     # 30522 padded to 30524: 7631 rows per rank, the last rank holds 7629 real ones and 2 padding rows
     assert [r["local_vocab"] for r in results] == [7631] * 4
     assert [r["valid"] for r in results] == [7631, 7631, 7631, 7629]
-    pool.run(rank_tasks.bert_equivalence, {**spec, "meta": True})
+    pool.run(rank_tasks.equivalence, {**spec, "meta": True})

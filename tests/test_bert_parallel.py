@@ -18,7 +18,7 @@ def _spec(cls, tp, layers, labels=True, **config):
 def test_collectives_per_bert_layer(pool, tp, layers):
     """Per layer: forward 2 all-reduces (attention output, MLP output), backward 2 (the gradients of the inputs
     entering attention and the MLP). Plus the vocab-parallel embedding's forward all-reduce. Nothing else."""
-    counts = pool.run(rank_tasks.bert_collective_counts, _spec("BertModel", tp, layers, labels=False))[0]
+    counts = pool.run(rank_tasks.collective_counts, _spec("BertModel", tp, layers, labels=False))[0]
     assert counts["forward"] == {"all_reduce": 1 + 2 * layers}
     assert counts["backward"] == {"all_reduce": 2 * layers}
 
@@ -26,14 +26,14 @@ def test_collectives_per_bert_layer(pool, tp, layers):
 def test_collectives_masked_lm_never_gathers_logits_for_the_loss(pool):
     """MLM with labels: + 2 forward all-reduces in the vocab-parallel cross-entropy (max; target logit and sum of
     exps stacked) and 1 backward all-reduce entering the LM head. No all-gather: logits stay sharded."""
-    counts = pool.run(rank_tasks.bert_collective_counts, _spec("BertForMaskedLM", 2, 2))[0]
+    counts = pool.run(rank_tasks.collective_counts, _spec("BertForMaskedLM", 2, 2))[0]
     assert counts["forward"] == {"all_reduce": 1 + 2 * 2 + 2}
     assert counts["backward"] == {"all_reduce": 2 * 2 + 1}
     assert counts["logits_last_dim"] == 25
 
 
 def test_inference_logits_are_gathered(pool):
-    counts = pool.run(rank_tasks.bert_collective_counts, _spec("BertForMaskedLM", 2, 1, labels=False))[0]
+    counts = pool.run(rank_tasks.collective_counts, _spec("BertForMaskedLM", 2, 1, labels=False))[0]
     assert counts["forward"] == {"all_reduce": 3, "all_gather_into_tensor": 1}
     assert counts["logits_last_dim"] == 50
 
@@ -42,7 +42,7 @@ def test_cross_attention_collectives(pool):
     """A decoder layer with cross-attention adds 1 forward all-reduce and 1 backward (the query input; the
     encoder states here are a constant input, so their copy has no gradient to reduce). Without labels the
     logits are gathered (1 all-gather) and the LM head's input copy reduces its gradient (1 all-reduce)."""
-    counts = pool.run(rank_tasks.bert_collective_counts,
+    counts = pool.run(rank_tasks.collective_counts,
                       {**_spec("BertLMHeadModel", 2, 1, labels=False, cross_attention=True), "enc_seq": 4})[0]
     assert counts["forward"] == {"all_reduce": 1 + 3, "all_gather_into_tensor": 1}
     assert counts["backward"] == {"all_reduce": 2 + 1 + 1}

@@ -1,0 +1,93 @@
+"""Property-based equivalence of sharded ViT and T5-family models with the unsharded ones (4 gloo ranks), and
+T5 generation."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+import rank_tasks
+import t5_cases
+import vit_cases
+
+SPEC_COMMON = dict(padding=st.booleans(), dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**20),
+                   meta=st.booleans(), batch=st.integers(1, 3))
+
+
+@st.composite
+def vit_specs(draw, tp=(1, 2, 4)):
+    tp = draw(st.sampled_from(tp))
+    patch = draw(st.sampled_from([2, 4]))
+    config = {
+        "image": patch * draw(st.integers(1, 3)), "patch": patch,
+        "heads": tp * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
+        "layers": draw(st.integers(1, 2)), "intermediate": tp * draw(st.integers(1, 6)),
+        "act": draw(st.sampled_from(["gelu", "relu"])), "num_labels": draw(st.integers(2, 7)),  # tp need not divide
+        "qkv_bias": draw(st.booleans()),
+    }
+    return {"family": "vit", "cls": draw(st.sampled_from(vit_cases.CLASSES)), "tp": tp, "config": config,
+            "interpolate": draw(st.booleans()), **{k: draw(v) for k, v in SPEC_COMMON.items()}}
+
+
+@st.composite
+def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES):
+    tp = draw(st.sampled_from(tp))
+    buckets = draw(st.sampled_from([4, 8, 32]))  # HF's bucketing needs >= 4 buckets and max_distance > buckets / 2
+    config = {
+        "vocab": draw(st.integers(3, 60)),  # divisible by tp or not: padded
+        "d_model": draw(st.integers(2, 12)),  # never split: need not divide
+        "d_kv": draw(st.sampled_from([1, 2, 4])), "heads": tp * draw(st.integers(1, 2)),
+        "d_ff": tp * draw(st.integers(1, 5)), "layers": draw(st.integers(1, 2)),
+        "decoder_layers": draw(st.integers(1, 2)), "buckets": buckets,
+        "max_distance": buckets * draw(st.sampled_from([2, 4, 16])), "ffn": draw(st.sampled_from(["relu", "gated-gelu"])),
+        "tie": draw(st.booleans()), "untie_head": draw(st.booleans()), "num_labels": draw(st.integers(2, 5)),
+    }
+    return {"family": "t5", "cls": draw(st.sampled_from(classes)), "tp": tp, "config": config,
+            "seq": draw(st.integers(1, 9)), "dec_seq": draw(st.integers(1, 7)),
+            **{k: draw(v) for k, v in SPEC_COMMON.items()}}
+
+
+def _check(results):
+    for compared in results:
+        assert compared["outputs"] >= 1 and compared["grads"] >= 1 and compared["weights"] >= compared["grads"]
+
+
+@given(spec=vit_specs())
+def test_sharded_vit_matches_unsharded(pool, spec):
+    _check(pool.run(rank_tasks.equivalence, spec))
+
+
+@given(spec=t5_specs())
+def test_sharded_t5_matches_unsharded(pool, spec):
+    _check(pool.run(rank_tasks.equivalence, spec))
+
+
+FIXED_T5 = {"vocab": 53, "d_model": 12, "d_kv": 4, "heads": 4, "d_ff": 16, "layers": 2, "decoder_layers": 2,
+            "buckets": 8, "max_distance": 16, "tie": True, "num_labels": 3}
+
+
+@pytest.mark.parametrize("cls", t5_cases.CLASSES)
+@pytest.mark.parametrize("ffn", ["relu", "gated-gelu"])
+def test_every_t5_class_both_ffn_kinds(pool, cls, ffn):
+    spec = {"family": "t5", "cls": cls, "tp": 4, "seq": 7, "dec_seq": 5, "batch": 2, "padding": True,
+            "dtype": "float32", "seed": 1, "config": {**FIXED_T5, "ffn": ffn}}
+    _check(pool.run(rank_tasks.equivalence, spec))
+
+
+@pytest.mark.parametrize("cls", vit_cases.CLASSES)
+@pytest.mark.parametrize("interpolate", [False, True])
+def test_every_vit_class(pool, cls, interpolate):
+    spec = {"family": "vit", "cls": cls, "tp": 2, "batch": 2, "dtype": "float32", "seed": 2,
+            "interpolate": interpolate, "config": {"image": 8, "patch": 2, "heads": 4, "head_dim": 4, "layers": 2,
+                                                   "intermediate": 32, "num_labels": 5}}
+    _check(pool.run(rank_tasks.equivalence, spec))
+
+
+@pytest.mark.parametrize("cls", ["T5ForConditionalGeneration", "MT5ForConditionalGeneration",
+                                 "UMT5ForConditionalGeneration"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_generate_matches_unsharded(pool, cls, tp):
+    # d_model 64 with a large init: random weights that generate varied tokens rather than one repeated token
+    spec = {"family": "t5", "cls": cls, "tp": tp, "seq": 6, "batch": 3, "padding": True, "dtype": "float32",
+            "seed": 4, "new_tokens": 8,
+            "config": {**FIXED_T5, "vocab": 41, "d_model": 64, "d_kv": 8, "d_ff": 64, "ffn": "gated-gelu", "init": 10.0}}
+    distinct = pool.run(rank_tasks.generation_matches, spec)[0]
+    assert distinct[1] >= 8 and distinct[3] >= 8, f"degenerate generations, the test would prove little: {distinct}"
