@@ -9,8 +9,9 @@ head (``ColwiseParallel`` on an Embedding: each rank looks up the bias of its ow
 from ``n_heads``). Attention dropout runs on the per-rank RNG stream.
 
 Feed-forward: ``T5DenseActDense`` (wi column, wo row) or the gated ``T5DenseGatedActDense`` used by T5 v1.1,
-Flan-T5 and mT5 (wi_0 and wi_1 column, wo row); its inner dropout acts on sharded activations, so the module runs
-on the per-rank RNG stream too.
+Flan-T5 and mT5 (wi_0 and wi_1 column, wo row). The input enters the TP region once for both wi_0 and wi_1
+(``CopyInputs``; one backward all-reduce, not two), and the inner dropout acts on sharded activations, so the
+module runs on the per-rank RNG stream too.
 
 Embeddings: ``shared``, ``encoder.embed_tokens``, ``decoder.embed_tokens`` and the ``lm_head`` are vocab-parallel
 and stay tied wherever the model ties them (transformers 5 always ties them for the T5 family;
@@ -62,9 +63,9 @@ def t5_plan(model, tp: int) -> Plan:
             styles |= _attention(f"{block}.layer.1.EncDecAttention")
             heads[f"{block}.layer.1.EncDecAttention"] = ("n_heads", "inner_dim")
         ff = f"{block}.layer.{2 if stack == 'decoder' else 1}.DenseReluDense"
-        styles[ff] = LocalRNG()
+        styles[ff] = (CopyInputs("hidden_states"), LocalRNG())  # gated: wi_0 and wi_1 share one input copy
         for wi in ("wi_0", "wi_1") if config.is_gated_act else ("wi",):
-            styles[f"{ff}.{wi}"] = ColwiseParallel()
+            styles[f"{ff}.{wi}"] = ColwiseParallel(copy_input=False)
         styles[f"{ff}.wo"] = RowwiseParallel()
     loss = None
     if hasattr(model, "lm_head"):

@@ -208,3 +208,52 @@ def test_untied_embeddings_shard_separately():
     model = tiny_bert(tie_word_embeddings=False)
     shardlib.shard(model, FakeMesh(tp=1))
     assert model.cls.predictions.decoder.weight is not model.bert.embeddings.word_embeddings.weight
+
+
+def test_vit_heads_not_divisible_is_refused():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    model = ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, hidden_size=12, num_hidden_layers=1,
+                                                 num_attention_heads=3, intermediate_size=16))
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError, match=r"vit.layers.0.attention.num_attention_heads = 3 is not divisible by tp=2"):
+        shardlib.shard(model, FakeMesh(tp=2))
+    assert_untouched(before, model)
+
+
+def test_t5_heads_not_divisible_is_refused():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration(T5Config(vocab_size=20, d_model=8, d_kv=2, d_ff=16, num_layers=1, num_heads=3))
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError) as err:
+        shardlib.shard(model, FakeMesh(tp=2))
+    message = str(err.value)
+    assert "encoder.block.0.layer.0.SelfAttention.n_heads = 3 is not divisible by tp=2" in message
+    assert "relative_attention_bias: embedding_dim 3 is not divisible by tp=2" in message
+    assert "decoder.block.0.layer.1.EncDecAttention.n_heads = 3" in message
+    assert_untouched(before, model)
+
+
+def test_every_registered_class_has_a_plan_that_matches():
+    """Each registered model class, built small, passes validation (every pattern matches something)."""
+    import transformers
+
+    from shardlib.policies import registered_classes
+
+    t5_like = dict(vocab_size=30, d_model=8, d_kv=2, d_ff=8, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    configs = {
+        "Bert": transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=8),
+        "ViT": transformers.ViTConfig(image_size=8, patch_size=4, hidden_size=8, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=8, encoder_stride=4),
+        "UMT5": transformers.UMT5Config(**t5_like), "MT5": transformers.MT5Config(**t5_like),
+        "T5": transformers.T5Config(**t5_like),
+    }
+    classes = registered_classes()
+    assert len(classes) == 9 + 3 + 18
+    for cls in classes:
+        family = next(f for f in configs if cls.__name__.startswith(f))
+        model = cls(configs[family])
+        shardlib.shard(model, FakeMesh(tp=1))
+        assert shardlib.report(model).rows, cls.__name__

@@ -65,3 +65,39 @@ def test_divergent_inputs_across_tp_ranks_are_caught(pool):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_collective_mappings_forward_and_backward(pool, tp):
     assert pool.run(rank_tasks.collective_mappings, {"tp": tp, "seed": tp}) == [6] * 4
+
+
+T5_SPEC = {"family": "t5", "cls": "T5ForConditionalGeneration", "seq": 6, "dec_seq": 4, "batch": 2, "padding": True,
+           "dtype": "float32", "seed": 3, "config": {"vocab": 40, "d_model": 12, "d_kv": 4, "heads": 4, "d_ff": 16,
+                                                      "layers": 2, "decoder_layers": 2, "ffn": "gated-gelu"}}
+VIT_SPEC = {"family": "vit", "cls": "ViTForImageClassification", "batch": 2, "dtype": "float32", "seed": 3,
+            "config": {"image": 8, "patch": 2, "heads": 4, "head_dim": 4, "layers": 2, "intermediate": 32}}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("base", [T5_SPEC, VIT_SPEC], ids=["t5", "vit"])
+def test_dropout_keeps_replicated_parameters_identical_t5_vit(pool, tp, base):
+    spec = {**base, "tp": tp, "config": {**base["config"], "dropout": 0.1}}
+    results = pool.run(rank_tasks.dropout_training_keeps_replicas_identical, spec)
+    assert all(r["replicated_checked"] > 5 for r in results)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+def test_collectives_t5_layers(pool):
+    """T5Model with E encoder and D decoder blocks: forward 1 all-reduce per embedding lookup (encoder and decoder)
+    + 2 per encoder block (o, wo) + 3 per decoder block (self o, cross o, wo); backward 2 per encoder block (the
+    inputs of attention and FFN) + 4 per decoder block (self-attention input, cross-attention query input, the
+    encoder states entering cross-attention, FFN input; the gated FFN's wi_0 and wi_1 share one). The relative
+    bias tables need none."""
+    spec = {**T5_SPEC, "cls": "T5Model", "tp": 2, "labels": False,
+            "config": {**T5_SPEC["config"], "layers": 2, "decoder_layers": 3}}
+    counts = pool.run(rank_tasks.collective_counts, spec)[0]
+    assert counts["forward"] == {"all_reduce": 2 + 2 * 2 + 3 * 3}
+    assert counts["backward"] == {"all_reduce": 2 * 2 + 4 * 3}
+
+
+def test_collectives_vit_layers(pool):
+    spec = {**VIT_SPEC, "cls": "ViTModel", "tp": 2, "labels": False}
+    counts = pool.run(rank_tasks.collective_counts, spec)[0]
+    assert counts["forward"] == {"all_reduce": 2 * 2}
+    assert counts["backward"] == {"all_reduce": 2 * 2}
