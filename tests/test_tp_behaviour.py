@@ -101,3 +101,13 @@ def test_collectives_vit_layers(pool):
     counts = pool.run(rank_tasks.collective_counts, spec)[0]
     assert counts["forward"] == {"all_reduce": 2 * 2}
     assert counts["backward"] == {"all_reduce": 2 * 2}
+
+
+def test_t5_training_never_gathers_logits(pool):
+    """T5ForConditionalGeneration with labels: the vocab-parallel cross-entropy adds 2 forward all-reduces and the
+    LM head's input copy 1 backward; no all-gather anywhere."""
+    spec = {**T5_SPEC, "tp": 2, "config": {**T5_SPEC["config"], "layers": 1, "decoder_layers": 2}}
+    counts = pool.run(rank_tasks.collective_counts, spec)[0]
+    assert counts["forward"] == {"all_reduce": 2 + 2 * 1 + 3 * 2 + 2}
+    assert counts["backward"] == {"all_reduce": 2 * 1 + 4 * 2 + 1}
+    assert counts["logits_last_dim"] == 20
