@@ -17,14 +17,30 @@ from shardlib.plan import Plan, PlanError
 
 @dataclass(frozen=True)
 class Policy:
-    """``make_plan(model, tp) -> Plan`` for every class in ``model_classes``."""
+    """``make_plan(model, tp) -> Plan`` for every class in ``model_classes``.
+
+    ``checkpoint_keys``: ordered (in-memory fragment, on-disk fragment) pairs that turn a parameter name of the
+    model as transformers builds it in memory into the key its Hub checkpoints use, and back (applied in the same
+    order both ways; each side must be unambiguous). Empty when the names agree.
+    """
 
     name: str
     model_classes: tuple[type, ...]
     make_plan: Callable[[nn.Module, int], Plan]
+    checkpoint_keys: tuple[tuple[str, str], ...] = ()
 
     def plan(self, model: nn.Module, tp: int) -> Plan:
         return self.make_plan(model, tp)
+
+    def to_hub_key(self, name: str) -> str:
+        for memory, hub in self.checkpoint_keys:
+            name = name.replace(memory, hub)
+        return name
+
+    def to_memory_key(self, key: str) -> str:
+        for memory, hub in self.checkpoint_keys:
+            key = key.replace(hub, memory)
+        return key
 
 
 _REGISTRY: dict[type, Policy] = {}

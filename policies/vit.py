@@ -35,6 +35,19 @@ def vit_plan(model, tp: int) -> Plan:
                 trunk=(f"{base}layers",))
 
 
+#: in memory (transformers 5) -> on disk (Hub checkpoints, what save_pretrained writes); ".attention.o_proj." goes
+#: before ".mlp.fc2." so that the reverse direction maps ".attention.output.dense." first
+CHECKPOINT_KEYS = (
+    ("layers.", "encoder.layer."),
+    (".attention.q_proj.", ".attention.attention.query."),
+    (".attention.k_proj.", ".attention.attention.key."),
+    (".attention.v_proj.", ".attention.attention.value."),
+    (".attention.o_proj.", ".attention.output.dense."),
+    (".mlp.fc1.", ".intermediate.dense."),
+    (".mlp.fc2.", ".output.dense."),
+)
+
 POLICY = register_policy(Policy(
     name="vit", model_classes=(ViTModel, ViTForImageClassification, ViTForMaskedImageModeling), make_plan=vit_plan,
+    checkpoint_keys=CHECKPOINT_KEYS,
 ))

@@ -117,3 +117,23 @@ def init_mesh(
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=DIM_NAMES)
     return Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp)
+
+
+@dataclass(frozen=True)
+class OfflineMesh:
+    """The tensor-parallel coordinates of one rank without any process group: shard a model (usually on the meta
+    device) to learn its layouts, plan, inspect or convert checkpoints. Modules sharded this way refuse to run."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    dp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        if self.tp < 1 or not 0 <= self.tp_rank < self.tp:
+            raise MeshError(f"offline mesh needs tp >= 1 and 0 <= tp_rank < tp, got tp={self.tp}, rank={self.tp_rank}")
+
+    tp_group = None
+
+    def __str__(self) -> str:
+        return f"OfflineMesh(tp={self.tp}; tp rank {self.tp_rank}; no process group)"

@@ -77,6 +77,7 @@ class ShardState:
     """Attached to a sharded model as ``model._shardlib``."""
 
     mesh: Mesh
+    policy: object
     plan: Plan
     report: ShardReport
     rng_tracker: RNGStatesTracker | None
@@ -247,7 +248,7 @@ def shard(
     if check_replicated_inputs and tp > 1:
         model.register_forward_pre_hook(_replicated_input_check(group), with_kwargs=True)
     report.local_bytes = _unique_param_bytes(model)
-    model._shardlib = ShardState(mesh=mesh, plan=plan, report=report, rng_tracker=rng_tracker)
+    model._shardlib = ShardState(mesh=mesh, policy=policy, plan=plan, report=report, rng_tracker=rng_tracker)
     log.info("%s", report)
     return model
 
