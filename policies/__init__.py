@@ -64,6 +64,14 @@ def policy_for(model: nn.Module) -> Policy:
     )
 
 
+def policy_for_class_name(name: str) -> Policy:
+    """The policy registered for the model class called ``name`` (checkpoints record class names)."""
+    for cls, policy in _REGISTRY.items():
+        if cls.__name__ == name:
+            return policy
+    raise PlanError(f"no shardlib policy for model class {name}")
+
+
 def registered_classes() -> list[type]:
     return list(_REGISTRY)
 

@@ -1,0 +1,449 @@
+"""Checkpoints: HF safetensors straight into shards, the sharded format, resharding and export to HF.
+
+Reading always goes through ``safe_open(...).get_slice(key)``, so a rank reads only the rows of each tensor it
+holds: no rank ever materializes a full copy of a sharded tensor. Nothing is ever unpickled.
+
+The sharded format (``docs/checkpoint-format.md``) is a directory with
+
+* ``shardlib.json``: format version, model class, model config, and for every tensor its global shape, dtype,
+  layout, aliases (tied names) and *pieces*: which file holds which rows ``[start, stop)`` of which dim;
+  plus every file's size and SHA-256;
+* ``model-tp{r}-of-{n}.safetensors``: rank r's rows of every sharded tensor (padding is not stored);
+* ``model-replicated.safetensors``: every replicated tensor, written once.
+
+Writes are atomic: all ranks write into a hidden temporary directory next to the destination, and the directory
+appears under its final name (replacing an older checkpoint only with ``overwrite``) after every rank finished
+and ``shardlib.json`` is complete. A crash mid-save leaves the previous checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .layout import Layout, layout_of
+from .state import materialize
+
+FORMAT = "shardlib-sharded-v1"
+METADATA = "shardlib.json"
+REPLICATED_FILE = "model-replicated.safetensors"
+DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                                     torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or cannot go into this model: the message names the file or tensor."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _inside(directory: Path, name: str) -> Path:
+    """``directory / name``, refusing names that leave the directory (path traversal in an index)."""
+    path = (directory / name).resolve()
+    if directory.resolve() not in path.parents:
+        raise CheckpointError(f"{name!r} points outside the checkpoint directory {directory}")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ reading slices
+class SafetensorsFiles:
+    """The tensors of a directory of safetensors files (a single ``model.safetensors``, an HF index + shards, or
+    explicit key -> file map), read slice by slice. Files open lazily; a corrupt or truncated file is an error
+    naming it."""
+
+    def __init__(self, directory: str | Path, weight_map: dict[str, str] | None = None):
+        self.directory = Path(directory)
+        self._open: dict[Path, object] = {}
+        if weight_map is None:
+            weight_map = self._hf_weight_map()
+        self.weight_map = {key: _inside(self.directory, name) for key, name in weight_map.items()}
+
+    def _hf_weight_map(self) -> dict[str, str]:
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                return json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        single = self.directory / "model.safetensors"
+        if not single.exists():
+            raise CheckpointError(f"{self.directory}: no model.safetensors or model.safetensors.index.json")
+        return {key: single.name for key in self._handle(single).keys()}
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            if not path.exists():
+                raise CheckpointError(f"missing checkpoint file {path}")
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+        return self._open[path]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.weight_map[key]).get_slice(key).get_shape())
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``dim`` (the whole tensor when ``dim`` is None), reading only those bytes."""
+        path = self.weight_map[key]
+        try:
+            piece = self._handle(path).get_slice(key)
+            if dim is None:
+                return piece[:]
+            index = tuple(slice(None) if d != dim else slice(start, stop) for d in range(len(piece.get_shape())))
+            return piece[index]
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {key!r} ({exc})") from None
+
+
+def _local_piece(read_rows, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's local tensor for ``layout``: ``read_rows(dim, start, stop)`` supplies global rows; zero padding
+    is appended where the layout pads."""
+    if not layout.is_sharded:
+        return read_rows(None, 0, None).to(dtype)
+    start, stop = layout.valid_range(rank)
+    local = torch.zeros(layout.local_shape, dtype=dtype)
+    if stop > start:
+        local.narrow(layout.shard_dim, 0, stop - start).copy_(read_rows(layout.shard_dim, start, stop))
+    return local
+
+
+def _tensors_to_load(model: nn.Module):
+    """(tensor, [names]) for every distinct parameter and persistent buffer: tied tensors once, with all names."""
+    seen: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if attr in module._buffers and attr in module._non_persistent_buffers_set:
+            continue
+        seen.setdefault(id(t), (t, []))[1].append(name)
+    return list(seen.values())
+
+
+def _tp_rank(model: nn.Module) -> int:
+    return model._shardlib.mesh.tp_rank if hasattr(model, "_shardlib") else 0
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
+    """Fill a sharded model (materialized) with its slices of an HF checkpoint; return the names loaded."""
+    policy = model._shardlib.policy if hasattr(model, "_shardlib") else None
+    to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
+    rank, loaded, missing = _tp_rank(model), [], []
+    for tensor, names in _tensors_to_load(model):
+        key = next((to_hub(n) for n in names if to_hub(n) in files), None)
+        if key is None:
+            missing.append(" = ".join(to_hub(n) for n in names))
+            continue
+        layout = layout_of(model, names[0])
+        shape = files.shape(key)
+        if shape != layout.global_shape:
+            raise CheckpointError(f"tensor {key!r} in {files.weight_map[key].name} has shape {shape}, "
+                                  f"the model expects {layout.global_shape} ({names[0]})")
+        tensor.copy_(_local_piece(lambda d, a, b: files.read(key, d, a, b), layout, rank, tensor.dtype))
+        loaded.append(names[0])
+    if missing and strict:
+        raise CheckpointError(f"{len(missing)} tensor(s) of {type(model).__name__} missing from {files.directory}: "
+                              + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+    return loaded
+
+
+def _build_sharded(model_class, config, mesh, shard_options: dict) -> nn.Module:
+    from .sharder import shard
+
+    with torch.device("meta"):
+        is_module_class = isinstance(model_class, type) and issubclass(model_class, nn.Module)
+        model = model_class(config) if is_module_class else model_class.from_config(config)  # Auto classes
+    shard(model, mesh, **shard_options)
+    materialize(model)
+    return model
+
+
+def from_pretrained(model_class, path: str | Path, mesh, **shard_options) -> nn.Module:
+    """Build ``model_class`` (an HF model class or Auto class) on the meta device, shard it over ``mesh`` and read
+    each rank's slice of each tensor straight from the HF safetensors checkpoint at ``path`` (single file or
+    index + shards). ``shard_options`` are :func:`shardlib.shard`'s. Returns the model in eval mode, as HF does."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json (not an HF checkpoint directory)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    model = _build_sharded(model_class, config, mesh, shard_options)
+    load_hf_weights(model, SafetensorsFiles(path))
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------- the sharded format
+@dataclass(frozen=True)
+class Piece:
+    file: str
+    dim: int | None
+    start: int
+    stop: int
+
+
+def rank_file(rank: int, tp: int) -> str:
+    return f"model-tp{rank:02d}-of-{tp:02d}.safetensors"
+
+
+def _pieces(layout: Layout) -> list[Piece]:
+    if not layout.is_sharded:
+        return [Piece(REPLICATED_FILE, None, 0, 0)]
+    pieces = []
+    for r in range(layout.num_shards):
+        start, stop = layout.valid_range(r)
+        if stop > start:
+            pieces.append(Piece(rank_file(r, layout.num_shards), layout.shard_dim, start, stop))
+    return pieces
+
+
+def hf_class_name(model: nn.Module) -> str:
+    """The HF class of a (possibly loss-wrapped) sharded model."""
+    return getattr(type(model), "_shardlib_base_class", type(model)).__name__
+
+
+def _rank_file_tensors(model: nn.Module, rank: int) -> tuple[dict, dict]:
+    """This rank's file contents: {file: {key: tensor}} (real rows only), and the metadata of every tensor."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    meta = {}
+    for tensor, names in _tensors_to_load(model):
+        layout = layout_of(model, names[0])
+        pieces = _pieces(layout)
+        meta[names[0]] = {"shape": list(layout.global_shape), "dtype": _dtype_name(tensor.dtype),
+                          "layout": layout.to_dict(), "aliases": names[1:],
+                          "pieces": [vars(p) for p in pieces]}
+        if layout.is_sharded:
+            start, stop = layout.valid_range(rank)
+            if stop > start:
+                files.setdefault(rank_file(rank, layout.num_shards), {})[names[0]] = \
+                    tensor.detach().narrow(layout.shard_dim, 0, stop - start).contiguous()
+        elif rank == 0:
+            files.setdefault(REPLICATED_FILE, {})[names[0]] = tensor.detach().contiguous()
+    return files, meta
+
+
+def _broadcast_str(value: str) -> str:
+    holder = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def save(model: nn.Module, directory: str | Path, *, overwrite: bool = False) -> Path:
+    """Write ``model``'s local shards (no gather) plus ``shardlib.json``; atomic (see module docstring). Every rank
+    of the mesh must call it; data-parallel replicas other than dp rank 0 write nothing."""
+    state = model._shardlib
+    mesh = state.mesh
+    directory = Path(directory)
+    is_writer = getattr(mesh, "dp", 1) == 1 or mesh.local_rank("dp") == 0
+    if directory.exists() and not overwrite:
+        raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
+    tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12])}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    files, meta = _rank_file_tensors(model, mesh.tp_rank)
+    written = {}
+    if is_writer:
+        for name, tensors in files.items():
+            save_file(tensors, str(tmp / name), metadata={"format": "pt", "writer": FORMAT})
+            written[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
+    gathered = [written]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, written)  # small dicts of file names and checksums between our ranks
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        all_files = {k: v for d in gathered for k, v in d.items()}
+        document = {"format": FORMAT, "model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp, "tensors": meta, "files": all_files}
+        (tmp / METADATA).write_text(json.dumps(document, indent=1))
+        old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return directory
+
+
+class ShardedCheckpoint:
+    """A sharded checkpoint directory: its metadata, verified files, and slice reads across pieces."""
+
+    def __init__(self, directory: str | Path, *, verify: bool = True):
+        self.directory = Path(directory)
+        meta_path = self.directory / METADATA
+        if not meta_path.exists():
+            raise CheckpointError(f"{self.directory}: no {METADATA} (not a shardlib checkpoint, or an unfinished save)")
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except ValueError as exc:
+            raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from None
+        if self.meta.get("format") != FORMAT:
+            raise CheckpointError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        self.tensors = self.meta["tensors"]
+        self._verified: set[str] = set()
+        self._verify = verify
+        for t in self.tensors.values():
+            for p in t["pieces"]:
+                _inside(self.directory, p["file"])
+
+    def problems(self) -> list[str]:
+        """Completeness and checksums of every file; an empty list when the checkpoint is whole."""
+        out = []
+        needed = {p["file"] for t in self.tensors.values() for p in t["pieces"]}
+        for name in sorted(needed - set(self.meta["files"])):
+            out.append(f"{name}: named by tensors but not listed in {METADATA}")
+        for name, info in sorted(self.meta["files"].items()):
+            try:
+                self._check_file(name, info)
+            except CheckpointError as exc:
+                out.append(str(exc))
+        return out
+
+    def _check_file(self, name: str, info: dict) -> Path:
+        path = _inside(self.directory, name)
+        if name in self._verified:
+            return path
+        if not path.exists():
+            raise CheckpointError(f"missing checkpoint file {path}")
+        if path.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, {METADATA} records {info['bytes']} (truncated?)")
+        if self._verify and sha256_of(path) != info["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
+        self._verified.add(name)
+        return path
+
+    def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), read from
+        the pieces that overlap them."""
+        t = self.tensors[name]
+        parts = []
+        for p in t["pieces"]:
+            path = self._check_file(p["file"], self.meta["files"][p["file"]])
+            reader = SafetensorsFiles(self.directory, {name: path.name})
+            if p["dim"] is None:
+                whole = reader.read(name)
+                return whole if dim is None else whole.narrow(dim, start, (stop or whole.shape[dim]) - start)
+            if dim is None:
+                parts.append(reader.read(name))
+                continue
+            if dim != p["dim"]:
+                raise CheckpointError(f"{name}: stored split along dim {p['dim']}, requested along {dim}")
+            lo, hi = max(start, p["start"]), min(stop, p["stop"])
+            if lo < hi:
+                parts.append(reader.read(name, dim, lo - p["start"], hi - p["start"]))
+        if not parts:
+            raise CheckpointError(f"{name}: no stored rows for [{start}, {stop}) of dim {dim}")
+        return torch.cat(parts, dim=t["pieces"][0]["dim"] if dim is None else dim)
+
+
+@torch.no_grad()
+def load(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Load a sharded checkpoint into a sharded model of the same architecture under any tp layout (resharding:
+    each rank reads only the overlapping rows of the stored pieces)."""
+    ckpt = ShardedCheckpoint(directory)
+    expected = hf_class_name(model)
+    if ckpt.meta["model_class"] != expected:
+        raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
+    if any(t.device.type == "meta" for t in model.parameters()):
+        materialize(model)
+    rank = _tp_rank(model)
+    for tensor, names in _tensors_to_load(model):
+        name = next((n for n in names if n in ckpt.tensors), None)
+        if name is None:
+            raise CheckpointError(f"tensor {names[0]!r} of {type(model).__name__} is not in {directory}")
+        layout = layout_of(model, names[0])
+        stored = tuple(ckpt.tensors[name]["shape"])
+        if stored != layout.global_shape:
+            raise CheckpointError(f"tensor {name!r} in {directory} has shape {stored}, the model expects "
+                                  f"{layout.global_shape}")
+        tensor.copy_(_local_piece(lambda d, a, b: ckpt.read(name, d, a, b), layout, rank, tensor.dtype))
+    return model
+
+
+def from_sharded(model_class, directory: str | Path, mesh, **shard_options) -> nn.Module:
+    """Build ``model_class`` from the config stored in a sharded checkpoint, shard it over ``mesh`` (any tp) and
+    load it."""
+    from transformers import AutoConfig
+
+    ckpt = ShardedCheckpoint(directory)
+    config_dict = dict(ckpt.meta["config"])
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    model = _build_sharded(model_class, config, mesh, shard_options)
+    return load(model, directory).eval()
+
+
+def export_hf(directory: str | Path, destination: str | Path, *, overwrite: bool = False,
+              max_shard_bytes: int = 2 << 30, progress=None) -> Path:
+    """Write a plain HF checkpoint (Hub key names, ``config.json``; ``model.safetensors`` or index + shards of at
+    most ``max_shard_bytes``) from a sharded checkpoint, one full tensor at a time. Needs no process group."""
+    from shardlib.policies import policy_for_class_name  # noqa: PLC0415
+
+    ckpt = ShardedCheckpoint(directory)
+    policy = policy_for_class_name(ckpt.meta["model_class"])
+    destination = Path(destination)
+    if destination.exists() and not overwrite:
+        raise CheckpointError(f"{destination} exists; pass overwrite=True to replace it")
+    tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    written: list[tuple[str, list[str]]] = []  # (part file, hub keys); one part held in memory at a time
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        part = f".part-{len(written)}"
+        save_file(current, str(tmp / part), metadata={"format": "pt"})
+        written.append((part, list(current)))
+
+    for name in ckpt.tensors:
+        tensor = ckpt.read(name, None, 0, None).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+            current, size = {}, 0
+        current[policy.to_hub_key(name)] = tensor
+        size += nbytes
+        if progress:
+            progress(name, nbytes)
+    flush()
+    if len(written) == 1:
+        os.replace(tmp / written[0][0], tmp / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, (part, keys) in enumerate(written):
+            final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            os.replace(tmp / part, tmp / final)
+            weight_map |= {k: final for k in keys}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps(ckpt.meta["config"], indent=1))
+    old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
+    if destination.exists():
+        destination.rename(old)
+    tmp.rename(destination)
+    shutil.rmtree(old, ignore_errors=True)
+    return destination
