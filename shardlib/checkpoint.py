@@ -229,16 +229,18 @@ def hf_class_name(model: nn.Module) -> str:
     return getattr(type(model), "_shardlib_base_class", type(model)).__name__
 
 
+def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str]) -> dict:
+    return {"shape": list(layout.global_shape), "dtype": _dtype_name(dtype), "layout": layout.to_dict(),
+            "aliases": aliases, "pieces": [vars(p) for p in _pieces(layout)]}
+
+
 def _rank_file_tensors(model: nn.Module, rank: int) -> tuple[dict, dict]:
     """This rank's file contents: {file: {key: tensor}} (real rows only), and the metadata of every tensor."""
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
     for tensor, names in _tensors_to_load(model):
         layout = layout_of(model, names[0])
-        pieces = _pieces(layout)
-        meta[names[0]] = {"shape": list(layout.global_shape), "dtype": _dtype_name(tensor.dtype),
-                          "layout": layout.to_dict(), "aliases": names[1:],
-                          "pieces": [vars(p) for p in pieces]}
+        meta[names[0]] = _tensor_entry(layout, tensor.dtype, names[1:])
         if layout.is_sharded:
             start, stop = layout.valid_range(rank)
             if stop > start:
@@ -271,24 +273,41 @@ def save(model: nn.Module, directory: str | Path, *, overwrite: bool = False) ->
     written = {}
     if is_writer:
         for name, tensors in files.items():
-            save_file(tensors, str(tmp / name), metadata={"format": "pt", "writer": FORMAT})
-            written[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
+            written[name] = _write_file(tmp, name, tensors)
     gathered = [written]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, written)  # small dicts of file names and checksums between our ranks
     if not dist.is_initialized() or dist.get_rank() == 0:
         all_files = {k: v for d in gathered for k, v in d.items()}
-        document = {"format": FORMAT, "model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp, "tensors": meta, "files": all_files}
-        (tmp / METADATA).write_text(json.dumps(document, indent=1))
-        old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
+        _finish(tmp, directory, _document(hf_class_name(model), model.config.to_dict(), mesh.tp, meta, all_files))
     if dist.is_initialized():
         dist.barrier()
     return directory
+
+
+def _document(model_class: str, config: dict, tp: int, tensors: dict, files: dict) -> dict:
+    return {"format": FORMAT, "model_class": model_class, "config": config, "tp": tp, "tensors": tensors,
+            "files": files}
+
+
+def _finish(tmp: Path, directory: Path, document: dict | None) -> None:
+    """Write the metadata last, then swap the finished directory in (the old one survives until then)."""
+    if document is not None:
+        with open(tmp / METADATA, "w") as f:
+            f.write(json.dumps(document, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+    if directory.exists():
+        directory.rename(old)
+    tmp.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_file(tmp: Path, name: str, tensors: dict) -> dict:
+    save_file(tensors, str(tmp / name), metadata={"format": "pt", "writer": FORMAT})
+    return {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
 
 
 class ShardedCheckpoint:
@@ -441,9 +460,76 @@ def export_hf(directory: str | Path, destination: str | Path, *, overwrite: bool
             weight_map |= {k: final for k in keys}
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (tmp / "config.json").write_text(json.dumps(ckpt.meta["config"], indent=1))
-    old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
-    if destination.exists():
-        destination.rename(old)
-    tmp.rename(destination)
-    shutil.rmtree(old, ignore_errors=True)
+    _finish(tmp, destination, None)
+    return destination
+
+
+def _config_and_class(source: Path):
+    """(HF config, model class, tensor reader(name, dim, start, stop), policy) of an HF or sharded checkpoint."""
+    import transformers
+    from transformers import AutoConfig
+
+    from shardlib.policies import policy_for_class_name  # noqa: PLC0415
+
+    if (source / METADATA).exists():
+        ckpt = ShardedCheckpoint(source)
+        config_dict = dict(ckpt.meta["config"])
+        config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+        class_name = ckpt.meta["model_class"]
+        return config, class_name, ckpt.read
+    if not (source / "config.json").exists():
+        raise CheckpointError(f"{source}: neither a shardlib checkpoint ({METADATA}) nor an HF one (config.json)")
+    config = AutoConfig.from_pretrained(source, local_files_only=True)
+    class_name = (config.architectures or [None])[0]
+    if class_name is None or not hasattr(transformers, class_name):
+        raise CheckpointError(f"{source}/config.json names no known model class (architectures={config.architectures})")
+    files = SafetensorsFiles(source)
+    to_hub = policy_for_class_name(class_name).to_hub_key
+    return config, class_name, lambda name, dim, start, stop: files.read(to_hub(name), dim, start, stop)
+
+
+def convert(source: str | Path, destination: str | Path, *, tp: int, overwrite: bool = False,
+            progress=None) -> Path:
+    """HF -> sharded or sharded -> sharded (any tp), without a process group: the layouts come from sharding the
+    model on the meta device offline. One rank file is held in memory at a time (1/tp of the model)."""
+    import transformers
+
+    from .mesh import OfflineMesh
+    from .sharder import shard
+
+    source, destination = Path(source), Path(destination)
+    if destination.exists() and not overwrite:
+        raise CheckpointError(f"{destination} exists; pass overwrite=True / --overwrite to replace it")
+    config, class_name, read = _config_and_class(source)
+    with torch.device("meta"):
+        model = getattr(transformers, class_name)(config)
+    shard(model, OfflineMesh(tp=tp))  # validates the layout: e.g. heads that the new tp does not divide
+    entries = [(names, layout_of(model, names[0]), tensor.dtype) for tensor, names in _tensors_to_load(model)]
+    tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    try:
+        meta, written = {}, {}
+        for names, layout, dtype in entries:
+            meta[names[0]] = _tensor_entry(layout, dtype, names[1:])
+        replicated = {names[0]: read(names[0], None, 0, None) for names, layout, _ in entries if not layout.is_sharded}
+        for names, layout, _ in entries:
+            if progress and not layout.is_sharded:
+                progress(names[0], replicated[names[0]].numel() * replicated[names[0]].element_size())
+        if replicated:
+            written[REPLICATED_FILE] = _write_file(tmp, REPLICATED_FILE, replicated)
+        del replicated
+        for rank in range(tp):
+            tensors = {}
+            for names, layout, _ in entries:
+                if layout.is_sharded:
+                    start, stop = layout.valid_range(rank)
+                    if stop > start:
+                        tensors[names[0]] = read(names[0], layout.shard_dim, start, stop).contiguous()
+                        if progress:
+                            progress(names[0], tensors[names[0]].numel() * tensors[names[0]].element_size())
+            written[rank_file(rank, tp)] = _write_file(tmp, rank_file(rank, tp), tensors)
+        _finish(tmp, destination, _document(class_name, config.to_dict(), tp, meta, written))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return destination

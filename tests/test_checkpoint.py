@@ -26,3 +26,162 @@ def test_export_in_several_shards(pool, tmp_path):
              str(tmp_path))
     assert len(list((tmp_path / "export").glob("model-0000*-of-*.safetensors"))) > 3
     assert (tmp_path / "export" / "model.safetensors.index.json").exists()
+
+
+# ------------------------------------------------------------------------------- single process: bad input
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, ViTConfig, ViTModel  # noqa: E402
+
+import shardlib  # noqa: E402
+from shardlib import checkpoint as ckpt  # noqa: E402
+from shardlib.mesh import OfflineMesh  # noqa: E402
+
+CONFIG = dict(vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "shardlib.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(**CONFIG))
+    model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf", model
+
+
+@pytest.fixture
+def sharded_dir(hf_dir, tmp_path):
+    return ckpt.convert(hf_dir[0], tmp_path / "sharded", tp=2), hf_dir[1]
+
+
+def test_cli_convert_inspect_verify_round_trip(hf_dir, tmp_path):
+    src, original = hf_dir
+    assert cli("convert", str(src), str(tmp_path / "s4"), "--tp", "4").returncode == 0
+    assert cli("convert", str(tmp_path / "s4"), str(tmp_path / "s2"), "--tp", "2").returncode == 0
+    listing = cli("inspect", str(tmp_path / "s2"))
+    assert listing.returncode == 0 and "dim 0 / 2 (padded to 62)" in listing.stdout
+    assert cli("verify", str(tmp_path / "s2")).returncode == 0
+    assert cli("convert", str(tmp_path / "s2"), str(tmp_path / "back"), "--to", "hf").returncode == 0
+    back = BertForMaskedLM.from_pretrained(tmp_path / "back")
+    for name, value in original.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    for command in ("convert", "inspect", "verify", "run"):
+        assert cli(command, "--help").returncode == 0
+
+
+def test_from_pretrained_single_rank_equals_hf(hf_dir):
+    src, original = hf_dir
+    model = ckpt.from_pretrained(BertForMaskedLM, src, OfflineMesh())
+    ids = torch.randint(0, 61, (2, 5))
+    torch.testing.assert_close(model(input_ids=ids).logits, original.eval()(input_ids=ids).logits)
+
+
+def test_auto_class_is_accepted(hf_dir):
+    from transformers import AutoModelForMaskedLM
+
+    model = ckpt.from_pretrained(AutoModelForMaskedLM, hf_dir[0], OfflineMesh())
+    assert type(model).__mro__[1] is BertForMaskedLM
+
+
+def test_truncated_hf_file_is_named(hf_dir, tmp_path):
+    src, _ = hf_dir
+    path = src / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ckpt.CheckpointError, match="model.safetensors"):
+        ckpt.from_pretrained(BertForMaskedLM, src, OfflineMesh())
+    result = cli("convert", str(src), str(tmp_path / "out"), "--tp", "2")
+    assert result.returncode == 1 and "model.safetensors" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_corrupted_sharded_file_fails_verify_and_load(sharded_dir):
+    directory, _ = sharded_dir
+    victim = directory / "model-tp01-of-02.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result = cli("verify", str(directory))
+    assert result.returncode == 1 and "model-tp01-of-02.safetensors: checksum mismatch" in result.stderr
+    model = BertForMaskedLM(BertConfig(**CONFIG))
+    shardlib.shard(model, OfflineMesh(tp=2, tp_rank=1))
+    with pytest.raises(ckpt.CheckpointError, match="checksum mismatch"):
+        ckpt.load(model, directory)
+
+
+def test_missing_shard_file(sharded_dir):
+    directory, _ = sharded_dir
+    (directory / "model-tp00-of-02.safetensors").unlink()
+    result = cli("verify", str(directory))
+    assert result.returncode == 1 and "missing checkpoint file" in result.stderr and "tp00" in result.stderr
+
+
+def test_index_pointing_outside_the_directory(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text(BertConfig(**CONFIG).to_json_string())
+    (tmp_path / "ck" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"bert.embeddings.word_embeddings.weight": "../../etc/passwd"}}))
+    with pytest.raises(ckpt.CheckpointError, match="points outside the checkpoint directory"):
+        ckpt.from_pretrained(BertForMaskedLM, tmp_path / "ck", OfflineMesh())
+
+
+def test_shape_mismatch_names_the_tensor(hf_dir):
+    src, _ = hf_dir
+    with pytest.raises(ckpt.CheckpointError, match=r"word_embeddings.weight.*shape \(61, 16\).*expects \(61, 32\)"):
+        model = BertForMaskedLM(BertConfig(**{**CONFIG, "hidden_size": 32}))
+        shardlib.shard(model, OfflineMesh())
+        ckpt.load_hf_weights(model, ckpt.SafetensorsFiles(src))
+
+
+def test_checkpoint_of_another_architecture(sharded_dir):
+    directory, _ = sharded_dir
+    model = ViTModel(ViTConfig(image_size=8, patch_size=4, hidden_size=8, num_hidden_layers=1,
+                               num_attention_heads=2, intermediate_size=8))
+    shardlib.shard(model, OfflineMesh())
+    with pytest.raises(ckpt.CheckpointError, match="holds a BertForMaskedLM, not a ViTModel"):
+        ckpt.load(model, directory)
+
+
+def test_layout_the_model_cannot_take(sharded_dir, tmp_path):
+    result = cli("convert", str(sharded_dir[0]), str(tmp_path / "t3"), "--tp", "3")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("shardlib convert:")]
+    assert result.returncode == 1 and len(errors) == 1 and "is not divisible by tp=3" in errors[0]
+    assert not (tmp_path / "t3").exists()
+
+
+def test_existing_destination_is_refused_unless_overwrite(sharded_dir, hf_dir):
+    directory, _ = sharded_dir
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    result = cli("convert", str(hf_dir[0]), str(directory), "--tp", "4")
+    assert result.returncode == 1 and "exists" in result.stderr
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert cli("convert", str(hf_dir[0]), str(directory), "--tp", "4", "--overwrite").returncode == 0
+    assert json.loads((directory / "shardlib.json").read_text())["tp"] == 4
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(sharded_dir, monkeypatch):
+    """A writer dying in the middle of a file: the old checkpoint stays whole under its name, nothing half-written
+    appears there."""
+    directory, original = sharded_dir
+    model = ckpt.from_pretrained(BertForMaskedLM, directory.parent / "hf", OfflineMesh())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    def dying_save_file(tensors, path, metadata=None):
+        with open(path, "wb") as f:  # half a file, then the process dies
+            f.write(b"\x00" * 100)
+        raise RuntimeError("rank died")
+
+    monkeypatch.setattr(ckpt, "save_file", dying_save_file)
+    with pytest.raises(RuntimeError, match="rank died"):
+        ckpt.save(model, directory, overwrite=True)
+    assert cli("verify", str(directory)).returncode == 0
+    reloaded = BertForMaskedLM(BertConfig(**CONFIG))
+    shardlib.shard(reloaded, OfflineMesh())
+    ckpt.load(reloaded, directory)
+    for name, value in original.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], value), name
