@@ -111,9 +111,9 @@ class SafetensorsFiles:
         """Rows ``[start, stop)`` of ``dim`` (the whole tensor when ``dim`` is None), reading only those bytes."""
         path = self.weight_map[key]
         try:
-            piece = self._handle(path).get_slice(key)
             if dim is None:
-                return piece[:]
+                return self._handle(path).get_tensor(key)
+            piece = self._handle(path).get_slice(key)
             index = tuple(slice(None) if d != dim else slice(start, stop) for d in range(len(piece.get_shape())))
             return piece[index]
         except CheckpointError:
@@ -234,12 +234,38 @@ def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str]) -> dic
             "aliases": aliases, "pieces": [vars(p) for p in _pieces(layout)]}
 
 
-def _rank_file_tensors(model: nn.Module, rank: int) -> tuple[dict, dict]:
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def _saved_tensors(model: nn.Module, optimizer=None):
+    """(name, tensor, layout, aliases) of everything a checkpoint holds: parameters and persistent buffers (tied
+    ones once), then, with an optimizer, each parameter's state tensors as ``optimizer.<state>.<param name>``:
+    moments shaped like the parameter share its layout, scalars (``step``) are replicated."""
+    for tensor, names in _tensors_to_load(model):
+        yield names[0], tensor, layout_of(model, names[0]), names[1:]
+    if optimizer is None:
+        return
+    for tensor, names in _tensors_to_load(model):
+        for key, value in optimizer.state.get(tensor, {}).items():
+            if torch.is_tensor(value):
+                layout = layout_of(model, names[0]) if value.shape == tensor.shape else Layout.replicated(value.shape)
+                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", value, layout, []
+
+
+def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
+    if optimizer is None:
+        return None
+    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
+                                                                                 list, tuple))}
+            for group in optimizer.param_groups]
+
+
+def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None) -> tuple[dict, dict]:
     """This rank's file contents: {file: {key: tensor}} (real rows only), and the metadata of every tensor."""
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
-    for tensor, names in _tensors_to_load(model):
-        layout = layout_of(model, names[0])
+    for name, tensor, layout, aliases in _saved_tensors(model, optimizer):
+        names = [name, *aliases]
         meta[names[0]] = _tensor_entry(layout, tensor.dtype, names[1:])
         if layout.is_sharded:
             start, stop = layout.valid_range(rank)
@@ -258,9 +284,11 @@ def _broadcast_str(value: str) -> str:
     return holder[0]
 
 
-def save(model: nn.Module, directory: str | Path, *, overwrite: bool = False) -> Path:
+def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: bool = False) -> Path:
     """Write ``model``'s local shards (no gather) plus ``shardlib.json``; atomic (see module docstring). Every rank
-    of the mesh must call it; data-parallel replicas other than dp rank 0 write nothing."""
+    of the mesh must call it; data-parallel replicas other than dp rank 0 write nothing. With ``optimizer``, its
+    per-parameter state (AdamW moments and step) is saved the same way, keyed by parameter name, and its
+    hyperparameters go into the metadata, so training resumes exactly (also under another tp)."""
     state = model._shardlib
     mesh = state.mesh
     directory = Path(directory)
@@ -269,7 +297,7 @@ def save(model: nn.Module, directory: str | Path, *, overwrite: bool = False) ->
         raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
     tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12])}"
     tmp.mkdir(parents=True, exist_ok=True)
-    files, meta = _rank_file_tensors(model, mesh.tp_rank)
+    files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer)
     written = {}
     if is_writer:
         for name, tensors in files.items():
@@ -280,7 +308,9 @@ def save(model: nn.Module, directory: str | Path, *, overwrite: bool = False) ->
         dist.all_gather_object(gathered, written)  # small dicts of file names and checksums between our ranks
     if not dist.is_initialized() or dist.get_rank() == 0:
         all_files = {k: v for d in gathered for k, v in d.items()}
-        _finish(tmp, directory, _document(hf_class_name(model), model.config.to_dict(), mesh.tp, meta, all_files))
+        document = _document(hf_class_name(model), model.config.to_dict(), mesh.tp, meta, all_files)
+        document["optimizer"] = _optimizer_hyperparameters(optimizer)
+        _finish(tmp, directory, document)
     if dist.is_initialized():
         dist.barrier()
     return directory
@@ -381,10 +411,19 @@ class ShardedCheckpoint:
         return torch.cat(parts, dim=t["pieces"][0]["dim"] if dim is None else dim)
 
 
+def _read_local(ckpt: ShardedCheckpoint, name: str, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    stored = tuple(ckpt.tensors[name]["shape"])
+    if stored != layout.global_shape:
+        raise CheckpointError(f"tensor {name!r} in {ckpt.directory} has shape {stored}, the model expects "
+                              f"{layout.global_shape}")
+    return _local_piece(lambda d, a, b: ckpt.read(name, d, a, b), layout, rank, dtype)
+
+
 @torch.no_grad()
-def load(model: nn.Module, directory: str | Path) -> nn.Module:
+def load(model: nn.Module, directory: str | Path, *, optimizer=None) -> nn.Module:
     """Load a sharded checkpoint into a sharded model of the same architecture under any tp layout (resharding:
-    each rank reads only the overlapping rows of the stored pieces)."""
+    each rank reads only the overlapping rows of the stored pieces); with ``optimizer`` (built over this model's
+    parameters), restore its state and hyperparameters too."""
     ckpt = ShardedCheckpoint(directory)
     expected = hf_class_name(model)
     if ckpt.meta["model_class"] != expected:
@@ -396,13 +435,32 @@ def load(model: nn.Module, directory: str | Path) -> nn.Module:
         name = next((n for n in names if n in ckpt.tensors), None)
         if name is None:
             raise CheckpointError(f"tensor {names[0]!r} of {type(model).__name__} is not in {directory}")
-        layout = layout_of(model, names[0])
-        stored = tuple(ckpt.tensors[name]["shape"])
-        if stored != layout.global_shape:
-            raise CheckpointError(f"tensor {name!r} in {directory} has shape {stored}, the model expects "
-                                  f"{layout.global_shape}")
-        tensor.copy_(_local_piece(lambda d, a, b: ckpt.read(name, d, a, b), layout, rank, tensor.dtype))
+        tensor.copy_(_read_local(ckpt, name, layout_of(model, names[0]), rank, tensor.dtype))
+    if optimizer is not None:
+        _load_optimizer(model, ckpt, optimizer, rank)
     return model
+
+
+def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: int) -> None:
+    groups = ckpt.meta.get("optimizer")
+    if groups is None:
+        raise CheckpointError(f"{ckpt.directory} has no optimizer state (saved without optimizer=)")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{ckpt.directory}: {len(groups)} optimizer param groups, this optimizer has "
+                              f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    for tensor, names in _tensors_to_load(model):
+        state = {}
+        for stored in ckpt.tensors:
+            if stored.startswith(OPTIMIZER_PREFIX) and stored.endswith("." + names[0]):
+                key = stored[len(OPTIMIZER_PREFIX):-len(names[0]) - 1]
+                shape = ckpt.tensors[stored]["shape"]
+                layout = layout_of(model, names[0]) if tuple(shape) == layout_of(model, names[0]).global_shape \
+                    else Layout.replicated(shape)
+                state[key] = _read_local(ckpt, stored, layout, rank, DTYPES[ckpt.tensors[stored]["dtype"]])
+        if state:
+            optimizer.state[tensor] = state
 
 
 def from_sharded(model_class, directory: str | Path, mesh, **shard_options) -> nn.Module:

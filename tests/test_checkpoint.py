@@ -185,3 +185,9 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(sharded_dir, monkeypatch):
     ckpt.load(reloaded, directory)
     for name, value in original.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("tp_a, tp_b", [(2, 2), (2, 4)])
+def test_training_resumes_exactly_with_optimizer_state(pool, tmp_path, tp_a, tp_b):
+    results = pool.run(rank_tasks.training_resumes_exactly, {**BERT, "tp_a": tp_a, "tp_b": tp_b}, str(tmp_path))
+    assert results[0]["continued"][0] != results[0]["continued"][1]
