@@ -1,34 +1,11 @@
 """Property-based equivalence of sharded BERT (every class) with the unsharded model, on 4 real gloo ranks."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
 
 import rank_tasks
+from strategies import bert_specs
 from bert_cases import CLASSES
-
-
-@st.composite
-def bert_specs(draw, classes=CLASSES, tp=(1, 2, 4)):
-    tp = draw(st.sampled_from(tp))
-    cls = draw(st.sampled_from(classes))
-    config = {
-        "heads": tp * draw(st.integers(1, 2)),
-        "head_dim": draw(st.sampled_from([2, 4, 8])),
-        "layers": draw(st.integers(1, 2)),
-        "intermediate": tp * draw(st.integers(1, 6)),
-        "vocab": draw(st.integers(5, 70)),  # divisible by tp or not: padded
-        "act": draw(st.sampled_from(["gelu", "relu"])),
-        "tie": draw(st.booleans()),
-        "num_labels": draw(st.integers(2, 5)),
-        "cross_attention": draw(st.booleans()),
-    }
-    seq = draw(st.integers(2 if cls == "BertLMHeadModel" else 1, 9))  # causal loss needs 2 tokens
-    return {
-        "cls": cls, "tp": tp, "config": config, "seq": seq, "batch": draw(st.integers(1, 3)),
-        "enc_seq": draw(st.integers(1, 7)), "padding": draw(st.booleans()),
-        "dtype": draw(st.sampled_from(["float32", "float64"])), "seed": draw(st.integers(0, 2**20)),
-        "meta": draw(st.booleans()),
-    }
 
 
 @given(spec=bert_specs())
