@@ -355,7 +355,8 @@ def _self_check(which: str) -> None:
         )
         inputs = dict(input_ids=torch.randint(0, config.vocab_size, (4, 24), generator=g),
                       decoder_input_ids=torch.randint(0, config.vocab_size, (4, 16), generator=g), use_cache=False)
-        for label, kwargs in (("t5 megatron plan", {}), ("t5 + embedding_colwise bias", dict(bias_style="embedding_colwise"))):
+        for label, kwargs in (("t5 megatron plan", {}),
+                              ("t5 + embedding_colwise bias", dict(bias_style="embedding_colwise"))):
             tp_model = build_hf_tp_t5(config, tmpdir, seed=1234, **kwargs)
             for grad in (False, True):
                 try:

@@ -66,7 +66,7 @@ How to run
 
 On the reference machine (2 cores, no GPU) the full default run (timed steps per mode: bert-small 20, bert-base
 12, vit-base 8, t5-base 6, each after 2 warm-up steps; the big models report the median of fewer steps) takes
-about 8 minutes, ``--quick`` about 25 s. The machine must otherwise be idle: two TP ranks with one thread each or
+about 7 minutes, ``--quick`` about 20 s. The machine must otherwise be idle: two TP ranks with one thread each or
 one process with two threads leave no core spare, and a single busy neighbour process can halve a mode's speed
 (the two-thread unsharded run suffers most: its OpenMP regions wait for the descheduled thread). Each mode
 therefore first waits (``--wait-idle``, default up to 60 s) for other processes to go quiet, and every timing
@@ -117,7 +117,7 @@ ALIASES = {"tiny": "bert-tiny", "small": "bert-small", "base": "bert-base"}  # t
 DEFAULT_SIZES = ("bert-small", "bert-base", "vit-base", "t5-base")
 QUICK_SIZES = ("bert-tiny", "vit-tiny", "t5-tiny")
 #: Timed steps per size when --steps is not given. On 2 cores a bert-base step takes ~2-2.5 s, a bert-small one
-#: ~0.1-0.2 s; vit-base does ~1.6x and t5-base ~2.4x bert-base's matmul work per step.
+#: ~0.1-0.2 s; an unsharded vit-base step ~3.2 s and a t5-base one ~5.3 s (fewer steps keep the run ~7 minutes).
 DEFAULT_STEPS = {"bert-tiny": 5, "bert-small": 20, "bert-base": 12, "vit-tiny": 5, "vit-small": 20, "vit-base": 8,
                  "t5-tiny": 5, "t5-small": 12, "t5-base": 6}
 MODEL_CLASS = {"bert": "BertModel", "vit": "ViTModel", "t5": "T5Model"}
