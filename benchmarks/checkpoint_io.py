@@ -1,0 +1,728 @@
+"""Checkpoint I/O on CPU at tp=2: shardlib's sharded load/save/convert vs full loads, transformers' TP and DCP.
+
+What is measured
+----------------
+Setup: a ``BertForMaskedLM`` is built from a config with random weights (``torch.manual_seed(0)``) and written
+with ``save_pretrained`` (safetensors) into a temp dir that the whole run shares. Default size: BERT-large
+(24 layers, hidden 1024, 16 heads, intermediate 4096, vocab 30522, 512 positions): 335 M parameters, ~1.34 GB of
+fp32 weights. ``--quick``: 2 layers, hidden 128, 4 heads, vocab 1000 (a smoke run).
+
+1. Loading at tp=2. Two worker processes are spawned by this script (``torch.multiprocessing``, start method
+   "spawn"; gloo over 127.0.0.1 with ``MASTER_ADDR=127.0.0.1``, a free port and ``GLOO_SOCKET_IFNAME=lo``), a
+   fresh pair per variant, one torch thread per rank:
+
+   * ``shardlib``: ``shardlib.checkpoint.from_pretrained(BertForMaskedLM, dir, mesh)`` (meta-device build, shard,
+     each rank reads only its rows with ``safe_open(...).get_slice``);
+   * ``full load + shard`` (baseline): ``BertForMaskedLM.from_pretrained(dir)`` on every rank, then
+     ``shardlib.shard(model, mesh)``;
+   * ``HF tp_plan``: transformers' own ``BertForMaskedLM.from_pretrained(dir, distributed_config=
+     DistributedConfig(tp_plan=...))`` with the Megatron plan of ``benchmarks/_hf_dtensor_tp.py`` prefixed with
+     ``bert.`` (embeddings and the tied MLM decoder stay replicated). If it fails the column reads n/a with the
+     reason.
+
+   Per rank: the load's wall time (the table shows the slowest rank; the first load in the fresh process, and the
+   median over ``--load-repeats`` loads in the same processes), the process baseline (``VmRSS`` right after the
+   imports and the process-group init; then the peak is reset by writing ``5`` to ``/proc/self/clear_refs``), the
+   peak resident memory (``VmHWM`` after the first load: anonymous memory *and* mapped file pages that were
+   touched), and the local shard bytes (``shardlib.report(model).local_bytes``; for HF the local bytes of its
+   parameters, DTensors counted by ``to_local()``). Target: peak <= 1.1 x (local shard bytes + baseline) on every
+   rank. A forward check follows: every variant computes the MLM loss of one fixed masked batch; the values must
+   agree.
+
+2. Sharded save at tp=2 (in the ``shardlib`` processes, after its load): ``shardlib.checkpoint.save(model, dir)``
+   vs ``torch.distributed.checkpoint.save`` (DCP, ``FileSystemWriter`` defaults, i.e. one file per rank, fsync on)
+   of the same tensors, median of ``--save-repeats``, alternating, each into a new dir. DCP gets every sharded
+   tensor as ``DTensor.from_local(local rows, tp mesh, [Shard(dim)])`` (no copy) and replicated tensors as plain
+   tensors: with plain local tensors under the global names DCP's planner would de-duplicate them as if replicated
+   and keep one rank's shard only, so the DTensor wrapping is the arrangement that saves each rank's local tensors
+   (and it is what makes a DCP reshard possible). Tied tensors are saved once by both. Resharding tp=2 -> tp=4:
+   ``shardlib.checkpoint.convert(sharded_tp2, out, tp=4)`` (offline, one process, writes the tp=4 files) vs DCP
+   loading its tp=2 checkpoint into tp=4 DTensors in 4 fresh processes (load only, nothing written); the DCP
+   result is then compared tensor by tensor with shardlib's tp=4 files.
+
+3. HF -> sharded tp=2 conversion throughput: ``shardlib.checkpoint.convert(hf_dir, out, tp=2)`` (offline; reads,
+   writes and SHA-256-hashes the ~same number of bytes) in GB/s of the HF safetensors bytes, vs reading those
+   bytes with plain Python ``readinto`` (run right before; median of 3), plus SHA-256 of the same file as a
+   reference point. Target: conversion >= 0.5 x raw read. Nothing drops the page cache: the HF file was just
+   written (24 GB RAM), so every read in this benchmark, the raw read included, is a page-cache read and every
+   write goes to the page cache (DCP's fsync is the exception).
+
+How to run
+----------
+    .venv/bin/python benchmarks/checkpoint_io.py            # BERT-large, ~5-8 minutes on 2 cores
+    .venv/bin/python benchmarks/checkpoint_io.py --quick    # small model, smoke run (< 1 minute)
+
+The machine should be otherwise idle (the script waits up to ``--wait-idle`` seconds for that). All temp dirs
+are removed at the end (also on failure). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+# Keep the module light at import: spawned workers re-import it, and the DCP tp=4 workers need torch only.
+BENCH_DIR = Path(__file__).resolve().parent
+
+CONFIGS = {
+    "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
+                       vocab_size=30522, max_position_embeddings=512),
+    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                      vocab_size=30522, max_position_embeddings=512),
+    "quick": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512,
+                  vocab_size=1000, max_position_embeddings=128),
+}
+MiB = 2**20
+VARIANTS = ("shardlib", "full", "hf")
+TITLES = {"shardlib": "shardlib", "full": "full load + shard", "hf": "HF tp_plan", "dcp": "DCP", "raw": "raw read"}
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _PeakSampler:
+    """Samples /proc/self/status every ~2 ms in a thread: the peaks of RssAnon (private memory) and RssFile
+    (mapped file pages) separately, which VmHWM (their peak sum) cannot tell apart."""
+
+    def __init__(self, interval_s: float = 0.002):
+        import threading
+
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._done = threading.Event()
+        self._interval = interval_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            s = _status()
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], s[k])
+            self._done.wait(self._interval)
+
+    def stop(self) -> dict[str, int]:
+        self._done.set()
+        self._thread.join()
+        return self.peak
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_idle(timeout_s: float, threshold: float = 0.2) -> float:
+    start = time.perf_counter()
+    while True:
+        b0, t0 = _machine_busy_s(), time.perf_counter()
+        time.sleep(1.0)
+        load = (_machine_busy_s() - b0) / (time.perf_counter() - t0)
+        waited = time.perf_counter() - start
+        if load <= threshold or waited >= timeout_s:
+            if waited > 1.5:
+                print(f"(waited {waited:.0f} s for the machine to go quiet; now {load:.2f} cores busy)", flush=True)
+            return load
+
+
+def _bert_config(size: str):
+    from transformers import BertConfig
+
+    return BertConfig(**CONFIGS[size], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _check_batch(vocab: int):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(5, vocab, (2, 16), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    ids = torch.where(labels != -100, torch.full_like(ids, 4), ids)
+    return ids, labels
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ------------------------------------------------------------------------------------------------------ workers
+def _init_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+
+
+def _hf_tp_plan() -> dict[str, str]:
+    sys.path.insert(0, str(BENCH_DIR))
+    from _hf_dtensor_tp import BERT_TP_PLAN  # noqa: PLC0415
+
+    return {"bert." + k: v for k, v in BERT_TP_PLAN.items()}
+
+
+def _load(variant: str, hf_dir: str, mesh):
+    from transformers import BertForMaskedLM
+
+    import shardlib
+    from shardlib import checkpoint
+
+    if variant == "shardlib":
+        return checkpoint.from_pretrained(BertForMaskedLM, hf_dir, mesh)
+    if variant == "full":
+        model = BertForMaskedLM.from_pretrained(hf_dir, dtype=torch.float32)
+        return shardlib.shard(model, mesh)
+    from transformers.distributed import DistributedConfig
+
+    return BertForMaskedLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                           distributed_config=DistributedConfig(tp_plan=_hf_tp_plan()))
+
+
+def _local_param_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            t = _local(p)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _dcp_state_dict(model) -> dict:
+    """Every persistent tensor once (ties once, first name), sharded ones as DTensors over the tp mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    import shardlib
+
+    tp_mesh = model._shardlib.mesh.device_mesh["tp"]
+    rank = model._shardlib.mesh.tp_rank
+    out, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        layout = shardlib.layout_of(model, name)
+        t = t.detach()
+        if not layout.is_sharded:
+            out[name] = t
+            continue
+        start, stop = layout.valid_range(rank)
+        local = t.narrow(layout.shard_dim, 0, max(stop - start, 0))
+        shape = torch.Size(layout.global_shape)
+        out[name] = DTensor.from_local(local, tp_mesh, [Shard(layout.shard_dim)], run_check=False, shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride())
+    return out
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()  # a save is done when every rank is done
+    return time.perf_counter() - t0
+
+
+def _save_benchmarks(model, work: Path, repeats: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from shardlib import checkpoint
+
+    rank = dist.get_rank()
+    sd = _dcp_state_dict(model)
+    times = {"shardlib": [], "dcp": []}
+    sizes = {}
+    for i in range(repeats):
+        keep = i == repeats - 1  # the last ones stay for the resharding step
+        for kind in ("shardlib", "dcp"):
+            target = work / f"{kind}_tp2" if keep else work / f"{kind}_tmp{i}"
+            if kind == "shardlib":
+                times[kind].append(_timed(lambda: checkpoint.save(model, target)))
+            else:
+                times[kind].append(_timed(lambda: dcp.save(sd, checkpoint_id=str(target))))
+            if rank == 0:
+                sizes[kind] = _dir_bytes(target)
+                if not keep:
+                    shutil.rmtree(target)
+            dist.barrier()
+    return {"save_s": times, "save_bytes": sizes}
+
+
+def _load_worker(rank: int, world: int, port: int, variant: str, hf_dir: str, work: str, opts: dict) -> None:
+    torch.set_num_threads(1)
+    _init_env(rank, world, port)
+    import transformers  # noqa: F401  (imports are part of the baseline)
+    from transformers import BertForMaskedLM  # noqa: F401
+
+    import shardlib
+    from shardlib import checkpoint  # noqa: F401
+
+    mesh = None
+    if variant in ("shardlib", "full"):
+        mesh = shardlib.init_mesh(tp=world)
+    else:
+        import datetime
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=opts["timeout"]))
+    dist.barrier()
+    gc.collect()
+    base = _status()
+    reset = _reset_peak()
+    dist.barrier()
+    res = {"rank": rank, "variant": variant, "baseline": base, "peak_reset": reset}
+    try:
+        sampler = _PeakSampler()
+        t0 = time.perf_counter()
+        model = _load(variant, hf_dir, mesh)
+        res["load_s"] = [time.perf_counter() - t0]
+        res["after"] = _status()
+        res["sampled_peak"] = sampler.stop()
+        res["local_bytes"] = (shardlib.report(model).local_bytes if variant != "hf" else _local_param_bytes(model))
+        if variant == "hf":
+            from torch.distributed.tensor import DTensor
+
+            params = list(model.parameters())
+            res["dtensor_params"] = f"{sum(isinstance(p, DTensor) for p in params)}/{len(params)}"
+        ids, labels = _check_batch(model.config.vocab_size)
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=labels).loss
+        if hasattr(loss, "full_tensor"):
+            loss = loss.full_tensor()
+        res["check_loss"] = float(loss)
+        for _ in range(opts["load_repeats"] - 1):
+            del model, loss
+            gc.collect()
+            dist.barrier()
+            t0 = time.perf_counter()
+            model = _load(variant, hf_dir, mesh)
+            res["load_s"].append(time.perf_counter() - t0)
+            loss = None
+        if variant == "shardlib" and opts["save_repeats"]:
+            res |= _save_benchmarks(model, Path(work), opts["save_repeats"])
+    except Exception as exc:  # noqa: BLE001  (reported as n/a with the reason)
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc()
+    with open(os.path.join(work, f"result_{variant}_{rank}.json"), "w") as f:
+        json.dump(res, f)
+    if "error" not in res:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dcp_reshard_worker(rank: int, world: int, port: int, dcp_dir: str, layouts_json: str, ref_dir: str,
+                        work: str, timeout: float) -> None:
+    """DCP-load a tp=2 DTensor checkpoint into tp=4 DTensors; compare with shardlib's tp=4 files afterwards."""
+    import datetime
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.set_num_threads(1)
+    _init_env(rank, world, port)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    meta = json.loads(Path(layouts_json).read_text())["tensors"]
+    shard_dim = {}
+    for name, entry in meta.items():
+        for n in [name, *entry["aliases"]]:
+            shard_dim[n] = entry["layout"]["shard_dim"]
+    stored = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
+    sd = {}
+    for name, md in stored.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        shape, d = md.size, shard_dim.get(name)
+        if d is None:
+            sd[name] = torch.empty(shape, dtype=md.properties.dtype)
+            continue
+        chunk = math.ceil(shape[d] / world)
+        start, stop = min(rank * chunk, shape[d]), min((rank + 1) * chunk, shape[d])
+        local_shape = list(shape)
+        local_shape[d] = stop - start
+        sd[name] = DTensor.from_local(torch.empty(local_shape, dtype=md.properties.dtype), mesh, [Shard(d)],
+                                      run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
+    dist.barrier()
+    t0 = time.perf_counter()
+    dcp.load(sd, checkpoint_id=dcp_dir)
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    # Verify against shardlib's converted tp=4 checkpoint (real rows of this rank's file, replicated file).
+    mismatches, compared = [], 0
+    with safe_open(os.path.join(ref_dir, f"model-tp{rank:02d}-of-{world:02d}.safetensors"), "pt") as mine, \
+            safe_open(os.path.join(ref_dir, "model-replicated.safetensors"), "pt") as rep:
+        mine_keys, rep_keys = set(mine.keys()), set(rep.keys())
+        for name, t in sd.items():
+            local = _local(t)
+            if name in mine_keys:
+                ref = mine.get_tensor(name)
+            elif name in rep_keys:
+                ref = rep.get_tensor(name)
+            elif local.numel() == 0:
+                continue
+            else:
+                mismatches.append(f"{name}: not in shardlib tp=4 files")
+                continue
+            compared += 1
+            if ref.shape != local.shape or not torch.equal(ref, local):
+                mismatches.append(name)
+    with open(os.path.join(work, f"result_dcp4_{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "load_s": seconds, "compared": compared, "mismatches": mismatches[:5],
+                   "n_mismatches": len(mismatches)}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _entry(rank: int, fn, *args) -> None:
+    try:
+        fn(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+
+
+def _spawn(fn, nprocs: int, args: tuple, deadline_s: float) -> str | None:
+    """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` fresh processes; None, or why they did not finish."""
+    ctx = mp.start_processes(_entry, args=(fn, nprocs, _free_port(), *args), nprocs=nprocs, join=False,
+                             start_method="spawn")
+    end = time.perf_counter() + deadline_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.perf_counter() > end:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                return f"workers did not finish within {deadline_s:.0f} s (killed)"
+    except mp.ProcessRaisedException as exc:
+        return f"worker failed: {str(exc).strip().splitlines()[-1]}"
+    except mp.ProcessExitedException as exc:
+        return f"worker exited: {exc}"
+    return None
+
+
+def _results(work: Path, prefix: str, n: int) -> list[dict] | None:
+    out = []
+    for r in range(n):
+        path = work / f"result_{prefix}_{r}.json"
+        if not path.exists():
+            return None
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ parent
+def _median_time(fn, repeats: int, before=None) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _raw_read(path: Path, view: memoryview) -> int:
+    """Read ``path`` to its end into ``view`` (a reused buffer) with plain unbuffered ``readinto`` calls."""
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(view)
+            if not n:
+                return total
+            total += n
+
+
+def _load_metrics(res: list[dict]) -> list[dict]:
+    """Per-rank numbers of one load variant (bytes, seconds)."""
+    out = []
+    for r in res:
+        base, after, peak, local = r["baseline"], r["after"], r["sampled_peak"], r["local_bytes"]
+        out.append(dict(
+            load_s=r["load_s"], base=base["VmRSS"], local=local, hwm=after["VmHWM"],
+            growth=after["VmHWM"] - base["VmRSS"], ratio=after["VmHWM"] / (local + base["VmRSS"]),
+            anon_growth=peak["RssAnon"] - base["RssAnon"], file_growth=peak["RssFile"] - base["RssFile"],
+            anon_ratio=(base["VmRSS"] + peak["RssAnon"] - base["RssAnon"]) / (local + base["VmRSS"]),
+            after_anon=after["RssAnon"], after_file=after["RssFile"], check_loss=r["check_loss"]))
+    return out
+
+
+def _fmt_s(times: list[float]) -> str:
+    if not times:
+        return "n/a"
+    med = statistics.median(times)
+    return f"{med:.2f}" if len(times) == 1 else f"{med:.2f} (median of {len(times)})"
+
+
+def _fmt_pair(values, scale=MiB, fmt="{:,.0f}") -> str:
+    return " / ".join(fmt.format(v / scale) for v in values)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small model, smoke run (< 1 minute)")
+    p.add_argument("--size", choices=sorted(CONFIGS), default=None,
+                   help="model size (default bert-large; --quick means --size quick)")
+    p.add_argument("--load-repeats", type=int, default=None, help="loads per variant in the same processes "
+                   "(peak memory is from the first); default 3 (quick: 1)")
+    p.add_argument("--save-repeats", type=int, default=3, help="sharded saves per method (median)")
+    p.add_argument("--convert-repeats", type=int, default=None, help="default 3 (quick: 2)")
+    p.add_argument("--wait-idle", type=float, default=60.0, help="wait up to this long for an idle machine")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="load variants: shardlib,full,hf")
+    args = p.parse_args(argv)
+    size = args.size or ("quick" if args.quick else "bert-large")
+    load_repeats = args.load_repeats or (1 if args.quick else 3)
+    convert_repeats = args.convert_repeats or (2 if args.quick else 3)
+    variants = [v for v in args.variants.split(",") if v]
+    if "shardlib" not in variants:
+        p.error("the shardlib variant is required (the save and reshard steps use its processes)")
+    timeout = 120 if args.quick else 300
+
+    run_start = time.perf_counter()
+    if args.wait_idle > 0:
+        busy = _wait_idle(args.wait_idle)
+        if busy > 0.2:
+            print(f"WARNING: the machine is busy ({busy:.2f} cores used by other processes): timings will suffer")
+    load_at_start = open("/proc/loadavg").read().split()[:3]
+    root = Path(tempfile.mkdtemp(prefix="ckpt_io_bench_"))
+    notes: list[str] = []
+    try:
+        from transformers import BertForMaskedLM
+
+        from shardlib import checkpoint
+
+        # ---- setup
+        config = _bert_config(size)
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        model = BertForMaskedLM(config)
+        n_params = sum(p.numel() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        hf_dir = root / "hf"
+        model.save_pretrained(hf_dir)
+        del model
+        gc.collect()
+        hf_files = sorted(hf_dir.glob("*.safetensors"))
+        hf_bytes = sum(f.stat().st_size for f in hf_files)
+        print(f"setup: {size} BertForMaskedLM, {n_params / 1e6:.1f} M parameters, {param_bytes / 1e9:.3f} GB fp32 "
+              f"(tied decoder once); save_pretrained -> {len(hf_files)} safetensors file(s), {hf_bytes / 1e9:.3f} GB, "
+              f"in {time.perf_counter() - t0:.1f} s", flush=True)
+
+        # ---- 1 + 2a: loads (fresh processes per variant); saves in the shardlib processes
+        loads: dict[str, list[dict] | str] = {}
+        for variant in variants:
+            work = root / f"w_{variant}"
+            work.mkdir()
+            opts = dict(load_repeats=load_repeats, save_repeats=args.save_repeats if variant == "shardlib" else 0,
+                        timeout=timeout)
+            t0 = time.perf_counter()
+            failure = _spawn(_load_worker, 2, (variant, str(hf_dir), str(work), opts), deadline_s=timeout * 2)
+            res = _results(work, variant, 2)
+            if res is None:
+                loads[variant] = failure or "no result"
+            else:
+                errors = {r.get("error") for r in res} - {None}
+                loads[variant] = f"{errors.pop()}" if errors else res
+                if errors or any("error" in r for r in res):
+                    tb = next(r["traceback"] for r in res if "traceback" in r)
+                    notes.append(f"{TITLES[variant]} traceback (last lines): "
+                                 + " | ".join(tb.strip().splitlines()[-4:]))
+            print(f"load {TITLES[variant]}: done in {time.perf_counter() - t0:.1f} s (processes included)"
+                  + ("" if isinstance(loads[variant], list) else f": FAILED: {loads[variant]}"), flush=True)
+
+        sl = loads.get("shardlib")
+        if not isinstance(sl, list):
+            raise RuntimeError(f"the shardlib load failed: {sl}")
+        work = root / "w_shardlib"
+        sharded_tp2, dcp_tp2 = work / "shardlib_tp2", work / "dcp_tp2"
+
+        # ---- 2b: resharding tp=2 -> tp=4
+        tp4 = root / "shardlib_tp4"
+        convert4 = _median_time(lambda: checkpoint.convert(sharded_tp2, tp4, tp=4),
+                                convert_repeats, before=lambda: shutil.rmtree(tp4, ignore_errors=True))
+        print(f"convert tp=2 -> tp=4: {_fmt_s(convert4)} s", flush=True)
+        dcp4_work = root / "w_dcp4"
+        dcp4_work.mkdir()
+        t0 = time.perf_counter()
+        failure = _spawn(_dcp_reshard_worker, 4, (str(dcp_tp2), str(sharded_tp2 / checkpoint.METADATA), str(tp4),
+                                                  str(dcp4_work), timeout), deadline_s=timeout * 2)
+        dcp4 = _results(dcp4_work, "dcp4", 4)
+        print(f"DCP load tp=2 -> tp=4: done in {time.perf_counter() - t0:.1f} s (processes included)"
+              + (f": FAILED: {failure}" if dcp4 is None else ""), flush=True)
+        shutil.rmtree(work / "shardlib_tp2", ignore_errors=True)
+        shutil.rmtree(work / "dcp_tp2", ignore_errors=True)
+        shutil.rmtree(tp4, ignore_errors=True)
+
+        # ---- 3: HF -> sharded tp=2 throughput vs raw read (raw read right before)
+        buf = memoryview(bytearray(64 * MiB))  # allocated once, outside the timed reads
+        raw = _median_time(lambda: [_raw_read(f, buf) for f in hf_files], 3)
+        sha = _median_time(lambda: [checkpoint.sha256_of(f) for f in hf_files], 1)
+        out2 = root / "convert_tp2"
+        conv2 = _median_time(lambda: checkpoint.convert(hf_dir, out2, tp=2), convert_repeats,
+                             before=lambda: shutil.rmtree(out2, ignore_errors=True))
+        conv2_bytes = _dir_bytes(out2)
+        shutil.rmtree(out2, ignore_errors=True)
+        print(f"raw read {_fmt_s(raw)} s, sha256 {_fmt_s(sha)} s, convert HF -> tp=2 {_fmt_s(conv2)} s", flush=True)
+
+        # ------------------------------------------------------------------------------------------ the table
+        title = (f"BertForMaskedLM {size} ({n_params / 1e6:.0f} M params, {param_bytes / 1e9:.2f} GB fp32; HF "
+                 f"safetensors {hf_bytes / 1e9:.2f} GB), tp=2 on {os.cpu_count()} CPU cores, gloo, 1 thread/rank")
+        cols = ["shardlib", "full", "hf", "dcp", "raw"]
+        rows: list[tuple[str, dict, str]] = []
+        metrics = {v: _load_metrics(res) for v, res in loads.items() if isinstance(res, list)}
+
+        def load_row(label: str, fn, target: str = "") -> None:
+            """One table row over the load variants; ``fn(per-rank metrics)`` -> cell text."""
+            cells = {}
+            for v in VARIANTS:
+                res = loads.get(v)
+                cells[v] = "not run" if res is None else "n/a" if isinstance(res, str) else fn(metrics[v])
+            rows.append((label, cells, target))
+
+        def pair(key: str):
+            return lambda ms: " / ".join(f"{m[key] / MiB:,.0f}" for m in ms)
+
+        load_row("load: wall s, first load in fresh processes (slowest rank)",
+                 lambda ms: f"{max(m['load_s'][0] for m in ms):.2f}")
+        if load_repeats > 1:
+            load_row(f"load: wall s, median of {load_repeats} loads (slowest rank)",
+                     lambda ms: f"{statistics.median(max(x) for x in zip(*(m['load_s'] for m in ms))):.2f}")
+        load_row("load: process baseline RSS MiB (rank 0 / 1)", pair("base"))
+        load_row("load: local shard MiB (rank 0 / 1)", pair("local"))
+        load_row("load: PEAK RSS (VmHWM) MiB (rank 0 / 1)", pair("hwm"))
+        load_row("load: peak - baseline MiB (rank 0 / 1)", pair("growth"))
+        load_row("load: peak / (local shard + baseline), worst rank",
+                 lambda ms: f"{max(m['ratio'] for m in ms):.2f}x "
+                            + ("MET" if max(m["ratio"] for m in ms) <= 1.1 else "MISSED"), "<= 1.10x")
+        load_row("load: sampled peak growth, private (RssAnon) + mapped file pages (RssFile) MiB (rank 0 / 1)",
+                 lambda ms: " / ".join(f"{m['anon_growth'] / MiB:,.0f} + {m['file_growth'] / MiB:,.0f}" for m in ms),
+                 "diagnostic")
+        load_row("load: (baseline + sampled private growth) / (local shard + baseline), worst rank",
+                 lambda ms: f"{max(m['anon_ratio'] for m in ms):.2f}x", "diagnostic: page cache excluded")
+        load_row("load: RSS after load, private + mapped file MiB (rank 0)",
+                 lambda ms: f"{ms[0]['after_anon'] / MiB:,.0f} + {ms[0]['after_file'] / MiB:,.0f}")
+        load_row("load: MLM loss of a fixed batch (forward check)", lambda ms: f"{ms[0]['check_loss']:.6f}",
+                 "all equal")
+        st = sl[0].get("save_s", {})
+        sb = sl[0].get("save_bytes", {})
+        save_max = {k: [max(a, b) for a, b in zip(sl[0]["save_s"][k], sl[1]["save_s"][k])] for k in st}
+        med_save = {k: statistics.median(v) for k, v in save_max.items() if v}
+        rows.append((f"save tp=2: wall s (median of {args.save_repeats}, slowest rank)",
+                     {k: f"{v:.2f}" for k, v in med_save.items()},
+                     f"shardlib/DCP {med_save['shardlib'] / med_save['dcp']:.2f}x" if len(med_save) == 2 else ""))
+        rows.append(("save tp=2: bytes on disk MB",
+                     {k: f"{v / 1e6:,.1f}" for k, v in sb.items()}, ""))
+        if dcp4 is not None:
+            dcp4_s = max(r["load_s"] for r in dcp4)
+            bad = sum(r["n_mismatches"] for r in dcp4)
+            dcp4_cell = f"{dcp4_s:.2f} (load into tp=4 DTensors, 4 procs)"
+        else:
+            dcp4_cell, bad = "n/a", None
+        rows.append(("reshard tp=2 -> tp=4: wall s",
+                     {"shardlib": f"{statistics.median(convert4):.2f} (offline convert, 1 proc, writes files)",
+                      "dcp": dcp4_cell}, ""))
+        gbps_conv = hf_bytes / statistics.median(conv2) / 1e9
+        gbps_raw = hf_bytes / statistics.median(raw) / 1e9
+        gbps_sha = hf_bytes / statistics.median(sha) / 1e9
+        rows.append(("HF -> sharded tp=2: GB/s of HF bytes",
+                     {"shardlib": f"{gbps_conv:.2f} ({statistics.median(conv2):.2f} s, median of {len(conv2)})",
+                      "raw": f"{gbps_raw:.2f} ({statistics.median(raw):.2f} s, median of {len(raw)}); "
+                             f"SHA-256 {gbps_sha:.2f}"},
+                     f">= 0.5x raw: {gbps_conv / gbps_raw:.2f}x "
+                     + ("MET" if gbps_conv >= 0.5 * gbps_raw else "MISSED")))
+
+        print()
+        print(f"### Checkpoint I/O: {title}")
+        print()
+        header = ["measurement", *(TITLES[c] for c in cols), "target / ratio"]
+        print("| " + " | ".join(header) + " |")
+        print("|" + "|".join(["---"] * len(header)) + "|")
+        for label, values, target in rows:
+            print("| " + " | ".join([label, *(values.get(c, "") for c in cols), target]) + " |")
+        print()
+
+        # ---- notes
+        for v in VARIANTS:
+            if isinstance(loads.get(v), str):
+                print(f"- {TITLES[v]}: n/a: {loads[v]}")
+        if isinstance(loads.get("hf"), list):
+            print(f"- HF tp_plan: {loads['hf'][0].get('dtensor_params')} parameters are DTensors (the plan shards "
+                  "attention and MLP Linears; embeddings, LayerNorms, the MLM head transform and the tied decoder "
+                  "stay replicated, hence its larger local bytes).")
+        losses = {v: r[0]["check_loss"] for v, r in loads.items() if isinstance(r, list)}
+        if len(set(round(x, 4) for x in losses.values())) > 1:
+            print(f"- WARNING: the forward check differs between variants: {losses}")
+        if not all(r.get("peak_reset") for res in loads.values() if isinstance(res, list) for r in res):
+            print("- /proc/self/clear_refs could not reset the peak: VmHWM includes the start-up peak.")
+        print(f"- HF->tp=2 convert wrote {conv2_bytes / 1e9:.3f} GB (files + metadata) and SHA-256-hashed them; "
+              "all reads are page-cache reads (the HF file was just written; nothing drops caches).")
+        if dcp4 is not None:
+            compared = sum(r["compared"] for r in dcp4)
+            print(f"- DCP tp=4 load vs shardlib tp=4 files: {compared} (rank, tensor) pairs compared, "
+                  + ("all bitwise equal." if not bad else f"{bad} MISMATCHES: {[r['mismatches'] for r in dcp4]}"))
+        else:
+            print(f"- DCP reshard: n/a ({failure})")
+        print("- DCP save: FileSystemWriter defaults (fsync per file, 1 writer thread); sharded tensors passed as "
+              "DTensor.from_local(...) (see the docstring), replicated ones as plain tensors (saved once). "
+              "shardlib's save fsyncs only shardlib.json and SHA-256-hashes every file it wrote.")
+        for n in notes:
+            print(f"- {n}")
+        load_at_end = open("/proc/loadavg").read().split()[:3]
+        print(f"- load average at start {' '.join(load_at_start)}, at end {' '.join(load_at_end)}; "
+              f"total run {time.perf_counter() - run_start:.0f} s")
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
