@@ -181,7 +181,7 @@ def _build_sharded(model_class, config, mesh, shard_options: dict) -> nn.Module:
         is_module_class = isinstance(model_class, type) and issubclass(model_class, nn.Module)
         model = model_class(config) if is_module_class else model_class.from_config(config)  # Auto classes
     shard(model, mesh, **shard_options)
-    materialize(model)
+    materialize(model, init="buffers")  # every parameter comes from the checkpoint: no random init to overwrite
     return model
 
 
@@ -355,7 +355,8 @@ class ShardedCheckpoint:
         if self.meta.get("format") != FORMAT:
             raise CheckpointError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
         self.tensors = self.meta["tensors"]
-        self._verified: set[str] = set()
+        self._verified: dict[str, Path] = {}  # file name -> checked path
+        self._readers: dict[str, SafetensorsFiles] = {}
         self._verify = verify
         for t in self.tensors.values():
             for p in t["pieces"]:
@@ -375,17 +376,25 @@ class ShardedCheckpoint:
         return out
 
     def _check_file(self, name: str, info: dict) -> Path:
-        path = _inside(self.directory, name)
         if name in self._verified:
-            return path
+            return self._verified[name]
+        path = _inside(self.directory, name)
         if not path.exists():
             raise CheckpointError(f"missing checkpoint file {path}")
         if path.stat().st_size != info["bytes"]:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, {METADATA} records {info['bytes']} (truncated?)")
         if self._verify and sha256_of(path) != info["sha256"]:
             raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
-        self._verified.add(name)
+        self._verified[name] = path
         return path
+
+    def _reader(self, file: str) -> SafetensorsFiles:
+        """One open reader per file (verified once) for every tensor stored in it."""
+        if file not in self._readers:
+            path = self._check_file(file, self.meta["files"][file])
+            keys = {name: path.name for name, t in self.tensors.items() if any(p["file"] == file for p in t["pieces"])}
+            self._readers[file] = SafetensorsFiles(self.directory, keys)
+        return self._readers[file]
 
     def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
         """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), read from
@@ -393,8 +402,7 @@ class ShardedCheckpoint:
         t = self.tensors[name]
         parts = []
         for p in t["pieces"]:
-            path = self._check_file(p["file"], self.meta["files"][p["file"]])
-            reader = SafetensorsFiles(self.directory, {name: path.name})
+            reader = self._reader(p["file"])
             if p["dim"] is None:
                 whole = reader.read(name)
                 return whole if dim is None else whole.narrow(dim, start, (stop or whole.shape[dim]) - start)

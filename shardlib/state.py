@@ -52,10 +52,11 @@ def _unique_tensors(model: nn.Module):
     return list(holders.values())
 
 
-def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+def materialize(model: nn.Module, device: str | torch.device = "cpu", *, init: str = "all") -> nn.Module:
     """Give every meta tensor real (uninitialized) storage on ``device``, keeping ties and layouts, then run the
-    HF weight initializer so non-persistent buffers (position ids) get their values. Local shapes only: no rank
-    allocates a full sharded tensor."""
+    HF weight initializer: on everything (``init="all"``), or only on the modules that own non-persistent buffers
+    (``init="buffers"``: position ids and the like, when a checkpoint supplies every parameter). Local shapes
+    only: no rank allocates a full sharded tensor."""
     for tensor, holders in _unique_tensors(model):
         if tensor.device.type != "meta":
             continue
@@ -65,9 +66,13 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu") -> nn.Modu
         for module, attr in holders:
             store = module._parameters if attr in module._parameters else module._buffers
             store[attr] = new
-    if hasattr(model, "initialize_weights"):  # HF's initializer without its re-tying (ties are ours to keep)
-        with torch.no_grad():
-            model.initialize_weights()
+    with torch.no_grad():
+        if init == "all" and hasattr(model, "initialize_weights"):
+            model.initialize_weights()  # HF's initializer without its re-tying (ties are ours to keep)
+        elif init == "buffers" and hasattr(model, "_init_weights"):
+            for module in model.modules():
+                if module._non_persistent_buffers_set:
+                    model._init_weights(module)
     return model
 
 
