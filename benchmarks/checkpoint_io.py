@@ -80,6 +80,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
+from _machine import wait_idle  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -155,24 +156,8 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def _machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait_idle(timeout_s: float, threshold: float = 0.2) -> float:
-    start = time.perf_counter()
-    while True:
-        b0, t0 = _machine_busy_s(), time.perf_counter()
-        time.sleep(1.0)
-        load = (_machine_busy_s() - b0) / (time.perf_counter() - t0)
-        waited = time.perf_counter() - start
-        if load <= threshold or waited >= timeout_s:
-            if waited > 1.5:
-                print(f"(waited {waited:.0f} s for the machine to go quiet; now {load:.2f} cores busy)", flush=True)
-            return load
 
 
 def _bert_config(size: str):
@@ -532,7 +517,7 @@ def main(argv=None) -> int:
 
     run_start = time.perf_counter()
     if args.wait_idle > 0:
-        busy = _wait_idle(args.wait_idle)
+        busy = wait_idle(args.wait_idle, 0.2)
         if busy > 0.2:
             print(f"WARNING: the machine is busy ({busy:.2f} cores used by other processes): timings will suffer")
     load_at_start = open("/proc/loadavg").read().split()[:3]

@@ -93,6 +93,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
+from _machine import machine_busy_s, wait_idle  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -144,15 +145,6 @@ def _loopback_ifname() -> str:
     return "lo"
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all CPUs; /proc/stat, steal excluded)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:8]]
-    except OSError:
-        return float("nan")
-    user, nice, system, _idle, _iowait, irq, softirq = v
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def model_config(size: str):
@@ -293,7 +285,7 @@ def _run_size(rank: int, world: int, mode: str, size: str, batch: int, seq: int,
         times = []
         barrier()
         # Other load on the machine during the timed window: busy CPU time of the whole machine minus our own.
-        busy0, own0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+        busy0, own0, wall0 = machine_busy_s(), time.process_time(), time.perf_counter()
         for _ in range(steps):
             barrier()
             t0 = time.perf_counter()
@@ -301,7 +293,7 @@ def _run_size(rank: int, world: int, mode: str, size: str, batch: int, seq: int,
             times.append(time.perf_counter() - t0)
             first_loss = loss if first_loss is None else first_loss
         barrier()
-        busy, own, wall = _machine_busy_s() - busy0, time.process_time() - own0, time.perf_counter() - wall0
+        busy, own, wall = machine_busy_s() - busy0, time.process_time() - own0, time.perf_counter() - wall0
         if world > 1:
             t = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
@@ -376,19 +368,6 @@ def run_mode(mode: str, sizes: list[str], batch: int, seq: int, dec_seq: int, wa
 IDLE_CORES = 0.1  # other processes' average CPU use above which a timing is flagged
 
 
-def _wait_idle(timeout_s: float) -> float:
-    """Sample the machine's CPU use in 1 s windows until it is below IDLE_CORES or ``timeout_s`` has passed;
-    return the last sample (cores busy)."""
-    start = time.perf_counter()
-    while True:
-        b0, t0 = _machine_busy_s(), time.perf_counter()
-        time.sleep(1.0)
-        load = (_machine_busy_s() - b0) / (time.perf_counter() - t0)
-        waited = time.perf_counter() - start
-        if load <= IDLE_CORES or waited >= timeout_s:
-            if waited > 1.5:
-                print(f"  (waited {waited:.0f} s for other processes to go quiet; now {load:.2f} cores busy)", flush=True)
-            return load
 
 
 def _fmt_cores(x: float | None) -> str:
@@ -480,7 +459,7 @@ def main(argv=None) -> int:
                                  "average while it was timed; its numbers are not reliable")
 
     def wait(label: str) -> None:
-        load = _wait_idle(args.wait_idle)
+        load = wait_idle(args.wait_idle, IDLE_CORES)
         if load > IDLE_CORES:
             print(f"  WARNING: the machine is not idle ({load:.2f} cores busy by other processes) before {label}",
                   flush=True)
