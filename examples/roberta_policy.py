@@ -8,18 +8,19 @@ Proven equal to the unsharded model by tests/test_policy_example.py.
 
 from transformers import RobertaForMaskedLM, RobertaModel
 
-from shardlib import ColwiseParallel, CopyInputs, LocalRNG, LossSpec, Plan, RowwiseParallel, VocabParallel
+from shardlib import ColwiseParallel, LossSpec, Plan, RowwiseParallel, VocabParallel
+from shardlib.styles import attention_block
 from shardlib.policies import Policy
 
 
 def roberta_plan(model, tp: int) -> Plan:
     base = "" if isinstance(model, RobertaModel) else "roberta."
     layer = f"{base}encoder.layer.*"
+    attention = f"{layer}.attention"
     styles = {
         f"{base}embeddings.word_embeddings": VocabParallel(),
-        f"{layer}.attention.self": (CopyInputs("hidden_states"), LocalRNG()),
-        **{f"{layer}.attention.self.{n}": ColwiseParallel(copy_input=False) for n in ("query", "key", "value")},
-        f"{layer}.attention.output.dense": RowwiseParallel(),
+        **attention_block(f"{attention}.self", [f"{attention}.self.{n}" for n in ("query", "key", "value")],
+                          f"{attention}.output.dense"),
         f"{layer}.intermediate.dense": ColwiseParallel(),
         f"{layer}.output.dense": RowwiseParallel(),
     }

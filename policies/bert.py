@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from shardlib.plan import LossSpec, Plan
-from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+from shardlib.styles import ColwiseParallel, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
 
@@ -42,13 +42,9 @@ LOSSES = {
 
 
 def attention_styles(prefix: str, inputs: tuple[str, ...]) -> dict:
-    return {
-        f"{prefix}.self": (CopyInputs(*inputs), LocalRNG()),
-        f"{prefix}.self.query": ColwiseParallel(copy_input=False),
-        f"{prefix}.self.key": ColwiseParallel(copy_input=False),
-        f"{prefix}.self.value": ColwiseParallel(copy_input=False),
-        f"{prefix}.output.dense": RowwiseParallel(),
-    }
+    """BertAttention at ``prefix``: q/k/v in ``.self``, the output projection in ``.output.dense``."""
+    return attention_block(f"{prefix}.self", [f"{prefix}.self.{n}" for n in ("query", "key", "value")],
+                           f"{prefix}.output.dense", inputs)
 
 
 def bert_plan(model, tp: int) -> Plan:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import transformers
 
 from shardlib.plan import LossSpec, Plan
-from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
 
@@ -37,13 +37,7 @@ ATTENTION_INPUTS = ("hidden_states", "key_value_states", "encoder_hidden_states"
 
 
 def _attention(path: str) -> dict:
-    return {
-        path: (CopyInputs(*ATTENTION_INPUTS), LocalRNG()),
-        f"{path}.q": ColwiseParallel(copy_input=False),
-        f"{path}.k": ColwiseParallel(copy_input=False),
-        f"{path}.v": ColwiseParallel(copy_input=False),
-        f"{path}.o": RowwiseParallel(),
-    }
+    return attention_block(path, [f"{path}.{n}" for n in "qkv"], f"{path}.o", ATTENTION_INPUTS)
 
 
 def t5_plan(model, tp: int) -> Plan:

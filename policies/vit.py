@@ -14,7 +14,7 @@ from __future__ import annotations
 from transformers import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
 
 from shardlib.plan import Plan
-from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel
+from shardlib.styles import ColwiseParallel, RowwiseParallel, attention_block
 
 from . import Policy, register_policy
 
@@ -22,15 +22,10 @@ from . import Policy, register_policy
 def vit_plan(model, tp: int) -> Plan:
     base = "" if isinstance(model, ViTModel) else "vit."
     layer = f"{base}layers.*"
-    styles = {
-        f"{layer}.attention": (CopyInputs("hidden_states"), LocalRNG()),
-        f"{layer}.attention.q_proj": ColwiseParallel(copy_input=False),
-        f"{layer}.attention.k_proj": ColwiseParallel(copy_input=False),
-        f"{layer}.attention.v_proj": ColwiseParallel(copy_input=False),
-        f"{layer}.attention.o_proj": RowwiseParallel(),
-        f"{layer}.mlp.fc1": ColwiseParallel(),
-        f"{layer}.mlp.fc2": RowwiseParallel(),
-    }
+    attention = f"{layer}.attention"  # the output projection lives inside the attention module
+    styles = attention_block(attention, [f"{attention}.{n}_proj" for n in "qkv"], f"{attention}.o_proj")
+    styles[f"{layer}.mlp.fc1"] = ColwiseParallel()
+    styles[f"{layer}.mlp.fc2"] = RowwiseParallel()
     return Plan(styles=styles, divide_by_tp={f"{layer}.attention": ("num_attention_heads",)},
                 trunk=(f"{base}layers",))
 

@@ -164,6 +164,18 @@ class LocalRNG(Style):
         return module
 
 
+def attention_block(block: str, qkv: list[str], out: str, inputs: tuple[str, ...] = ("hidden_states",)) -> dict:
+    """The Megatron plan of one attention block, as plan entries: ``block`` (the module that computes q, k and v)
+    enters the TP region once for the named inputs (``CopyInputs``) and runs on the per-rank RNG stream (attention
+    dropout acts on local heads); the ``qkv`` linears are column-parallel without a copy of their own; ``out`` is
+    row-parallel. All paths are plan patterns."""
+    return {
+        block: (CopyInputs(*inputs), LocalRNG()),
+        **{path: ColwiseParallel(copy_input=False) for path in qkv},
+        out: RowwiseParallel(),
+    }
+
+
 def as_tuple(styles) -> tuple[Style, ...]:
     return styles if isinstance(styles, tuple) else (styles,)
 
@@ -178,4 +190,5 @@ def style_name(style: Style) -> str:
 
 __all__ = [
     "ShardContext", "Style", "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG",
+    "attention_block",
 ]
