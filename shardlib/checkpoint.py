@@ -437,7 +437,7 @@ def load(model: nn.Module, directory: str | Path, *, optimizer=None) -> nn.Modul
     if ckpt.meta["model_class"] != expected:
         raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
     if any(t.device.type == "meta" for t in model.parameters()):
-        materialize(model)
+        materialize(model, init="buffers")  # every parameter is read below
     rank = _tp_rank(model)
     for tensor, names in _tensors_to_load(model):
         name = next((n for n in names if n in ckpt.tensors), None)
@@ -458,15 +458,18 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
                               f"{len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    stored_state: dict[str, dict[str, str]] = {}  # parameter name -> {state key: stored tensor name}
+    for stored in ckpt.tensors:
+        if stored.startswith(OPTIMIZER_PREFIX):
+            key, _, param = stored[len(OPTIMIZER_PREFIX):].partition(".")  # state keys have no dots
+            stored_state.setdefault(param, {})[key] = stored
     for tensor, names in _tensors_to_load(model):
         state = {}
-        for stored in ckpt.tensors:
-            if stored.startswith(OPTIMIZER_PREFIX) and stored.endswith("." + names[0]):
-                key = stored[len(OPTIMIZER_PREFIX):-len(names[0]) - 1]
-                shape = ckpt.tensors[stored]["shape"]
-                layout = layout_of(model, names[0]) if tuple(shape) == layout_of(model, names[0]).global_shape \
-                    else Layout.replicated(shape)
-                state[key] = _read_local(ckpt, stored, layout, rank, DTYPES[ckpt.tensors[stored]["dtype"]])
+        param_layout = layout_of(model, names[0])
+        for key, stored in stored_state.get(names[0], {}).items():
+            shape = tuple(ckpt.tensors[stored]["shape"])
+            layout = param_layout if shape == param_layout.global_shape else Layout.replicated(shape)
+            state[key] = _read_local(ckpt, stored, layout, rank, DTYPES[ckpt.tensors[stored]["dtype"]])
         if state:
             optimizer.state[tensor] = state
 
