@@ -8,7 +8,7 @@ Proven equal to the unsharded model by tests/test_policy_example.py.
 
 from transformers import RobertaForMaskedLM, RobertaModel
 
-from shardlib import ColwiseParallel, LossSpec, Plan, RowwiseParallel, VocabParallel
+from shardlib import ColwiseParallel, LossSpec, Plan, RowwiseParallel, Stack, VocabParallel
 from shardlib.styles import attention_block
 from shardlib.policies import Policy
 
@@ -29,7 +29,7 @@ def roberta_plan(model, tp: int) -> Plan:
         loss = LossSpec(kind="masked_lm", head="lm_head.decoder")
         styles["lm_head.decoder"] = VocabParallel()
     return Plan(styles=styles, divide_by_tp={f"{layer}.attention.self": ("num_attention_heads", "all_head_size")},
-                trunk=(f"{base}encoder.layer",), loss=loss)
+                trunk=(Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),), loss=loss)
 
 
 POLICY = Policy(name="roberta", model_classes=(RobertaModel, RobertaForMaskedLM), make_plan=roberta_plan)

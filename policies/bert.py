@@ -23,7 +23,7 @@ from transformers import (
     BertModel,
 )
 
-from shardlib.plan import LossSpec, Plan
+from shardlib.plan import LossSpec, Plan, Stack
 from shardlib.styles import ColwiseParallel, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
@@ -62,7 +62,8 @@ def bert_plan(model, tp: int) -> Plan:
     loss = next((spec for cls, spec in LOSSES.items() if isinstance(model, cls)), None)
     if loss is not None:
         styles[loss.head] = VocabParallel()
-    return Plan(styles=styles, divide_by_tp=heads, trunk=(f"{base}encoder.layer",), loss=loss)
+    trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
+    return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss)
 
 
 POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

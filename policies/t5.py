@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import transformers
 
-from shardlib.plan import LossSpec, Plan
+from shardlib.plan import LossSpec, Plan, Stack
 from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
@@ -65,7 +65,19 @@ def t5_plan(model, tp: int) -> Plan:
     if hasattr(model, "lm_head"):
         loss = LossSpec(kind="seq2seq_lm", head="lm_head")
         styles["lm_head"] = VocabParallel()
-    return Plan(styles=styles, divide_by_tp=heads, trunk=tuple(f"{base}{s}.block" for s in stacks), loss=loss)
+    return Plan(styles=styles, divide_by_tp=heads, trunk=_trunk(model, base, stacks), loss=loss)
+
+
+def _trunk(model, base: str, stacks: list[str]) -> tuple[Stack, ...]:
+    """Encoder then decoder. A cut between two T5 blocks carries the hidden state and the position bias that block
+    0 computed (positional input 2, output 1); UMT5 blocks compute their own bias and carry the hidden state only.
+    A stage after the encoder gets its output as ``encoder_outputs`` (the decoder's cross-attention input)."""
+    carry = ((0, 0),) if model.config.model_type == "umt5" else ((0, 0), (2, 1))
+    return tuple(
+        Stack(layers=f"{base}{s}.block", before=(f"{base}{s}.embed_tokens",), after=(f"{base}{s}.final_layer_norm",),
+              carry=carry, end=f"{base}{s}", output_arg="encoder_outputs" if s == "encoder" else None)
+        for s in stacks
+    )
 
 
 POLICY = register_policy(Policy(name="t5", model_classes=MODEL_CLASSES, make_plan=t5_plan))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
 
-from shardlib.plan import Plan
+from shardlib.plan import Plan, Stack
 from shardlib.styles import ColwiseParallel, RowwiseParallel, attention_block
 
 from . import Policy, register_policy
@@ -27,7 +27,7 @@ def vit_plan(model, tp: int) -> Plan:
     styles[f"{layer}.mlp.fc1"] = ColwiseParallel()
     styles[f"{layer}.mlp.fc2"] = RowwiseParallel()
     return Plan(styles=styles, divide_by_tp={f"{layer}.attention": ("num_attention_heads",)},
-                trunk=(f"{base}layers",))
+                trunk=(Stack(layers=f"{base}layers", before=(f"{base}embeddings",)),))
 
 
 #: in memory (transformers 5) -> on disk (Hub checkpoints, what save_pretrained writes); ".attention.o_proj." goes

@@ -6,7 +6,7 @@
 
 from .layout import Layout, layout_of, named_layouts
 from .mesh import Mesh, MeshError, init_mesh
-from .plan import LossSpec, Plan, PlanError
+from .plan import LossSpec, Plan, PlanError, Stack
 from .random import RNGStatesTracker, manual_seed
 from .sharder import ShardReport, report, shard
 from .state import full_state_dict, load_full_state_dict, materialize
@@ -15,7 +15,7 @@ from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, Voca
 __version__ = "0.1.0"
 
 __all__ = [
-    "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "PlanError",
+    "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "Stack", "PlanError",
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
 ]

@@ -116,7 +116,13 @@ def init_mesh(
     dp, pp, tp = _resolve_sizes(world, dp, pp, tp)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=DIM_NAMES)
-    return Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp)
+    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp)
+    # DeviceMesh creates its dimension groups with torch's default timeout (30 min for gloo), not the world's:
+    # bound every wait on them too, so a dead peer ends a pipeline recv or a TP all-reduce with an error
+    for dim in DIM_NAMES:
+        if mesh.size(dim) > 1:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.group(dim))
+    return mesh
 
 
 @dataclass(frozen=True)

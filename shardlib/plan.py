@@ -33,14 +33,35 @@ class LossSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Stack:
+    """One repeated layer stack of the model, in the terms pipeline stages are cut in (``shardlib.pipeline``).
+
+    ``layers``: path of the ModuleList of layers. ``before``: modules the forward runs before the first layer
+    (embeddings); they live on the stage of the first layer, and a stage that starts inside the stack gets a
+    stand-in returning the received hidden states instead. ``after``: modules run after the last layer (a final
+    norm), on the stage of the last layer. ``carry``: what crosses a cut between two layers, as (positional
+    input index of a layer, output index of a layer) pairs; (0, 0) is the hidden state, T5 adds its position
+    bias (2, 1). ``end``: the module whose output is the stack's output, and ``output_arg``: the forward argument
+    that takes it instead of running the stack (T5's ``encoder`` / ``encoder_outputs``) on later stages.
+    """
+
+    layers: str
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    carry: tuple[tuple[int, int], ...] = ((0, 0),)
+    end: str | None = None
+    output_arg: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """``styles``: pattern -> style or tuple of styles. ``divide_by_tp``: pattern -> integer attributes that become
     their per-rank value (head counts, widths). ``trunk``: the repeated layer stacks (ModuleLists), in forward
-    order, for pipeline and sequence parallelism. ``loss``: vocab-parallel loss, if the model has a vocab head."""
+    order (:class:`Stack`), for pipeline stages and sequence parallelism. ``loss``: vocab-parallel loss, if the model has a vocab head."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    trunk: tuple[str, ...] = ()
+    trunk: tuple[Stack, ...] = ()
     loss: LossSpec | None = None
 
 

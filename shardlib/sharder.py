@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import pipeline
 from .collectives import all_reduce
 from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
 from .losses import install_vocab_parallel_loss
@@ -81,15 +82,11 @@ class ShardState:
     plan: Plan
     report: ShardReport
     rng_tracker: RNGStatesTracker | None
+    pipeline: object = None  # shardlib.pipeline.PipelineSplit when mesh.pp > 1
 
 
-def _unique_param_bytes(model: nn.Module) -> int:
-    seen, total = set(), 0
-    for _, p in model.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
+def _param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
 
 
 def _resolve(plan: Plan, model: nn.Module, tp: int):
@@ -192,6 +189,8 @@ def shard(
     gather_logits: bool | None = None,
     rng_tracker: RNGStatesTracker | None = None,
     check_replicated_inputs: bool = False,
+    stages_per_rank: int = 1,
+    layers_per_stage: list[int] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
@@ -201,6 +200,11 @@ def shard(
     generator state, which must be identical on all ranks: call ``torch.manual_seed`` first).
     ``check_replicated_inputs``: verify at every forward that the tensor inputs are identical across the TP group
     (one small all-reduce; catches silently wrong results from divergent inputs).
+
+    Pipeline (``mesh.pp > 1``): the model is cut into ``mesh.pp * stages_per_rank`` stages from the policy's trunk
+    (:mod:`shardlib.pipeline`; balanced by a cost model unless ``layers_per_stage`` gives the layer counts), this
+    rank keeps its stages (``model._shardlib.pipeline``) and frees the rest; run it with
+    :class:`shardlib.runtime.Trainer`.
 
     The report of every rewrite is ``model._shardlib.report`` (also ``shardlib.report(model)``).
     """
@@ -214,16 +218,26 @@ def shard(
     assigned, attrs, problems = _resolve(plan, model, tp)
     ties = _tied_groups(model)
     problems += _check_ties(ties, assigned, model)
+    pp = getattr(mesh, "pp", 1)
+    stage_plan = None
+    if stages_per_rank > 1 and pp == 1:
+        problems.append(f"stages_per_rank={stages_per_rank} needs a pipeline (mesh pp > 1)")
+    elif pp > 1:
+        try:
+            stage_plan = pipeline.stage_plan(model, plan.trunk, pp * stages_per_rank, layers_per_stage)
+        except PlanError as e:
+            problems.append(str(e))
     if problems:
         raise PlanError(
-            f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}:\n  " + "\n  ".join(problems)
+            f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}, pp={pp}:\n  "
+            + "\n  ".join(problems)
         )
 
     if rng_tracker is None:
         rng_tracker = RNGStatesTracker()
         rng_tracker.add("tensor-parallel", torch.initial_seed() + TP_SEED_OFFSET + mesh.tp_rank)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
-    report.unsharded_bytes = _unique_param_bytes(model)
+    report.unsharded_bytes = _param_bytes(model.parameters())
     ctx = ShardContext(group=group, tp=tp, rank=mesh.tp_rank, rng_tracker=rng_tracker)
     for path, styles in assigned.items():
         module = model.get_submodule(path)
@@ -247,8 +261,12 @@ def shard(
         install_vocab_parallel_loss(model, plan.loss, gather_logits)
     if check_replicated_inputs and tp > 1:
         model.register_forward_pre_hook(_replicated_input_check(group), with_kwargs=True)
-    report.local_bytes = _unique_param_bytes(model)
-    model._shardlib = ShardState(mesh=mesh, policy=policy, plan=plan, report=report, rng_tracker=rng_tracker)
+    split = None
+    if stage_plan is not None:
+        split = pipeline.PipelineSplit(model, plan.trunk, stage_plan, mesh, stages_per_rank)
+    report.local_bytes = _param_bytes(split.local_parameters() if split else model.parameters())
+    model._shardlib = ShardState(mesh=mesh, policy=policy, plan=plan, report=report, rng_tracker=rng_tracker,
+                                 pipeline=split)
     log.info("%s", report)
     return model
 

@@ -29,13 +29,15 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     """Parameter (or, with ``grads=True``, gradient) name -> full unsharded tensor, on every TP rank.
 
     Tied parameters appear under their first name only, like ``named_parameters()``. Parameters without a
-    gradient are left out when ``grads=True``.
+    gradient are left out when ``grads=True``. A pipelined model gives the parameters of this rank's stages.
     """
     group = _tp_group(model)
+    split = getattr(getattr(model, "_shardlib", None), "pipeline", None)
+    local = {id(p) for p in split.local_parameters()} if split is not None else None
     out = {}
     for name, p in model.named_parameters():
         tensor = p.grad if grads else p
-        if tensor is None:
+        if tensor is None or (local is not None and id(p) not in local):
             continue
         out[name] = _gather(tensor, layout_of(model, name), group)
     return out

@@ -49,7 +49,8 @@ def make_batch(spec: dict, config: BertConfig) -> dict:
         batch["encoder_attention_mask"] = (torch.arange(enc_len) < torch.randint(1, enc_len + 1, (b, 1), generator=g)).long()
     if not spec.get("labels", True):
         return batch
-    token_labels = torch.where(torch.rand(shape, generator=g) < 0.3, torch.full(shape, -100), ids)
+    ignored = torch.rand(shape, generator=g) < (0.0 if spec.get("all_targets") else 0.3)
+    token_labels = torch.where(ignored, torch.full(shape, -100), ids)
     token_labels[..., :2] = ids[..., :2]  # a target per row even after the causal shift: the mean is defined
     cls = spec["cls"]
     if cls in ("BertForMaskedLM", "BertLMHeadModel"):

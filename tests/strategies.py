@@ -66,3 +66,40 @@ def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES):
     return {"family": "t5", "cls": draw(st.sampled_from(classes)), "tp": tp, "config": config,
             "seq": draw(st.integers(1, 9)), "dec_seq": draw(st.integers(1, 7)),
             **{k: draw(v) for k, v in SPEC_COMMON.items()}}
+
+
+PIPELINE_MESHES = ((2, 1), (2, 2), (4, 1))  # (pp, tp) on 4 ranks; dp = 4 / (pp * tp)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@st.composite
+def pipeline_specs(draw):
+    """A model spec of any family and class plus a pipeline layout: pp x tp (x dp), schedule, microbatches, and
+    sometimes an explicit layers-per-stage split."""
+    pp, tp = draw(st.sampled_from(PIPELINE_MESHES))
+    family = draw(st.sampled_from(["bert", "vit", "t5"]))
+    spec = draw({"bert": bert_specs(tp=(tp,)), "vit": vit_specs(tp=(tp,)), "t5": t5_specs(tp=(tp,))}[family])
+    spec["family"] = family
+    schedule = draw(st.sampled_from(SCHEDULES))
+    stages = pp * (2 if schedule == "interleaved_1f1b" else 1)
+    config = spec["config"]
+    decoder = family == "t5" and not spec["cls"].endswith(("EncoderModel", "TokenClassification"))
+    if decoder:
+        config["layers"] = draw(st.integers(1, stages))
+        config["decoder_layers"] = draw(st.integers(max(1, stages - config["layers"]), stages))
+        total = config["layers"] + config["decoder_layers"]
+    else:
+        config["layers"] = total = draw(st.integers(stages, stages + 2))
+    microbatches = draw(st.sampled_from([1, 2, 4, 8]))
+    if microbatches < stages:  # torch's 1F1B schedules need at least one microbatch per stage
+        schedule = "gpipe" if schedule == "1f1b" else schedule
+        microbatches = stages if schedule != "gpipe" else microbatches
+    dp = 4 // (pp * tp)
+    spec.update(pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, meta=False,
+                batch=dp * microbatches * draw(st.integers(1, 2)), all_targets=spec["cls"] == "BertForPreTraining")
+    if draw(st.booleans()):
+        cuts = sorted(draw(st.lists(st.integers(1, total - 1), min_size=stages - 1, max_size=stages - 1,
+                                    unique=True))) if stages > 1 else []
+        bounds = [0, *cuts, total]
+        spec["layers_per_stage"] = [b - a for a, b in zip(bounds, bounds[1:])]
+    return spec

@@ -1,0 +1,431 @@
+"""Pipeline stages cut from the policy's trunk, run by ``torch.distributed.pipelining`` schedules.
+
+Stage assignment is a pure function: :func:`assign_stages` splits a list of per-layer costs into contiguous,
+non-empty ranges that minimize the most expensive stage; :func:`stage_plan` applies it to a model's trunk and
+returns the module paths of every stage. Embeddings live with the first layer of their stack, final norms with its
+last layer, heads and everything else outside the trunk with the last stage, and each one's cost is charged to
+that layer, so "embeddings and LM heads are not free".
+
+Running a stage re-uses the HF forward unchanged. A stage is the whole model's forward with three things in place:
+its layer lists hold only the stage's layers (the ModuleLists keep their original keys, so parameter names do not
+change); a stage that starts inside a stack replaces the stack's embeddings by a stand-in and injects the received
+tensors (hidden state, T5's position bias: ``Stack.carry``) into its first layer's arguments; a stage that ends
+before the last layer stops the forward at its last layer (or at the stack's end) and returns what crosses the cut.
+So masks, heads, losses (and the vocab-parallel loss wrapper) are HF's own code on every stage; a stage after
+T5's encoder gets the encoder output as ``encoder_outputs`` and sends it on, so its gradient flows back from every
+decoder stage to the encoder. Batch tensors (masks, labels, token types) are given to every stage as keyword
+arguments: they are not sent between stages.
+
+Parameters used by several stages (tied embeddings and LM heads) are held by each of them; their gradients are
+summed over the pipeline group after backward (:meth:`PipelineSplit.sync_tied_grads`), so they stay identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .plan import PlanError, Stack
+
+
+# --------------------------------------------------------------------------------------------- pure assignment
+def assign_stages(costs: list[float], num_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
+    """Split layers ``0..len(costs)-1`` into ``num_stages`` contiguous non-empty ranges.
+
+    Without ``layers_per_stage`` the split minimizes the largest stage cost (sum of its layers' costs); among
+    equally good splits it takes the one whose earlier stages are largest. With it, the counts are used as given.
+    """
+    n = len(costs)
+    if num_stages < 1:
+        raise PlanError(f"the number of pipeline stages must be >= 1, got {num_stages}")
+    if num_stages > n:
+        raise PlanError(f"{num_stages} pipeline stages but only {n} layers: every stage needs at least one layer")
+    if layers_per_stage is not None:
+        counts = list(layers_per_stage)
+        if len(counts) != num_stages or any(c < 1 for c in counts) or sum(counts) != n:
+            raise PlanError(f"layers_per_stage {counts} must be {num_stages} positive counts summing to {n} layers")
+    else:
+        counts = _balanced_counts([float(c) for c in costs], num_stages)
+    stages, start = [], 0
+    for c in counts:
+        stages.append(range(start, start + c))
+        start += c
+    return stages
+
+
+def _balanced_counts(costs: list[float], num_stages: int) -> list[int]:
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest-stage cost of layers [0, i) in k stages; cut[k][i] its last cut
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):  # last stage = layers [j, i)
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] or (value == best[k][i] and j > cut[k][i]):
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], n
+    for k in range(num_stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def module_cost(modules) -> float:
+    """Forward FLOPs per token of the matmuls (2 x weight size for each Linear / Conv) plus one per parameter
+    element (memory, optimizer and gradient traffic), each parameter counted once."""
+    seen, total = set(), 0.0
+    for module in modules:
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if p is None:
+                    continue
+                if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d)) and p is sub.weight:
+                    total += 2 * p.numel()
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+    return total
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """``layers[s]``: the layer paths of stage s in forward order (over all stacks); ``modules[s]``: every
+    module path stage s runs (its layers, embeddings and final norms of its stacks, and on the last stage every
+    module outside the trunk); ``costs[s]``: the cost-model total of stage s."""
+
+    layers: tuple[tuple[str, ...], ...]
+    modules: tuple[tuple[str, ...], ...]
+    costs: tuple[float, ...]
+
+
+def _trunk_layers(model: nn.Module, trunk: tuple[Stack, ...]) -> list[tuple[int, str]]:
+    layers = []
+    for k, stack in enumerate(trunk):
+        module_list = model.get_submodule(stack.layers)
+        layers += [(k, f"{stack.layers}.{key}") for key in module_list._modules]
+    return layers
+
+
+def _outside_trunk(model: nn.Module, trunk: tuple[Stack, ...]) -> list[str]:
+    """The outermost modules holding parameters or buffers that no stack path covers (heads, poolers, ...)."""
+    covered = [s.layers for s in trunk] + [p for s in trunk for p in (*s.before, *s.after)]
+
+    def inside(path, roots):
+        return any(path == r or path.startswith(r + ".") for r in roots)
+
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if inside(path, covered) or inside(path, found):
+            continue
+        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+            found.append(path)
+    return found
+
+
+def stage_plan(model: nn.Module, trunk: tuple[Stack, ...], num_stages: int,
+               layers_per_stage: list[int] | None = None) -> StagePlan:
+    """Module paths per pipeline stage for ``model`` (pure: reads the model, changes nothing)."""
+    if not trunk:
+        raise PlanError(f"{type(model).__name__}: the policy declares no layer trunk, so it cannot be pipelined")
+    for stack in trunk[:-1]:
+        if not (stack.end and stack.output_arg):
+            raise PlanError(f"stack {stack.layers} is followed by another stack but names no end module and "
+                            "output_arg, so stages after it could not receive its output")
+    layers = _trunk_layers(model, trunk)
+    if not layers:
+        raise PlanError(f"{type(model).__name__}: the trunk has no layers")
+    attached: dict[int, list[str]] = {i: [] for i in range(len(layers))}
+    for k, stack in enumerate(trunk):
+        indices = [i for i, (kk, _) in enumerate(layers) if kk == k]
+        if indices:
+            attached[indices[0]] += [p for p in stack.before if _exists(model, p)]
+            attached[indices[-1]] += [p for p in stack.after if _exists(model, p)]
+    attached[len(layers) - 1] += _outside_trunk(model, trunk)
+    costs = [module_cost([model.get_submodule(p) for p in [path, *attached[i]]]) for i, (_, path) in enumerate(layers)]
+    ranges = assign_stages(costs, num_stages, layers_per_stage)
+    return StagePlan(
+        layers=tuple(tuple(layers[i][1] for i in r) for r in ranges),
+        modules=tuple(tuple(p for i in r for p in (layers[i][1], *attached[i])) for r in ranges),
+        costs=tuple(sum(costs[i] for i in r) for r in ranges),
+    )
+
+
+def _exists(model, path) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------- running stages
+class StageExit(Exception):
+    """Raised by a hook at a stage's last module to stop the HF forward there; carries the boundary tensors."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        super().__init__("pipeline stage boundary")
+        self.tensors = tensors
+
+
+class _Received(nn.Module):
+    """Stands in for embeddings a stage does not own: returns the received hidden state. Other attribute reads
+    (ViT reads its patch projection's dtype) go to the module it replaces."""
+
+    def __init__(self, hidden: torch.Tensor, replaced: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "hidden", hidden)
+        object.__setattr__(self, "replaced", replaced)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "replaced"), name)
+
+    def forward(self, *args, **kwargs):
+        return self.hidden
+
+
+def _pick(value, index: int):
+    if isinstance(value, torch.Tensor):
+        if index:
+            raise PlanError(f"a pipeline carry asks for output {index} of a layer that returns one tensor")
+        return value
+    return value[index]
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where stage ``index`` starts and ends in the trunk, and what it receives and sends."""
+
+    index: int
+    first: tuple[int, int]  # (stack, position in stack) of its first layer
+    last: tuple[int, int]
+    receives_outputs: tuple[int, ...]  # stacks whose output arrives first in the received tuple (output_arg)
+    receives_carry: bool  # then the carry of stack first[0] (the stage starts inside it)
+    sends_outputs: tuple[int, ...]
+    sends_carry: bool
+    is_last: bool
+
+
+class PipelineSplit:
+    """The stages of one pipelined model on this rank. Built by :func:`shardlib.shard` when ``mesh.pp > 1``."""
+
+    def __init__(self, model: nn.Module, trunk: tuple[Stack, ...], plan: StagePlan, mesh, stages_per_rank: int = 1):
+        self.model, self.trunk, self.plan = model, trunk, plan
+        self.pp, self.pp_rank, self.group = mesh.pp, mesh.local_rank("pp"), mesh.group("pp")
+        self.num_stages = len(plan.layers)
+        if self.num_stages != self.pp * stages_per_rank:
+            raise PlanError(f"{self.num_stages} stages planned for pp({self.pp}) x stages_per_rank({stages_per_rank})")
+        # stage s runs on pp rank s % pp ("loop" placement, what the interleaved schedules expect)
+        self.local_stages = [self.pp_rank + i * self.pp for i in range(stages_per_rank)]
+        self.active: int | None = None
+        num_stages = self.num_stages
+        stack_sizes = [len(model.get_submodule(s.layers)._modules) for s in trunk]
+        position = {}
+        for k, stack in enumerate(trunk):
+            for pos, key in enumerate(model.get_submodule(stack.layers)._modules):
+                position[f"{stack.layers}.{key}"] = (k, pos)
+        self.routes = []
+        for s, layers in enumerate(plan.layers):
+            first, last = position[layers[0]], position[layers[-1]]
+            is_last = s == num_stages - 1
+            ends_stack = last[1] == stack_sizes[last[0]] - 1
+            self.routes.append(_Route(
+                index=s, first=first, last=last, is_last=is_last,
+                receives_outputs=tuple(k for k in range(first[0]) if trunk[k].output_arg),
+                receives_carry=first[1] > 0,
+                sends_outputs=() if is_last else tuple(
+                    k for k in range(last[0] + (1 if ends_stack else 0)) if trunk[k].output_arg),
+                sends_carry=not is_last and not ends_stack,
+            ))
+        self.layers: dict[str, dict[str, nn.Module]] = {}  # local layers by stack path, original keys
+        self.stage_modules = [StageModule(self, s) for s in self.local_stages]
+        self.owners = self._owners()
+        self.tied = self._tied_parameters()
+        self._release_unused()
+
+    # -- ownership --------------------------------------------------------------------------------------
+    def _owners(self) -> dict[int, set[int]]:
+        """id(parameter or buffer) -> the stages that use it under any of its names (before releasing)."""
+        result: dict[int, set[int]] = {}
+        for s, roots in enumerate(self.plan.modules):
+            for root in roots:
+                module = self.model.get_submodule(root)
+                for t in [*module.parameters(), *module.buffers()]:
+                    result.setdefault(id(t), set()).add(s)
+        return result
+
+    def _tied_parameters(self) -> list[tuple[str, torch.Size, torch.dtype, set[int]]]:
+        """(name, shape, dtype, pp ranks) of parameters used on more than one pipeline rank, sorted by name."""
+        owners = self.owners
+        tied = []
+        for name, p in self.model.named_parameters():
+            ranks = {s % self.pp for s in owners.get(id(p), ())}
+            if len(ranks) > 1:
+                tied.append((name, p.shape, p.dtype, ranks))
+        return sorted(tied)
+
+    def _release_unused(self) -> None:
+        """Drop the layers of other ranks' stages and turn their other parameters into meta tensors."""
+        local = set(self.local_stages)
+        for k, stack in enumerate(self.trunk):
+            module_list = self.model.get_submodule(stack.layers)
+            keep = {key for s in local for path in self.plan.layers[s] for key in [path.rsplit(".", 1)[1]]
+                    if path.rsplit(".", 1)[0] == stack.layers}
+            self.layers[stack.layers] = {key: m for key, m in module_list._modules.items() if key in keep}
+            module_list._modules = dict(self.layers[stack.layers])
+        owners = self.owners
+        replaced: dict[int, nn.Parameter] = {}
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or owners.get(id(p), set()) & local or p.is_meta:
+                    continue
+                if id(p) not in replaced:
+                    replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                module._parameters[name] = replaced[id(p)]
+        self.model.register_forward_pre_hook(self._refuse_outside_stage)
+
+    def _refuse_outside_stage(self, module, args):
+        if self.active is None:
+            raise RuntimeError(
+                f"{type(self.model).__name__} is split into {self.num_stages} pipeline stages; run it with "
+                "shardlib.runtime.Trainer (train_step / eval_step), not by calling the model")
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages (each once), in model order."""
+        owners, local = self.owners, set(self.local_stages)
+        return [p for p in self.model.parameters() if owners.get(id(p), set()) & local]
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameters used on several pipeline ranks: one all-reduce over the pp group per
+        dtype, ranks that do not hold a parameter contributing zeros."""
+        by_dtype: dict[torch.dtype, list] = {}
+        for name, shape, dtype, ranks in self.tied:
+            by_dtype.setdefault(dtype, []).append((name, shape, ranks))
+        for dtype, entries in by_dtype.items():
+            pieces = []
+            for name, shape, ranks in entries:
+                grad = self.model.get_parameter(name).grad if self.pp_rank in ranks else None
+                pieces.append(grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype))
+            flat = torch.cat(pieces)
+            torch.distributed.all_reduce(flat, group=self.group)
+            offset = 0
+            for name, shape, ranks in entries:
+                if self.pp_rank in ranks:
+                    p = self.model.get_parameter(name)
+                    p.grad = flat[offset: offset + shape.numel()].view(shape).clone()
+                offset += shape.numel()
+
+    # -- one stage's forward ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def running(self, route: _Route, received: tuple[torch.Tensor, ...], kwargs: dict):
+        """Set the model up to run exactly stage ``route.index`` on ``received``; yields the forward kwargs."""
+        received = list(received)
+        outputs = {k: received.pop(0) for k in route.receives_outputs}
+        carry = received
+        handles, restore = [], []
+        kwargs = dict(kwargs)
+        for k in route.receives_outputs:
+            kwargs[self.trunk[k].output_arg] = (outputs[k],)
+        stage_layers = set(self.plan.layers[route.index])
+        for k, stack in enumerate(self.trunk):
+            module_list = self.model.get_submodule(stack.layers)
+            restore.append((module_list, module_list._modules))
+            module_list._modules = {key: m for key, m in self.layers[stack.layers].items()
+                                    if f"{stack.layers}.{key}" in stage_layers}
+        start, stop = self.trunk[route.first[0]], self.trunk[route.last[0]]
+        if route.receives_carry:
+            first_layer = next(iter(self.model.get_submodule(start.layers)._modules.values()))
+            for path in start.before:
+                if _exists(self.model, path):
+                    parent, _, name = path.rpartition(".")
+                    holder = self.model.get_submodule(parent) if parent else self.model
+                    restore.append((holder, name, holder._modules[name]))
+                    holder._modules[name] = _Received(carry[0], holder._modules[name])
+
+            def inject(module, args, kw, _carry=tuple(carry), _spec=start.carry):
+                args = list(args)
+                for (arg_index, _), value in zip(_spec, _carry):
+                    args[arg_index] = value
+                return tuple(args), kw
+
+            handles.append(first_layer.register_forward_pre_hook(inject, with_kwargs=True))
+        if route.sends_outputs or route.sends_carry:
+            for k in route.sends_outputs:
+                if k >= route.first[0]:
+                    handles.append(self.model.get_submodule(self.trunk[k].end).register_forward_hook(
+                        lambda m, a, out, _k=k: outputs.__setitem__(_k, _pick(out, 0))))
+            boundary_outputs = lambda: [outputs[k] for k in route.sends_outputs]  # noqa: E731
+            if route.sends_carry:
+                last_layer = list(self.model.get_submodule(stop.layers)._modules.values())[-1]
+
+                def leave(module, args, kw, out, _spec=stop.carry):
+                    values = [_pick(out, o) if o is not None else args[i] for i, o in _spec]
+                    raise StageExit(tuple(t.contiguous() for t in (*boundary_outputs(), *values)))
+
+                handles.append(last_layer.register_forward_hook(leave, with_kwargs=True))
+            else:
+                def leave_stack(module, args, out):
+                    raise StageExit(tuple(t.contiguous() for t in boundary_outputs()))
+
+                handles.append(self.model.get_submodule(stop.end).register_forward_hook(leave_stack))
+        self.active = route.index
+        try:
+            yield kwargs
+        finally:
+            self.active = None
+            for h in handles:
+                h.remove()
+            for item in restore:
+                if len(item) == 2:
+                    item[0]._modules = item[1]
+                else:
+                    item[0]._modules[item[1]] = item[2]
+
+
+class StageModule(nn.Module):
+    """What a ``PipelineStage`` runs for one stage: ``forward(*received, **batch)`` returns the boundary tensors,
+    or on the last stage ``(loss,)`` when the model computed one, else its first output. The last stage keeps
+    every microbatch's full model output in ``outputs`` (detached) for the caller."""
+
+    def __init__(self, split: PipelineSplit, index: int):
+        super().__init__()
+        object.__setattr__(self, "split", split)  # not a submodule: parameters() must not walk the whole model
+        self.index = index
+        self.route = split.routes[index]
+        self.static_kwargs: dict = {}
+        self.input_name: str | None = None  # the first stage gets this batch entry as its positional input
+        self.autocast_dtype: torch.dtype | None = None
+        self.outputs: list = []
+
+    def forward(self, *received, **batch):
+        split = self.split
+        if self.input_name is not None:
+            batch[self.input_name], received = received[0], ()
+        autocast = (torch.autocast(device_type=_device_type(received, batch), dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with split.running(self.route, received, {**batch, **self.static_kwargs}) as kwargs, autocast:
+            try:
+                out = split.model(**kwargs)
+            except StageExit as stop:
+                return stop.tensors
+        if not self.route.is_last:
+            raise RuntimeError(f"pipeline stage {self.index} ran to the end of the model without reaching its cut")
+        self.outputs.append({k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()})
+        loss = out.get("loss")
+        return (loss,) if loss is not None else (out[next(iter(out.keys()))],)
+
+
+def _device_type(received, batch) -> str:
+    for t in (*received, *batch.values()):
+        if torch.is_tensor(t):
+            return t.device.type
+    return "cpu"

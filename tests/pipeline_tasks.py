@@ -1,0 +1,119 @@
+"""Rank tasks for pipeline-parallel models (see harness.py): each builds the unsharded model and its pp x tp (x dp)
+sharded copy under the same seed, runs a training step through :class:`shardlib.runtime.Trainer` on the global
+batch (each dp rank its share), runs the unsharded model on the whole batch, and compares the loss, every
+gradient of this rank's stages and every weight after one AdamW step. Tolerances as in rank_tasks.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import shardlib
+from harness import mesh as pool_mesh
+from rank_tasks import DTYPES, TOL, _adamw, _close, cases, cast_batch
+from shardlib.runtime import Trainer, dp_shard
+
+MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+
+
+def first_output_objective(value: torch.Tensor) -> torch.Tensor:
+    """For models without a loss: a fixed weighting of the first output; a sum, so it splits over microbatches."""
+    return (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
+
+
+def build(spec: dict):
+    mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"])
+    family = cases(spec)
+    ref = family.make_model(spec)
+    stages_per_rank = 2 if spec["schedule"] in MULTI_STAGE else 1
+    model = shardlib.shard(copy.deepcopy(ref), mesh, stages_per_rank=stages_per_rank,
+                           layers_per_stage=spec.get("layers_per_stage"))
+    batch = cast_batch(family.make_batch(spec, ref.config), DTYPES[spec["dtype"]])
+    return mesh, ref, model, batch
+
+
+def reference_loss(ref, batch, has_loss: bool) -> torch.Tensor:
+    out = ref(**batch)
+    return out.loss if has_loss else first_output_objective(out[next(iter(out.keys()))])
+
+
+def pipeline_equivalence(spec: dict) -> dict:
+    """Loss, every gradient of this rank's stages, and the weights after one AdamW step == unsharded."""
+    dtype = DTYPES[spec["dtype"]]
+    mesh, ref, model, batch = build(spec)
+    has_loss = not spec["cls"].endswith("Model") or spec["cls"].endswith("LMHeadModel")  # base models: no loss
+    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
+                      loss_fn=None if has_loss else first_output_objective)
+    loss = trainer.forward_backward(dp_shard(batch, mesh))
+    trainer.reduce_gradients()
+    ref_loss = reference_loss(ref, batch, has_loss)
+    ref_loss.backward()
+    # the weighted sum of microbatch losses is formed in float64 by the runtime
+    _close("loss", torch.tensor(loss, dtype=torch.float64), ref_loss.detach().double(), dtype)
+    grads = shardlib.full_state_dict(model, grads=True)
+    ref_params = dict(ref.named_parameters())
+    local_names = set(shardlib.full_state_dict(model))
+    for name, g in grads.items():  # unused parameters (a base model's pooler): None there, zeros after dp's sum
+        expected = ref_params[name].grad
+        _close(f"grad {name}", g, expected if expected is not None else torch.zeros_like(g), dtype)
+    missing = {n for n in local_names - set(grads) if ref_params[n].grad is not None}
+    assert not missing, f"no gradient on the pipelined model for {sorted(missing)}"
+    trainer.optimizer.step()
+    _adamw(ref.parameters()).step()
+    weights = shardlib.full_state_dict(model)
+    for name, w in weights.items():
+        _close(f"weight after AdamW {name}", w, ref_params[name].detach(), dtype)
+    return {"grads": len(grads), "weights": len(weights), "names": sorted(local_names),
+            "all_names": sorted(n for n, _ in ref.named_parameters()),
+            "stages": [list(s) for s in model._shardlib.pipeline.plan.layers]}
+
+
+def losses_over_steps(spec: dict, steps: int = 3) -> list[float]:
+    """Losses of a few training steps (same batch each step); for the determinism test."""
+    mesh, ref, model, batch = build(spec)
+    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
+                      max_grad_norm=spec.get("max_grad_norm"), activation_checkpointing=spec.get("checkpointing", False))
+    return [trainer.train_step(dp_shard(batch, mesh)) for _ in range(steps)]
+
+
+def clipping_matches(spec: dict) -> dict:
+    """The mesh-wide gradient norm equals the unsharded model's, and clipping scales gradients identically."""
+    dtype = DTYPES[spec["dtype"]]
+    mesh, ref, model, batch = build(spec)
+    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"])
+    trainer.forward_backward(dp_shard(batch, mesh))
+    trainer.reduce_gradients()
+    ref(**batch).loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), spec["max_grad_norm"])
+    norm = trainer.clip_grad_norm(spec["max_grad_norm"])
+    torch.testing.assert_close(torch.tensor(norm, dtype=torch.float64), ref_norm.double(), **TOL[dtype])
+    ref_params = dict(ref.named_parameters())
+    grads = shardlib.full_state_dict(model, grads=True)
+    for name, g in grads.items():
+        _close(f"clipped grad {name}", g, ref_params[name].grad, dtype)
+    return {"norm": norm, "grads": len(grads)}
+
+
+def checkpointing_replays_dropout(spec: dict) -> dict:
+    """With dropout on, activation checkpointing gives the same gradients as storing activations: the recompute
+    replays both the default and the per-rank (tensor-parallel) dropout streams."""
+    results = []
+    for checkpointing in (False, True):
+        mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"])
+        family = cases(spec)
+        ref = family.make_model(spec)
+        torch.manual_seed(1234)
+        model = shardlib.shard(ref, mesh, stages_per_rank=1)
+        trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
+                          activation_checkpointing=checkpointing)
+        batch = family.make_batch(spec, model.config)
+        torch.manual_seed(99)
+        loss = trainer.forward_backward(dp_shard(batch, mesh))
+        results.append((loss, shardlib.full_state_dict(model, grads=True)))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b, (loss_a, loss_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0, msg=lambda m: f"grad {name}: {m}")
+    return {"grads": len(grads_a), "loss": loss_a}
