@@ -10,13 +10,13 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, pinned exactly: this pin resolves to the CPU wheel kept on disk
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[test,bench]"
+	$(VPY) -m pip install -q -e ".[test,bench,demo]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/shardlib run --nproc 2 examples/bert_tp_demo.py
+	$(VENV)/bin/shardlib run --nproc 4 examples/vit_digits_demo.py
 
 test: $(STAMP)
 	$(VPY) -m pytest -q

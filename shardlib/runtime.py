@@ -170,10 +170,15 @@ class Trainer:
         if self.split is not None:
             self.split.sync_tied_grads()
         if self.mesh.dp > 1:
-            for p in self.params:
+            group = self.mesh.group("dp")
+            # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
+            used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+            params = [p for p, u in zip(self.params, used.tolist()) if u]
+            for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce_flat([p.grad for p in self.params], self.mesh.group("dp"))
+            _all_reduce_flat([p.grad for p in params], group)
 
     def grad_norm(self) -> float:
         """The global L2 norm of the gradient of the whole (unsharded) model: tensor-parallel shards summed,
@@ -217,7 +222,8 @@ class Trainer:
             last.outputs.clear() if last is not None else None
             args = (batch[self._input_name(batch)],) if 0 in self.split.local_stages else ()
             schedule.eval(*args, **self._stage_kwargs(batch))
-            return list(last.outputs) if last is not None else []
+            # the schedule's first run on a new input shape adds one metadata-inference forward: keep the real ones
+            return list(last.outputs[-self.microbatches:]) if last is not None else []
 
     # -- internals ------------------------------------------------------------------------------------------
     def _autocast(self, batch):

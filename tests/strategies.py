@@ -83,6 +83,10 @@ def pipeline_specs(draw):
     schedule = draw(st.sampled_from(SCHEDULES))
     stages = pp * (2 if schedule == "interleaved_1f1b" else 1)
     config = spec["config"]
+    if "head_dim" in config and config["heads"] * config["head_dim"] < 4:
+        # a LayerNorm over 2 features outputs +-1 whatever its input: the gradients before it are pure rounding
+        # noise, which a different summation order (the dp split) changes by more than any sane tolerance
+        config["head_dim"] = 4
     decoder = family == "t5" and not spec["cls"].endswith(("EncoderModel", "TokenClassification"))
     if decoder:
         config["layers"] = draw(st.integers(1, stages))

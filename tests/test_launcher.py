@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +21,18 @@ def test_demo_losses_match_on_two_ranks():
                    "--heads", "4", "--vocab", "1001", "--steps", "3", "--seq", "16"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "MATCH" in result.stdout and "tp=2 loss" in result.stdout
+
+
+def test_vit_digits_demo_tp2_pp2_matches_unsharded_losses():
+    result = _run(["run", "--nproc", "4", "examples/vit_digits_demo.py", "--steps", "6", "--check-steps", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MATCH" in result.stdout and "test accuracy" in result.stdout
+
+
+def test_t5_example_trains_and_generates_through_the_pipeline():
+    result = _run(["run", "--nproc", "4", "examples/t5_reverse_demo.py", "--steps", "4", "--length", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exact reversals" in result.stdout and " -> " in result.stdout
 
 
 def test_failing_rank_stops_the_job_with_its_rank(tmp_path):
@@ -41,3 +54,36 @@ def test_help_and_bad_arguments():
     assert _run(["run", "--help"]).returncode == 0
     bad = _run(["run", "--nproc", "0", "x.py"])
     assert bad.returncode != 0 and "--nproc must be >= 1" in bad.stderr
+
+
+def test_rank_killed_mid_pipeline_step_ends_the_job(tmp_path):
+    """pp=2: rank 1 dies inside its stage's forward on the second step; rank 0 is then blocked in a pipeline
+    send/recv. The job must end with an error naming the rank, well within a minute, not hang."""
+    script = tmp_path / "kill.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, shardlib
+        from transformers import BertConfig, BertForSequenceClassification
+        from shardlib.runtime import Trainer
+        mesh = shardlib.init_mesh(pp=2)
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                                         num_attention_heads=2, intermediate_size=32))
+        model = shardlib.shard(model, mesh)
+        trainer = Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), microbatches=2)
+        calls = []
+        def die(*_):
+            calls.append(1)
+            if int(os.environ["RANK"]) == 1 and len(calls) > 3:
+                os._exit(7)
+        for layer in model.bert.encoder.layer:
+            layer.register_forward_hook(die)
+        batch = {"input_ids": torch.randint(0, 50, (4, 8)), "labels": torch.randint(0, 2, (4,))}
+        for _ in range(5):
+            trainer.train_step(batch)
+    """))
+    start = time.monotonic()
+    result = _run(["run", "--nproc", "2", str(script)], timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "rank 1" in result.stderr and "failed" in result.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"

@@ -76,7 +76,7 @@ def test_bert_embeddings_first_heads_last_and_too_many_stages():
 
 
 # ------------------------------------------------------------------------------------------ pipelined training
-@settings(max_examples=max(4, settings().max_examples // 6))
+@settings(max_examples=max(4, settings().max_examples // 4))
 @given(spec=pipeline_specs())
 def test_pipelined_training_matches_unsharded(pool, spec):
     results = pool.run(pipeline_tasks.pipeline_equivalence, spec)
@@ -108,9 +108,10 @@ def _spec(family, cls, pp, tp, microbatches, schedule, dtype="float32"):
 @pytest.mark.parametrize("family,cls", [(f, c) for f, cs in CLASSES.items() for c in cs])
 @pytest.mark.parametrize("pp,tp,microbatches,schedule", [(2, 2, 2, "1f1b"), (4, 1, 4, "gpipe")])
 def test_every_head_pipelined(pool, family, cls, pp, tp, microbatches, schedule):
-    if pp == 4 and family == "t5" and cls.endswith("EncoderModel"):
-        pytest.skip("2 encoder layers cannot fill 4 stages")
-    pool.run(pipeline_tasks.pipeline_equivalence, _spec(family, cls, pp, tp, microbatches, schedule))
+    spec = _spec(family, cls, pp, tp, microbatches, schedule)
+    if cls.endswith("EncoderModel"):
+        spec["config"] = {**spec["config"], "layers": 4}  # the encoder alone must fill 4 stages
+    pool.run(pipeline_tasks.pipeline_equivalence, spec)
 
 
 @pytest.mark.parametrize("schedule,microbatches", [("interleaved_1f1b", 4), ("looped_bfs", 2), ("gpipe", 8),

@@ -1,0 +1,594 @@
+"""Pipeline schedules on CPU: GPipe vs 1F1B vs interleaved 1F1B against the bubble formula, pp=2 over gloo.
+
+What is measured
+----------------
+Two models, random weights from configs, fp32, dropout 0, ``train()`` mode, full attention masks:
+
+* ``bert``: ``BertForMaskedLM`` at BERT-base size (12 layers, hidden 768, 12 heads, intermediate 3072, vocab
+  30522); batch ``input_ids`` / ``attention_mask`` / ``labels`` (a label on every token);
+* ``t5``: ``T5ForConditionalGeneration`` at T5-base size (12 + 12 layers, d_model 768, d_kv 64, 12 heads, d_ff 3072,
+  vocab 32128); batch ``input_ids`` / ``attention_mask`` / ``labels`` (the decoder input is ``labels`` shifted
+  right by HF; encoder and decoder sequences have the same length).
+
+Global batch 16 x 64 tokens by default (``--batch``, ``--seq``; ``--layers`` shrinks the stacks, keeping the width).
+Each model is split by ``shardlib.shard(model, init_mesh(pp=2), stages_per_rank=...)``:
+
+* ``stages_per_rank=1`` (2 stages, stage s on rank s) for ``gpipe`` and ``1f1b``;
+* ``stages_per_rank=2`` (4 stages, stages 0 and 2 on rank 0, 1 and 3 on rank 1) for ``interleaved_1f1b``,
+
+and run by ``shardlib.runtime.Trainer(model, microbatches=m, schedule=...)`` for m in 1, 2, 4, 8, 16. A cell is
+one ``trainer.forward_backward(batch)`` of the whole global batch (no optimizer step): ``--warmup`` untimed steps
+(the first one also runs torch's metadata inference; its time is printed separately as "first step"), then
+``--repeats`` timed ones, each after a barrier, its time the maximum over the two ranks; the table gives the median.
+Combinations torch refuses (1F1B needs m >= pp) are printed as n/a with torch's reason.
+
+The ideal
+---------
+Per-stage compute time per microbatch, ``t_s``: during the warm-up the stage modules' inputs of one microbatch
+(received boundary tensors and the batch keyword arguments) are recorded; each rank then runs its local
+``StageModule`` alone on them, forward then backward (a ones gradient on the boundary outputs; the loss on the
+last stage), no communication, both ranks at the same time (as in the pipeline), ``--stage-repeats`` times after a
+warm-up; ``t_s`` is the median. It is measured for every microbatch size (16 / m sequences): smaller matmuls are
+less efficient per token, and the ideal should not charge that to the schedule. With p stages of one per rank:
+
+    ideal(m) = (m + p - 1) * max_s t_s  =  m * max_s t_s / (1 - bubble),   bubble = (p - 1) / (m + p - 1)
+
+For the interleaved schedule (v = 2 stages per rank, p = 2 ranks) the same formula over chunks (Megatron's
+bubble (p - 1) / (v m + p - 1) for equal chunks): ``ideal(m) = m * max_r (sum of rank r's t_s) + (p - 1) * max_s
+t_s``. It assumes m >= p (with fewer microbatches the chunks cannot interleave, and the formula undercounts the
+bubble). The table prints measured / ideal per cell; what is left above 1.00x is what the schedule's runtime
+adds: point-to-point sends and receives over gloo, waiting for the slower rank beyond what max_s t_s already
+charges, the schedule's bookkeeping, the loss all-reduce at the end of the step.
+
+Memory
+------
+At m = ``--memory-m`` (default 8) one more step per schedule runs under ``torch.autograd.graph.saved_tensors_hooks``:
+every tensor saved for backward adds its storage's bytes to a live counter (each storage counted once, keyed by
+``untyped_storage().data_ptr()``; the parameters' own storages are not activations and are skipped) until autograd
+frees it; the peak is the activation memory a schedule keeps alive per rank. Next to it the predictions from one
+microbatch's saved bytes per stage, a_s (measured the same way on the isolated stage): GPipe keeps all m
+microbatches, m x a_s; 1F1B keeps at most min(m, p - r) in flight on rank r. Also printed: the growth of the
+process's peak RSS during that step (``/proc/self/clear_refs`` resets VmHWM after ``malloc_trim``; includes
+gradients, allocator slack and communication buffers, so it is a coarser number).
+
+Machine
+-------
+Two ranks, one thread each (``torch.set_num_threads(1)``), on a 2-core machine: nothing else may run. Rank 0
+waits (``--wait-idle``, default up to 120 s) for other processes to go quiet before each model, prints the load
+average, and every timed cell records the CPU other processes used meanwhile (machine busy time minus both
+ranks' own); cells above 0.1 cores are marked with ``*`` and listed under the tables.
+
+How to run
+----------
+    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py            # full sweep, BERT-base and T5-base
+    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --quick    # smoke check: tiny models, < 1 minute
+    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --models bert --microbatches 4,8 --repeats 5
+
+It prints, per model, the stage split, the per-stage compute times, the step-time table (median ms and
+measured / ideal), the first-step times, the memory table, and a line saying whether 1F1B at m = 8 is within
+1.15x of its ideal (the target). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import machine_busy_s, wait_idle  # noqa: E402
+
+import shardlib  # noqa: E402
+from shardlib.runtime import Trainer  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
+IDLE_CORES = 0.1
+TARGET_M, TARGET_RATIO = 8, 1.15
+
+BASE = {
+    "bert": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                 vocab_size=30522),
+    "t5": dict(num_layers=12, num_decoder_layers=12, d_model=768, d_kv=64, num_heads=12, d_ff=3072,
+               vocab_size=32128),
+}
+TINY = {  # --quick
+    "bert": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=1000),
+    "t5": dict(num_layers=4, num_decoder_layers=4, d_model=64, d_kv=16, num_heads=4, d_ff=256, vocab_size=1000),
+}
+
+
+# ------------------------------------------------------------------------------------------------- models
+def model_config(name: str, quick: bool, layers: int | None):
+    from transformers import BertConfig, T5Config
+
+    fields = dict((TINY if quick else BASE)[name])
+    if name == "bert":
+        if layers:
+            fields["num_hidden_layers"] = layers
+        return BertConfig(**fields, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if layers:
+        fields.update(num_layers=layers, num_decoder_layers=layers)
+    return T5Config(**fields, dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
+                    decoder_start_token_id=0)
+
+
+def describe(name: str, config, batch: int, seq: int) -> str:
+    if name == "bert":
+        return (f"BertForMaskedLM: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+                f"{config.num_attention_heads} heads, intermediate {config.intermediate_size}, vocab "
+                f"{config.vocab_size}; batch {batch} x {seq} tokens")
+    return (f"T5ForConditionalGeneration: {config.num_layers} + {config.num_decoder_layers} layers, d_model "
+            f"{config.d_model}, {config.num_heads} heads, d_ff {config.d_ff}, vocab {config.vocab_size}; batch {batch} "
+            f"x ({seq} encoder + {seq} decoder) tokens")
+
+
+def build_model(name: str, config):
+    from transformers import BertForMaskedLM, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = (BertForMaskedLM if name == "bert" else T5ForConditionalGeneration)(config)
+    return model.train()
+
+
+def make_batch(config, batch: int, seq: int) -> dict:
+    """The first entry is the first stage's positional input (Trainer takes the first tensor)."""
+    g = torch.Generator().manual_seed(1)
+    return dict(input_ids=torch.randint(1, config.vocab_size, (batch, seq), generator=g),
+                attention_mask=torch.ones(batch, seq, dtype=torch.long),
+                labels=torch.randint(1, config.vocab_size, (batch, seq), generator=g))
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def all_reduce(values, op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+class LoadMeter:
+    """Foreign CPU use (cores) over a window: the machine's busy time minus both ranks' own CPU time."""
+
+    def __enter__(self):
+        self.busy, self.own, self.wall = machine_busy_s(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.busy = machine_busy_s() - self.busy
+        self.own = time.process_time() - self.own
+        self.wall = time.perf_counter() - self.wall
+
+    def foreign(self) -> float | None:
+        own = all_reduce([self.own])[0]
+        busy = all_reduce([self.busy if dist.get_rank() == 0 else 0.0])[0]
+        wall = all_reduce([self.wall], dist.ReduceOp.MAX)[0]
+        return max(0.0, (busy - own) / wall) if wall >= 0.5 else None  # /proc/stat ticks are 10 ms
+
+
+class SavedBytes:
+    """``saved_tensors_hooks`` that count the bytes of the storages saved for backward and alive at once."""
+
+    def __init__(self, skip_ptrs: set[int]):
+        self.skip, self.live, self.current, self.peak = skip_ptrs, {}, 0, 0
+
+    def pack(self, t: torch.Tensor):
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, nbytes = ("id", id(t)), t.numel() * t.element_size()
+        if key in self.skip or nbytes == 0:
+            return _Holder(t, None, None)
+        entry = self.live.get(key)
+        if entry is None:
+            self.live[key] = [1, nbytes]
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[0] += 1
+        return _Holder(t, self, key)
+
+    @staticmethod
+    def unpack(holder):
+        return holder.tensor
+
+    def release(self, key) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Holder:
+    __slots__ = ("tensor", "counter", "key")
+
+    def __init__(self, tensor, counter, key):
+        self.tensor, self.counter, self.key = tensor, counter, key
+
+    def __del__(self):
+        if self.counter is not None:
+            self.counter.release(self.key)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_growth(fn) -> float | None:
+    """Peak RSS during ``fn()`` minus RSS before it (bytes), or None where VmHWM cannot be reset."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        before = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        fn()
+        return None
+    fn()
+    return (_status_kib("VmHWM") - before) * 1024.0
+
+
+def parameter_storages(model) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in model.parameters() if not p.is_meta}
+
+
+# ------------------------------------------------------------------------------------------------- stages alone
+def capture_inputs(split) -> tuple[dict, list]:
+    """Record each local stage's last real inputs (one microbatch): {stage index: (args, kwargs)}."""
+    store: dict = {}
+
+    def clone(v):
+        return v.detach().clone() if torch.is_tensor(v) else v
+
+    def hook(module, args, kwargs):
+        if any(torch.is_tensor(v) and v.is_meta for v in (*args, *kwargs.values())):
+            return
+        store[module.index] = (tuple(clone(a) for a in args), {k: clone(v) for k, v in kwargs.items()})
+
+    return store, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in split.stage_modules]
+
+
+def run_stage_alone(module, args, kwargs) -> None:
+    """Forward then backward of one stage on recorded inputs, as the schedule runs it, without communication."""
+    inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args)
+    outs = module(*inputs, **kwargs)
+    if module.route.is_last:
+        outs[0].backward()
+        module.outputs.clear()
+    else:
+        outs = [o for o in outs if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def time_stages(model, split, captured: dict, warmup: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Median fwd+bwd ms and saved bytes of one microbatch per stage (all stages; zeros for other ranks' stages,
+    summed over ranks)."""
+    times = {m.index: [] for m in split.stage_modules}
+    saved = {}
+    skip = parameter_storages(model)
+    for i in range(warmup + repeats):
+        for module in split.stage_modules:
+            args, kwargs = captured[module.index]
+            dist.barrier()
+            if i == 0:  # counting hooks cost time: the first (untimed) run measures memory
+                counter = SavedBytes(skip)
+                with counter.hooks():
+                    run_stage_alone(module, args, kwargs)
+                saved[module.index] = counter.peak
+                continue
+            t0 = time.perf_counter()
+            run_stage_alone(module, args, kwargs)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times[module.index].append(dt)
+    n = split.num_stages
+    t = [statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)]
+    b = [float(saved.get(s, 0)) for s in range(n)]
+    return all_reduce(t), all_reduce(b)
+
+
+# ------------------------------------------------------------------------------------------------- one split
+def bench_split(name, config, batch, spr, schedules, microbatches, args, log) -> dict:
+    """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
+    model = shardlib.shard(build_model(name, config), MESH, stages_per_rank=spr)
+    split = model._shardlib.pipeline
+    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stage_ms": {}, "stage_bytes": {}, "mem": {}}
+    trainers: dict = {}
+
+    def trainer(sched, m):
+        if (sched, m) not in trainers:
+            trainers[(sched, m)] = Trainer(model, None, microbatches=m, schedule=sched)
+        return trainers[(sched, m)]
+
+    def step(tr):
+        tr.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
+        tr.forward_backward(batch)
+        return time.perf_counter() - t0
+
+    for m in microbatches:
+        captured, handles = capture_inputs(split)  # the first step at this m records one microbatch's inputs
+        for sched in schedules:
+            tr = trainer(sched, m)
+            try:  # torch refuses some combinations when the schedule is built, before any communication
+                first = step(tr)
+            except ValueError as e:
+                out["cells"][(sched, m)] = {"error": str(e).split(": ", 1)[-1]}
+                log(f"  {TITLES[sched]:<17} m={m:<3} n/a: {out['cells'][(sched, m)]['error']}")
+                continue
+            for h in handles:
+                h.remove()
+            handles = []
+            for _ in range(args.warmup - 1):
+                step(tr)
+            with LoadMeter() as meter:
+                times = [step(tr) for _ in range(args.repeats)]
+            times = all_reduce(times, dist.ReduceOp.MAX)
+            first = all_reduce([first], dist.ReduceOp.MAX)[0]
+            foreign = meter.foreign()
+            out["cells"][(sched, m)] = {"times": times, "first": first, "foreign": foreign}
+            log(f"  {TITLES[sched]:<17} m={m:<3} median {statistics.median(times) * 1e3:8.1f} ms  "
+                f"(first step {first * 1e3:.0f} ms; others' CPU {_fmt_cores(foreign)})")
+        for h in handles:
+            h.remove()
+        if len(captured) == len(split.stage_modules):
+            model.zero_grad(set_to_none=True)
+            out["stage_ms"][m], out["stage_bytes"][m] = time_stages(model, split, captured, 1, args.stage_repeats)
+            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in out["stage_ms"][m])
+                + " ms per microbatch (stage 0 / 1 / ...)")
+        del captured
+    mm = args.memory_m
+    for sched in schedules:
+        cell = out["cells"].get((sched, mm))
+        if cell is None or "error" in cell:
+            continue
+        tr = trainer(sched, mm)
+        tr.zero_grad()
+        counter = SavedBytes(parameter_storages(model))
+
+        def run():
+            with counter.hooks():
+                tr.forward_backward(batch)
+
+        dist.barrier()
+        growth = rss_growth(run)
+        peak = all_reduce([counter.peak if r == dist.get_rank() else 0.0 for r in range(2)])
+        mine = -1.0 if growth is None else growth
+        rss = all_reduce([mine if r == dist.get_rank() else 0.0 for r in range(2)])
+        rss = None if min(rss) < 0 else rss
+        out["mem"][sched] = {"saved": peak, "rss": rss}
+        log(f"  memory           {TITLES[sched]:<17} m={mm}: peak saved " + " / ".join(_mib(x) for x in peak)
+            + " (rank 0 / rank 1)")
+    trainers.clear()
+    del model, split
+    gc.collect()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- report
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f} MiB"
+
+
+def _fmt_cores(x: float | None) -> str:
+    return "n/a (window < 0.5 s)" if x is None else f"{x:.2f} cores"
+
+
+def ideal_ms(stage_ms: list[float], m: int, pp: int = 2) -> float:
+    """m x (largest per-rank work per microbatch) + (pp - 1) x (largest stage): (m + p - 1) max t_s for one stage
+    per rank; stage s runs on rank s % pp."""
+    work = [sum(t for s, t in enumerate(stage_ms) if s % pp == r) for r in range(pp)]
+    return m * max(work) + (pp - 1) * max(stage_ms)
+
+
+def report(name, config, batch_size, seq, results, microbatches, args, warnings) -> list[str]:
+    lines = [f"### {name}: {describe(name, config, batch_size, seq)}", ""]
+    for spr, res in sorted(results.items()):
+        plan = "; ".join(f"stage {s} (rank {s % 2}): {_layer_span(layers)}" for s, layers in enumerate(res["plan"]))
+        lines.append(f"- stages_per_rank={spr}: {plan}")
+    lines += ["", "Per-stage compute, forward + backward of one microbatch alone (median ms; stage s on rank s % 2):",
+              "", "| m | sequences per microbatch | 2-stage split: t_0 / t_1 | 4-stage split: t_0 / t_1 / t_2 / t_3 |",
+              "|---:|---:|---|---|"]
+    for m in microbatches:
+        cols = []
+        for spr in (1, 2):
+            t = results.get(spr, {}).get("stage_ms", {}).get(m)
+            cols.append(" / ".join(f"{x:.1f}" for x in t) if t else "n/a")
+        lines.append(f"| {m} | {batch_size // m} | {cols[0]} | {cols[1]} |")
+    header = "| schedule | " + " | ".join(f"m={m}" for m in microbatches) + " |"
+    lines += ["", f"Step time, forward + backward of the global batch: median ms of {args.repeats} (measured / ideal):",
+              "", header, "|---|" + "---:|" * len(microbatches)]
+
+    def ideal_row(spr, label):
+        cells = []
+        for m in microbatches:
+            t = results.get(spr, {}).get("stage_ms", {}).get(m)
+            cells.append(f"{ideal_ms(t, m):.0f}" if t else "n/a")
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    lines.append("| bubble (p-1)/(m+p-1), p=2 | " + " | ".join(f"{1 / (m + 1):.0%}" for m in microbatches) + " |")
+    lines.append(ideal_row(1, "ideal, 2 stages: (m+1) max t_s"))
+    rows_first = []
+    for sched in args.schedules:
+        spr = STAGES_PER_RANK[sched]
+        if sched == "interleaved_1f1b":
+            lines.append(ideal_row(2, "ideal, 4 stages: m max_r(t_r + t_r+2) + max t_s"))
+        res = results.get(spr, {})
+        cells, firsts = [], []
+        for m in microbatches:
+            cell = res.get("cells", {}).get((sched, m))
+            if cell is None or "error" in cell:
+                cells.append("n/a")
+                firsts.append("n/a")
+                continue
+            med = statistics.median(cell["times"]) * 1e3
+            t = res["stage_ms"].get(m)
+            ratio = f" ({med / ideal_ms(t, m):.2f}x)" if t else ""
+            mark = ""
+            if cell["foreign"] is not None and cell["foreign"] > IDLE_CORES:
+                mark = "*"
+                warnings.append(f"{name} {TITLES[sched]} m={m}: other processes used {cell['foreign']:.2f} cores "
+                                "while it was timed")
+            cells.append(f"{med:.0f}{ratio}{mark}")
+            firsts.append(f"{cell['first'] * 1e3:.0f}")
+        lines.append(f"| **{TITLES[sched]}** | " + " | ".join(cells) + " |")
+        rows_first.append(f"| {TITLES[sched]} | " + " | ".join(firsts) + " |")
+    for sched in args.schedules:
+        for m in microbatches:
+            cell = results.get(STAGES_PER_RANK[sched], {}).get("cells", {}).get((sched, m))
+            if cell and "error" in cell:
+                warnings.append(f"n/a: {name} {TITLES[sched]} m={m}: {cell['error']}")
+    lines += ["", "First step (ms; includes torch's metadata inference on a new schedule):", "", header,
+              "|---|" + "---:|" * len(microbatches), *rows_first]
+    mm = args.memory_m
+    mem = {s: results.get(STAGES_PER_RANK[s], {}).get("mem", {}).get(s) for s in args.schedules}
+    if any(mem.values()):
+        lines += ["", f"Peak bytes saved for backward per rank at m={mm} (activations alive at once; predicted from "
+                  "one microbatch's saved bytes a_s of the isolated stage), and peak RSS growth during the step:", "",
+                  "| schedule | rank 0 saved | rank 1 saved | predicted rank 0 / rank 1 | rank 0 RSS growth "
+                  "| rank 1 RSS growth |", "|---|---:|---:|---|---:|---:|"]
+        for sched, r in mem.items():
+            if not r:
+                continue
+            a = results[STAGES_PER_RANK[sched]]["stage_bytes"].get(mm)
+            pred = "n/a"
+            if a and sched == "gpipe":
+                pred = " / ".join(_mib(mm * a[r]) for r in range(2)) + " (m a_s)"
+            elif a and sched == "1f1b":
+                pred = " / ".join(_mib(min(mm, 2 - r) * a[r]) for r in range(2)) + " (min(m, p-r) a_s)"
+            rss = [_mib(x) for x in r["rss"]] if r["rss"] else ["n/a", "n/a"]
+            lines.append(f"| {TITLES[sched]} | {_mib(r['saved'][0])} | {_mib(r['saved'][1])} | {pred} | {rss[0]} | "
+                         f"{rss[1]} |")
+        if mem.get("gpipe") and mem.get("1f1b"):
+            g, o = mem["gpipe"]["saved"], mem["1f1b"]["saved"]
+            lines += ["", f"GPipe / 1F1B peak saved bytes at m={mm}: rank 0 {g[0] / o[0]:.2f}x, rank 1 "
+                          f"{g[1] / o[1]:.2f}x."]
+    cell = results.get(1, {}).get("cells", {}).get(("1f1b", TARGET_M))
+    t = results.get(1, {}).get("stage_ms", {}).get(TARGET_M)
+    if cell and "times" in cell and t:
+        med = statistics.median(cell["times"]) * 1e3
+        ratio = med / ideal_ms(t, TARGET_M)
+        verdict = "within" if ratio <= TARGET_RATIO else "NOT within"
+        lines += ["", f"**Target: 1F1B at m={TARGET_M}: {med:.0f} ms vs ideal {ideal_ms(t, TARGET_M):.0f} ms = "
+                      f"{ratio:.2f}x, {verdict} {TARGET_RATIO}x.**"]
+    return lines
+
+
+def _layer_span(layers) -> str:
+    """'encoder.layer.0-5' style summary of a stage's layer paths."""
+    groups: dict[str, list[str]] = {}
+    for path in layers:
+        stack, _, key = path.rpartition(".")
+        groups.setdefault(stack, []).append(key)
+    parts = []
+    for stack, keys in groups.items():
+        parts.append(f"{stack}.{keys[0]}" + (f"-{keys[-1]}" if len(keys) > 1 else ""))
+    return " + ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------- main
+MESH = None
+
+
+def main(argv=None) -> int:
+    global MESH
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="bert,t5", help="comma-separated subset of: bert, t5 (default both)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of: "
+                   + ", ".join(SCHEDULES))
+    p.add_argument("--microbatches", default="1,2,4,8,16", help="comma-separated (each must divide --batch)")
+    p.add_argument("--batch", type=int, default=16, help="global batch, sequences (default 16)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence, encoder and decoder (default 64; "
+                   "--quick 16)")
+    p.add_argument("--layers", type=int, default=None, help="layers per stack instead of 12 (width unchanged)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per cell, >= 1 (default 1: the first step)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per cell (default 3; --quick 2)")
+    p.add_argument("--stage-repeats", type=int, default=None,
+                   help="timed runs of each isolated stage per microbatch size (default 5; --quick 3)")
+    p.add_argument("--memory-m", type=int, default=8, help="microbatches of the memory measurement (default 8)")
+    p.add_argument("--wait-idle", type=float, default=None, metavar="SECONDS",
+                   help="before each model rank 0 waits up to this long for other processes to go quiet (default "
+                        "120; --quick 10; 0: don't wait)")
+    p.add_argument("--quick", action="store_true", help="smoke check: tiny models (hidden 64, 4 layers), 16 x 16 "
+                   "tokens, 2 timed steps per cell")
+    args = p.parse_args(argv)
+    args.models = args.models.split(",")
+    args.schedules = args.schedules.split(",")
+    microbatches = [int(x) for x in args.microbatches.split(",")]
+    seq = args.seq or (16 if args.quick else 64)
+    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.stage_repeats = args.stage_repeats or (3 if args.quick else 5)
+    args.wait_idle = args.wait_idle if args.wait_idle is not None else (10.0 if args.quick else 120.0)
+    bad = [m for m in args.models if m not in BASE] + [s for s in args.schedules if s not in SCHEDULES]
+    if bad or any(args.batch % m for m in microbatches) or args.warmup < 1 or args.batch % args.memory_m:
+        p.error(f"bad arguments {bad}: models from bert, t5; schedules from {', '.join(SCHEDULES)}; every "
+                "microbatch count and --memory-m must divide --batch; --warmup >= 1")
+
+    torch.set_num_threads(1)
+    MESH = shardlib.init_mesh(pp=2)
+    rank = dist.get_rank()
+    if dist.get_world_size() != 2:
+        raise SystemExit("run on exactly 2 ranks: shardlib run --nproc 2 benchmarks/pipeline.py")
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    log(f"# pipeline schedules, pp=2 on 2 processes x 1 thread, gloo, fp32, dropout 0, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs; load average at start {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    t_all = time.perf_counter()
+    warnings: list[str] = []
+    out_lines: list[str] = []
+    for name in args.models:
+        config = model_config(name, args.quick, args.layers)
+        log(f"\n## {name}: {describe(name, config, args.batch, seq)}")
+        if rank == 0 and args.wait_idle > 0:
+            load = wait_idle(args.wait_idle, IDLE_CORES)
+            if load > IDLE_CORES:
+                msg = f"the machine was not idle ({load:.2f} cores busy by other processes) before {name}"
+                log(f"  WARNING: {msg}")
+                warnings.append(msg)
+        dist.barrier()
+        log(f"  load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        batch = make_batch(config, args.batch, seq)
+        results = {}
+        for spr in (1, 2):
+            scheds = [s for s in args.schedules if STAGES_PER_RANK[s] == spr]
+            if scheds:
+                results[spr] = bench_split(name, config, batch, spr, scheds, microbatches, args, log)
+        if rank == 0:
+            out_lines += ["", *report(name, config, args.batch, seq, results, microbatches, args, warnings)]
+    log("\n" + "\n".join(out_lines))
+    for w in warnings:
+        log(f"WARNING: {w}" if not w.startswith("n/a") else w)
+    log(f"\nload average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"total wall time {time.perf_counter() - t_all:.0f} s")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
