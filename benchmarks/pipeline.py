@@ -280,13 +280,16 @@ def run_stage_alone(module, args, kwargs) -> None:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
-def time_stages(model, split, captured: dict, warmup: int, repeats: int) -> tuple[list[float], list[float]]:
-    """Median fwd+bwd ms and saved bytes of one microbatch per stage (all stages; zeros for other ranks' stages,
-    summed over ranks)."""
+def time_stages(model, split, captured: dict, warmup: int, repeats: int):
+    """Median fwd+bwd ms and saved bytes of one microbatch per stage (all stages, gathered over the ranks), and the
+    other processes' CPU use while it was timed."""
     times = {m.index: [] for m in split.stage_modules}
     saved = {}
     skip = parameter_storages(model)
+    meter = LoadMeter()
     for i in range(warmup + repeats):
+        if i == warmup:
+            meter.__enter__()
         for module in split.stage_modules:
             args, kwargs = captured[module.index]
             dist.barrier()
@@ -301,10 +304,11 @@ def time_stages(model, split, captured: dict, warmup: int, repeats: int) -> tupl
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[module.index].append(dt)
+    meter.__exit__()
     n = split.num_stages
     t = [statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)]
     b = [float(saved.get(s, 0)) for s in range(n)]
-    return all_reduce(t), all_reduce(b)
+    return all_reduce(t), all_reduce(b), meter.foreign()
 
 
 # ------------------------------------------------------------------------------------------------- one split
@@ -312,7 +316,8 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
     """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
     model = shardlib.shard(build_model(name, config), MESH, stages_per_rank=spr)
     split = model._shardlib.pipeline
-    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stage_ms": {}, "stage_bytes": {}, "mem": {}}
+    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stage_ms": {}, "stage_bytes": {}, "stage_foreign": {},
+           "mem": {}}
     trainers: dict = {}
 
     def trainer(sched, m):
@@ -354,9 +359,11 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
             h.remove()
         if len(captured) == len(split.stage_modules):
             model.zero_grad(set_to_none=True)
-            out["stage_ms"][m], out["stage_bytes"][m] = time_stages(model, split, captured, 1, args.stage_repeats)
+            out["stage_ms"][m], out["stage_bytes"][m], foreign = time_stages(model, split, captured, 1,
+                                                                             args.stage_repeats)
+            out["stage_foreign"][m] = foreign
             log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in out["stage_ms"][m])
-                + " ms per microbatch (stage 0 / 1 / ...)")
+                + f" ms per microbatch (stage 0 / 1 / ...; others' CPU {_fmt_cores(foreign)})")
         del captured
     mm = args.memory_m
     for sched in schedules:
@@ -413,8 +420,15 @@ def report(name, config, batch_size, seq, results, microbatches, args, warnings)
     for m in microbatches:
         cols = []
         for spr in (1, 2):
-            t = results.get(spr, {}).get("stage_ms", {}).get(m)
-            cols.append(" / ".join(f"{x:.1f}" for x in t) if t else "n/a")
+            res = results.get(spr, {})
+            t = res.get("stage_ms", {}).get(m)
+            foreign = res.get("stage_foreign", {}).get(m)
+            mark = ""
+            if foreign is not None and foreign > IDLE_CORES:
+                mark = "*"
+                warnings.append(f"{name} stages alone ({2 * spr} stages) m={m}: other processes used {foreign:.2f} "
+                                "cores while they were timed")
+            cols.append(" / ".join(f"{x:.1f}" for x in t) + mark if t else "n/a")
         lines.append(f"| {m} | {batch_size // m} | {cols[0]} | {cols[1]} |")
     header = "| schedule | " + " | ".join(f"m={m}" for m in microbatches) + " |"
     lines += ["", f"Step time, forward + backward of the global batch: median ms of {args.repeats} (measured / ideal):",

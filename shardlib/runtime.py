@@ -131,10 +131,16 @@ class Trainer:
                 stage.autocast_dtype = autocast_dtype
 
     # -- public ---------------------------------------------------------------------------------------------
-    def train_step(self, batch: dict) -> float:
-        """zero grads, forward + backward over all microbatches, reduce and clip gradients, optimizer step."""
+    def train_step(self, batch: dict | list[dict]) -> float:
+        """zero grads, forward + backward over all microbatches, reduce and clip gradients, optimizer step.
+
+        A list of batches accumulates gradients over all of them before the one optimizer step (gradient
+        accumulation): the loss is normalized over the items of every batch together, so the step equals one
+        step on their concatenation."""
+        batches = batch if isinstance(batch, list) else [batch]
         self.zero_grad()
-        loss = self.forward_backward(batch)
+        total = self._global_items(batches)
+        loss = sum(self.forward_backward(b, total_items=total) for b in batches)
         self.reduce_gradients()
         if self.max_grad_norm is not None:
             self.clip_grad_norm(self.max_grad_norm)
@@ -145,15 +151,13 @@ class Trainer:
         for p in self.params:
             p.grad = None
 
-    def forward_backward(self, batch: dict) -> float:
-        """Accumulate this step's gradients (call again before :meth:`reduce_gradients` to accumulate more).
-        Returns the loss of the global batch (same value on every rank)."""
+    def forward_backward(self, batch: dict, *, total_items: float | None = None) -> float:
+        """Accumulate the gradients of ``batch`` (call again before :meth:`reduce_gradients` to accumulate more,
+        passing the ``total_items`` of all of them, see :meth:`train_step`). Returns the loss of ``batch`` over
+        every data-parallel rank (same value on every rank)."""
         self.model.train()
-        weights = loss_items(self.model, batch) if self.loss_fn is None else torch.ones(_batch_size(batch))
-        total = weights.sum()
-        if self.mesh.dp > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp"))
-        self._total = float(total) if self.loss_fn is None else 1.0
+        self._total = total_items if total_items is not None else self._global_items([batch])
+        weights = self._weights(batch)
         if self.split is None:
             loss = self._run_plain(batch, weights)
         else:
@@ -163,6 +167,18 @@ class Trainer:
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(loss, group=self.mesh.group(dim))
         return float(loss)
+
+    def _weights(self, batch: dict) -> torch.Tensor:
+        return loss_items(self.model, batch) if self.loss_fn is None else torch.ones(_batch_size(batch))
+
+    def _global_items(self, batches: list[dict]) -> float:
+        """The loss items of ``batches`` summed over data-parallel ranks (1 with a user ``loss_fn``: summed)."""
+        if self.loss_fn is not None:
+            return 1.0
+        total = sum(self._weights(b).sum() for b in batches)
+        if self.mesh.dp > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+        return float(total)
 
     def reduce_gradients(self) -> None:
         """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are

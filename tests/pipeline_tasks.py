@@ -117,3 +117,36 @@ def checkpointing_replays_dropout(spec: dict) -> dict:
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0, msg=lambda m: f"grad {name}: {m}")
     return {"grads": len(grads_a), "loss": loss_a}
+
+
+def accumulation_matches_one_big_batch(spec: dict) -> dict:
+    """train_step over a list of batches == one unsharded step on their concatenation (loss and weights)."""
+    dtype = DTYPES[spec["dtype"]]
+    mesh, ref, model, batch = build(spec)
+    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"])
+    half = next(iter(batch.values())).shape[0] // 2
+    parts = [{k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}]
+    loss = trainer.train_step([dp_shard(p, mesh) for p in parts])
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+    _adamw(ref.parameters()).step()
+    _close("accumulated loss", torch.tensor(loss, dtype=torch.float64), ref_out.loss.detach().double(), dtype)
+    ref_params = dict(ref.named_parameters())
+    weights = shardlib.full_state_dict(model)
+    for name, w in weights.items():
+        _close(f"weight after accumulated step {name}", w, ref_params[name].detach(), dtype)
+    return {"weights": len(weights)}
+
+
+def bf16_autocast_close(spec: dict) -> dict:
+    """bf16 autocast through the pipeline: the loss is the unsharded model's autocast loss to bf16 precision."""
+    mesh, ref, model, batch = build(spec)
+    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
+                      autocast_dtype=torch.bfloat16)
+    loss = trainer.forward_backward(dp_shard(batch, mesh))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(**batch).loss.float().item()
+    assert abs(loss - ref_loss) <= 3e-2 * abs(ref_loss), (loss, ref_loss)  # bf16 has 8 bits of mantissa
+    grads = shardlib.full_state_dict(model, grads=True)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    return {"loss": loss, "ref": ref_loss}

@@ -144,3 +144,15 @@ def test_activation_checkpointing_replays_dropout(pool):
     spec = {**_spec("bert", "BertForMaskedLM", 2, 2, 2, "1f1b"), "config": config}
     results = pool.run(pipeline_tasks.checkpointing_replays_dropout, spec)
     assert all(r["grads"] >= 1 for r in results)
+
+
+def test_gradient_accumulation_equals_one_big_step(pool):
+    spec = _spec("vit", "ViTForImageClassification", 2, 1, 2, "1f1b")
+    spec["batch"] = 16  # two accumulated batches of 8: 4 per dp rank, 2 microbatches of 2
+    pool.run(pipeline_tasks.accumulation_matches_one_big_batch, spec)
+
+
+def test_bf16_autocast_through_the_pipeline(pool):
+    spec = _spec("bert", "BertForMaskedLM", 2, 2, 2, "1f1b")
+    results = pool.run(pipeline_tasks.bf16_autocast_close, spec)
+    assert len({r["loss"] for r in results}) == 1  # closeness to the unsharded loss is asserted on the ranks
