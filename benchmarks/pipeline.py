@@ -316,8 +316,8 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
     """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
     model = shardlib.shard(build_model(name, config), MESH, stages_per_rank=spr)
     split = model._shardlib.pipeline
-    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stage_ms": {}, "stage_bytes": {}, "stage_foreign": {},
-           "mem": {}}
+    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stage_ms": {}, "stage_bytes": {},
+           "stage_foreign": {}, "mem": {}}
     trainers: dict = {}
 
     def trainer(sched, m):
