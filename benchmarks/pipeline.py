@@ -96,6 +96,7 @@ TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 IDLE_CORES = 0.1
 TARGET_M, TARGET_RATIO = 8, 1.15
+DEFAULT_SEQ = {"bert": 32, "t5": 16}  # what keeps the full sweep near 10 minutes on 2 cores
 
 BASE = {
     "bert": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
@@ -268,7 +269,7 @@ def capture_inputs(split) -> tuple[dict, list]:
     return store, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in split.stage_modules]
 
 
-def run_stage_alone(module, args, kwargs) -> None:
+def run_stage_alone(module, args: tuple, kwargs: dict) -> None:
     """Forward then backward of one stage on recorded inputs, as the schedule runs it, without communication."""
     inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args)
     outs = module(*inputs, **kwargs)
@@ -280,35 +281,49 @@ def run_stage_alone(module, args, kwargs) -> None:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
-def time_stages(model, split, captured: dict, warmup: int, repeats: int):
+def measure_quietly(fn, args, log):
+    """Run ``fn()`` (a timed measurement, the same on both ranks) while metering the other processes' CPU use; when
+    it was above IDLE_CORES, wait for the machine to go quiet and measure again (up to ``--retries`` times). Returns
+    (result, foreign cores of the kept measurement)."""
+    for attempt in range(args.retries + 1):
+        with LoadMeter() as meter:
+            result = fn()
+        foreign = meter.foreign()
+        if foreign is None or foreign <= IDLE_CORES or attempt == args.retries:
+            return result, foreign
+        log(f"    (other processes used {foreign:.2f} cores meanwhile: waiting for quiet, then measuring again)")
+        if dist.get_rank() == 0:
+            wait_idle(args.wait_idle, IDLE_CORES)
+        dist.barrier()
+
+
+def time_stages(model, split, captured: dict, args, log):
     """Median fwd+bwd ms and saved bytes of one microbatch per stage (all stages, gathered over the ranks), and the
     other processes' CPU use while it was timed."""
-    times = {m.index: [] for m in split.stage_modules}
     saved = {}
     skip = parameter_storages(model)
-    meter = LoadMeter()
-    for i in range(warmup + repeats):
-        if i == warmup:
-            meter.__enter__()
-        for module in split.stage_modules:
-            args, kwargs = captured[module.index]
-            dist.barrier()
-            if i == 0:  # counting hooks cost time: the first (untimed) run measures memory
-                counter = SavedBytes(skip)
-                with counter.hooks():
-                    run_stage_alone(module, args, kwargs)
-                saved[module.index] = counter.peak
-                continue
-            t0 = time.perf_counter()
-            run_stage_alone(module, args, kwargs)
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                times[module.index].append(dt)
-    meter.__exit__()
+    for module in split.stage_modules:  # warm-up; counting hooks cost time, so this untimed run measures memory
+        dist.barrier()
+        counter = SavedBytes(skip)
+        with counter.hooks():
+            run_stage_alone(module, *captured[module.index])
+        saved[module.index] = counter.peak
+
+    def timed():
+        times = {m.index: [] for m in split.stage_modules}
+        for _ in range(args.stage_repeats):
+            for module in split.stage_modules:
+                dist.barrier()  # both ranks compute at once, as in the pipeline
+                t0 = time.perf_counter()
+                run_stage_alone(module, *captured[module.index])
+                times[module.index].append(time.perf_counter() - t0)
+        return times
+
+    times, foreign = measure_quietly(timed, args, log)
     n = split.num_stages
     t = [statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)]
     b = [float(saved.get(s, 0)) for s in range(n)]
-    return all_reduce(t), all_reduce(b), meter.foreign()
+    return all_reduce(t), all_reduce(b), foreign
 
 
 # ------------------------------------------------------------------------------------------------- one split
@@ -325,11 +340,14 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
             trainers[(sched, m)] = Trainer(model, None, microbatches=m, schedule=sched)
         return trainers[(sched, m)]
 
+    cpu: list[float] = []  # this rank's main-thread CPU time of each step: its compute (waits on gloo are idle)
+
     def step(tr):
         tr.zero_grad()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         tr.forward_backward(batch)
+        cpu.append(time.thread_time() - c0)
         return time.perf_counter() - t0
 
     for m in microbatches:
@@ -347,20 +365,24 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
             handles = []
             for _ in range(args.warmup - 1):
                 step(tr)
-            with LoadMeter() as meter:
-                times = [step(tr) for _ in range(args.repeats)]
-            times = all_reduce(times, dist.ReduceOp.MAX)
+
+            def timed():
+                cpu.clear()
+                return [step(tr) for _ in range(args.repeats)]
+
+            times, foreign = measure_quietly(timed, args, log)
+            times = all_reduce(times, dist.ReduceOp.MAX)  # a step lasts until its slower rank is done
+            busy = all_reduce([statistics.median(cpu) * 1e3 if r == dist.get_rank() else 0.0 for r in range(2)])
             first = all_reduce([first], dist.ReduceOp.MAX)[0]
-            foreign = meter.foreign()
-            out["cells"][(sched, m)] = {"times": times, "first": first, "foreign": foreign}
+            out["cells"][(sched, m)] = {"times": times, "first": first, "foreign": foreign, "cpu_ms": busy}
             log(f"  {TITLES[sched]:<17} m={m:<3} median {statistics.median(times) * 1e3:8.1f} ms  "
-                f"(first step {first * 1e3:.0f} ms; others' CPU {_fmt_cores(foreign)})")
+                f"(CPU per rank {busy[0]:.0f} / {busy[1]:.0f} ms; first step {first * 1e3:.0f} ms; others' CPU "
+                f"{_fmt_cores(foreign)})")
         for h in handles:
             h.remove()
         if len(captured) == len(split.stage_modules):
             model.zero_grad(set_to_none=True)
-            out["stage_ms"][m], out["stage_bytes"][m], foreign = time_stages(model, split, captured, 1,
-                                                                             args.stage_repeats)
+            out["stage_ms"][m], out["stage_bytes"][m], foreign = time_stages(model, split, captured, args, log)
             out["stage_foreign"][m] = foreign
             log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in out["stage_ms"][m])
                 + f" ms per microbatch (stage 0 / 1 / ...; others' CPU {_fmt_cores(foreign)})")
@@ -534,13 +556,16 @@ def main(argv=None) -> int:
                    + ", ".join(SCHEDULES))
     p.add_argument("--microbatches", default="1,2,4,8,16", help="comma-separated (each must divide --batch)")
     p.add_argument("--batch", type=int, default=16, help="global batch, sequences (default 16)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence, encoder and decoder (default 64; "
-                   "--quick 16)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence, T5: per encoder and per decoder "
+                   "sequence (default: BERT 32, T5 16; --quick 16)")
     p.add_argument("--layers", type=int, default=None, help="layers per stack instead of 12 (width unchanged)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per cell, >= 1 (default 1: the first step)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per cell (default 3; --quick 2)")
     p.add_argument("--stage-repeats", type=int, default=None,
                    help="timed runs of each isolated stage per microbatch size (default 5; --quick 3)")
+    p.add_argument("--retries", type=int, default=1,
+                   help="measure a cell again (after waiting for quiet) when other processes used more than "
+                        f"{IDLE_CORES} cores meanwhile, up to this many times (default 1)")
     p.add_argument("--memory-m", type=int, default=8, help="microbatches of the memory measurement (default 8)")
     p.add_argument("--wait-idle", type=float, default=None, metavar="SECONDS",
                    help="before each model rank 0 waits up to this long for other processes to go quiet (default "
@@ -551,7 +576,6 @@ def main(argv=None) -> int:
     args.models = args.models.split(",")
     args.schedules = args.schedules.split(",")
     microbatches = [int(x) for x in args.microbatches.split(",")]
-    seq = args.seq or (16 if args.quick else 64)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.stage_repeats = args.stage_repeats or (3 if args.quick else 5)
     args.wait_idle = args.wait_idle if args.wait_idle is not None else (10.0 if args.quick else 120.0)
@@ -576,6 +600,7 @@ def main(argv=None) -> int:
     warnings: list[str] = []
     out_lines: list[str] = []
     for name in args.models:
+        seq = args.seq or (16 if args.quick else DEFAULT_SEQ[name])
         config = model_config(name, args.quick, args.layers)
         log(f"\n## {name}: {describe(name, config, args.batch, seq)}")
         if rank == 0 and args.wait_idle > 0:

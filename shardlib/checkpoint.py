@@ -146,6 +146,16 @@ def _tensors_to_load(model: nn.Module):
     return list(seen.values())
 
 
+def _local_tensors(model: nn.Module):
+    """:func:`_tensors_to_load` without the parameters of other ranks' pipeline stages (meta tensors here)."""
+    split = getattr(getattr(model, "_shardlib", None), "pipeline", None)
+    if split is None:
+        return _tensors_to_load(model)
+    local = {id(p) for p in split.local_parameters()}
+    return [(t, names) for t, names in _tensors_to_load(model)
+            if not isinstance(t, nn.Parameter) or id(t) in local]
+
+
 def _tp_rank(model: nn.Module) -> int:
     return model._shardlib.mesh.tp_rank if hasattr(model, "_shardlib") else 0
 
@@ -156,7 +166,7 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
     policy = model._shardlib.policy if hasattr(model, "_shardlib") else None
     to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
     rank, loaded, missing = _tp_rank(model), [], []
-    for tensor, names in _tensors_to_load(model):
+    for tensor, names in _local_tensors(model):
         key = next((to_hub(n) for n in names if to_hub(n) in files), None)
         if key is None:
             missing.append(" = ".join(to_hub(n) for n in names))
@@ -209,18 +219,24 @@ class Piece:
     stop: int
 
 
-def rank_file(rank: int, tp: int) -> str:
-    return f"model-tp{rank:02d}-of-{tp:02d}.safetensors"
+def rank_file(rank: int, tp: int, stage: int | None = None) -> str:
+    """The file of tp rank ``rank``'s pieces; under a pipeline, of pipeline rank ``stage``'s tp rank ``rank``."""
+    prefix = "model" if stage is None else f"model-pp{stage:02d}"
+    return f"{prefix}-tp{rank:02d}-of-{tp:02d}.safetensors"
 
 
-def _pieces(layout: Layout) -> list[Piece]:
+def replicated_file(stage: int | None = None) -> str:
+    return REPLICATED_FILE if stage is None else f"model-pp{stage:02d}-replicated.safetensors"
+
+
+def _pieces(layout: Layout, stage: int | None = None) -> list[Piece]:
     if not layout.is_sharded:
-        return [Piece(REPLICATED_FILE, None, 0, 0)]
+        return [Piece(replicated_file(stage), None, 0, 0)]
     pieces = []
     for r in range(layout.num_shards):
         start, stop = layout.valid_range(r)
         if stop > start:
-            pieces.append(Piece(rank_file(r, layout.num_shards), layout.shard_dim, start, stop))
+            pieces.append(Piece(rank_file(r, layout.num_shards, stage), layout.shard_dim, start, stop))
     return pieces
 
 
@@ -229,9 +245,9 @@ def hf_class_name(model: nn.Module) -> str:
     return getattr(type(model), "_shardlib_base_class", type(model)).__name__
 
 
-def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str]) -> dict:
+def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None) -> dict:
     return {"shape": list(layout.global_shape), "dtype": _dtype_name(dtype), "layout": layout.to_dict(),
-            "aliases": aliases, "pieces": [vars(p) for p in _pieces(layout)]}
+            "aliases": aliases, "pieces": [vars(p) for p in _pieces(layout, stage)]}
 
 
 OPTIMIZER_PREFIX = "optimizer."
@@ -261,20 +277,31 @@ def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
 
 
 def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None) -> tuple[dict, dict]:
-    """This rank's file contents: {file: {key: tensor}} (real rows only), and the metadata of every tensor."""
+    """This rank's file contents: {file: {key: tensor}} (real rows only), and the metadata of the tensors this
+    rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is written by
+    the lowest pipeline rank using it)."""
+    split = getattr(model._shardlib, "pipeline", None) if hasattr(model, "_shardlib") else None
+    stage = split.pp_rank if split is not None else None
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
     for name, tensor, layout, aliases in _saved_tensors(model, optimizer):
         names = [name, *aliases]
-        meta[names[0]] = _tensor_entry(layout, tensor.dtype, names[1:])
+        if split is not None and not split.writer(_parameter_names(names)):
+            continue
+        meta[names[0]] = _tensor_entry(layout, tensor.dtype, names[1:], stage)
         if layout.is_sharded:
             start, stop = layout.valid_range(rank)
             if stop > start:
-                files.setdefault(rank_file(rank, layout.num_shards), {})[names[0]] = \
+                files.setdefault(rank_file(rank, layout.num_shards, stage), {})[names[0]] = \
                     tensor.detach().narrow(layout.shard_dim, 0, stop - start).contiguous()
         elif rank == 0:
-            files.setdefault(REPLICATED_FILE, {})[names[0]] = tensor.detach().contiguous()
+            files.setdefault(replicated_file(stage), {})[names[0]] = tensor.detach().contiguous()
     return files, meta
+
+
+def _parameter_names(names: list[str]) -> list[str]:
+    """The model tensor names behind saved names (optimizer state ``optimizer.<key>.<param>`` -> ``<param>``)."""
+    return [n[len(OPTIMIZER_PREFIX):].partition(".")[2] if n.startswith(OPTIMIZER_PREFIX) else n for n in names]
 
 
 def _broadcast_str(value: str) -> str:
@@ -302,13 +329,18 @@ def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: 
     if is_writer:
         for name, tensors in files.items():
             written[name] = _write_file(tmp, name, tensors)
-    gathered = [written]
+    gathered = [(written, meta)]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, written)  # small dicts of file names and checksums between our ranks
+        # small dicts between our own ranks: file names, checksums and (under a pipeline) each stage's tensors
+        dist.all_gather_object(gathered, (written, meta))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        all_files = {k: v for d in gathered for k, v in d.items()}
-        document = _document(hf_class_name(model), model.config.to_dict(), mesh.tp, meta, all_files)
+        all_files = {k: v for files_of_rank, _ in gathered for k, v in files_of_rank.items()}
+        all_meta = {k: v for _, meta_of_rank in gathered for k, v in meta_of_rank.items()}
+        document = _document(hf_class_name(model), model.config.to_dict(), mesh.tp, all_meta, all_files)
+        if state.pipeline is not None:
+            document["pp"] = mesh.pp
+            document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]
         document["optimizer"] = _optimizer_hyperparameters(optimizer)
         _finish(tmp, directory, document)
     if dist.is_initialized():
@@ -436,10 +468,10 @@ def load(model: nn.Module, directory: str | Path, *, optimizer=None) -> nn.Modul
     expected = hf_class_name(model)
     if ckpt.meta["model_class"] != expected:
         raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
-    if any(t.device.type == "meta" for t in model.parameters()):
+    if any(t.device.type == "meta" for t, _ in _local_tensors(model)):
         materialize(model, init="buffers")  # every parameter is read below
     rank = _tp_rank(model)
-    for tensor, names in _tensors_to_load(model):
+    for tensor, names in _local_tensors(model):
         name = next((n for n in names if n in ckpt.tensors), None)
         if name is None:
             raise CheckpointError(f"tensor {names[0]!r} of {type(model).__name__} is not in {directory}")
@@ -463,7 +495,7 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
         if stored.startswith(OPTIMIZER_PREFIX):
             key, _, param = stored[len(OPTIMIZER_PREFIX):].partition(".")  # state keys have no dots
             stored_state.setdefault(param, {})[key] = stored
-    for tensor, names in _tensors_to_load(model):
+    for tensor, names in _local_tensors(model):
         state = {}
         param_layout = layout_of(model, names[0])
         for key, stored in stored_state.get(names[0], {}).items():
@@ -557,47 +589,62 @@ def _config_and_class(source: Path):
     return config, class_name, lambda name, dim, start, stop: files.read(to_hub(name), dim, start, stop)
 
 
-def convert(source: str | Path, destination: str | Path, *, tp: int, overwrite: bool = False,
+def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1, overwrite: bool = False,
             progress=None) -> Path:
-    """HF -> sharded or sharded -> sharded (any tp), without a process group: the layouts come from sharding the
-    model on the meta device offline. One rank file is held in memory at a time (1/tp of the model)."""
+    """HF -> sharded or sharded -> sharded (any tp, any pp), without a process group: the layouts come from
+    sharding the model on the meta device offline, the pipeline stages from :func:`shardlib.pipeline.stage_plan`.
+    With ``pp > 1`` each stage's tensors go to that stage's files (``model-ppXX-...``), as a pipelined ``save``
+    writes them. One file is held in memory at a time (at most 1/tp of a stage)."""
     import transformers
 
     from .mesh import OfflineMesh
+    from .pipeline import stage_plan, tensor_owners
+    from .policies import policy_for
     from .sharder import shard
 
     source, destination = Path(source), Path(destination)
     if destination.exists() and not overwrite:
         raise CheckpointError(f"{destination} exists; pass overwrite=True / --overwrite to replace it")
+    if pp < 1 or tp < 1:
+        raise CheckpointError(f"--tp and --pp must be >= 1, got tp={tp}, pp={pp}")
     config, class_name, read = _config_and_class(source)
     with torch.device("meta"):
         model = getattr(transformers, class_name)(config)
+    owners = None
+    if pp > 1:  # before sharding: the cost model reads the full shapes
+        owners = tensor_owners(model, stage_plan(model, policy_for(model).plan(model, tp).trunk, pp))
     shard(model, OfflineMesh(tp=tp))  # validates the layout: e.g. heads that the new tp does not divide
-    entries = [(names, layout_of(model, names[0]), tensor.dtype) for tensor, names in _tensors_to_load(model)]
+
+    def stage_of(names):
+        return None if owners is None else min(s for n in names for s in owners.get(n, {0}))
+
+    entries = [(names, layout_of(model, names[0]), tensor.dtype, stage_of(names))
+               for tensor, names in _tensors_to_load(model)]
     tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
     try:
-        meta, written = {}, {}
-        for names, layout, dtype in entries:
-            meta[names[0]] = _tensor_entry(layout, dtype, names[1:])
-        replicated = {names[0]: read(names[0], None, 0, None) for names, layout, _ in entries if not layout.is_sharded}
-        for names, layout, _ in entries:
-            if progress and not layout.is_sharded:
-                progress(names[0], replicated[names[0]].numel() * replicated[names[0]].element_size())
-        if replicated:
-            written[REPLICATED_FILE] = _write_file(tmp, REPLICATED_FILE, replicated)
-        del replicated
-        for rank in range(tp):
-            tensors = {}
-            for names, layout, _ in entries:
-                if layout.is_sharded:
-                    start, stop = layout.valid_range(rank)
-                    if stop > start:
-                        tensors[names[0]] = read(names[0], layout.shard_dim, start, stop).contiguous()
-                        if progress:
-                            progress(names[0], tensors[names[0]].numel() * tensors[names[0]].element_size())
-            written[rank_file(rank, tp)] = _write_file(tmp, rank_file(rank, tp), tensors)
-        _finish(tmp, destination, _document(class_name, config.to_dict(), tp, meta, written))
+        meta = {names[0]: _tensor_entry(layout, dtype, names[1:], stage) for names, layout, dtype, stage in entries}
+        written = {}
+        for stage in sorted({e[3] for e in entries}, key=lambda x: -1 if x is None else x):
+            mine = [e for e in entries if e[3] == stage]
+            for rank in [None, *range(tp)]:  # the replicated file, then each tp rank's file
+                tensors = {}
+                for names, layout, _, _ in mine:
+                    if rank is None and not layout.is_sharded:
+                        tensors[names[0]] = read(names[0], None, 0, None)
+                    elif rank is not None and layout.is_sharded:
+                        start, stop = layout.valid_range(rank)
+                        if stop > start:
+                            tensors[names[0]] = read(names[0], layout.shard_dim, start, stop).contiguous()
+                    if progress and names[0] in tensors:
+                        progress(names[0], tensors[names[0]].numel() * tensors[names[0]].element_size())
+                if tensors:
+                    name = replicated_file(stage) if rank is None else rank_file(rank, tp, stage)
+                    written[name] = _write_file(tmp, name, tensors)
+        document = _document(class_name, config.to_dict(), tp, meta, written)
+        if pp > 1:
+            document["pp"] = pp
+        _finish(tmp, destination, document)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

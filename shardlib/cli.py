@@ -47,8 +47,8 @@ def _progress(total_bytes: int | None, desc: str):
     return bar, (lambda name, nbytes: bar.update(nbytes))
 
 
-def convert(src: str, dst: str, tp: int, to: str, overwrite: bool) -> int:
-    """HF -> sharded, sharded -> sharded (reshard to --tp), sharded -> HF; no process group needed."""
+def convert(src: str, dst: str, tp: int, pp: int, to: str, overwrite: bool) -> int:
+    """HF -> sharded, sharded -> sharded (reshard to --tp / --pp), sharded -> HF; no process group needed."""
     from pathlib import Path
 
     from .checkpoint import METADATA, convert as convert_checkpoint, export_hf
@@ -60,7 +60,7 @@ def convert(src: str, dst: str, tp: int, to: str, overwrite: bool) -> int:
                 raise ValueError(f"{src}: --to hf needs a shardlib checkpoint as the source")
             export_hf(src, dst, overwrite=overwrite, progress=tick)
         else:
-            convert_checkpoint(src, dst, tp=tp, overwrite=overwrite, progress=tick)
+            convert_checkpoint(src, dst, tp=tp, pp=pp, overwrite=overwrite, progress=tick)
     finally:
         bar.close()
     print(f"wrote {dst}")
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("src", help="HF checkpoint directory (config.json + safetensors) or shardlib checkpoint")
     p_convert.add_argument("dst", help="destination directory (must not exist unless --overwrite)")
     p_convert.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the sharded output")
-    p_convert.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 until pipeline support lands)")
+    p_convert.add_argument("--pp", type=int, default=1,
+                           help="pipeline stages: each stage's tensors in its own files (any layout loads any file set)")
     p_convert.add_argument("--to", choices=["sharded", "hf"], default="sharded")
     p_convert.add_argument("--overwrite", action="store_true")
     p_inspect = sub.add_parser("inspect", help=inspect.__doc__, description=inspect.__doc__)
@@ -133,11 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             if args.command == "convert":
-                if args.pp != 1:
-                    raise ValueError("--pp other than 1 is not supported yet (pipeline stages are a later issue)")
-                if args.tp < 1:
-                    raise ValueError(f"--tp must be >= 1, got {args.tp}")
-                return convert(args.src, args.dst, args.tp, args.to, args.overwrite)
+                if args.tp < 1 or args.pp < 1:
+                    raise ValueError(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
+                return convert(args.src, args.dst, args.tp, args.pp, args.to, args.overwrite)
             return inspect(args.directory) if args.command == "inspect" else verify(args.directory)
         except (CheckpointError, PlanError, ValueError, OSError) as exc:
             lines = str(exc).splitlines()

@@ -167,6 +167,18 @@ def _exists(model, path) -> bool:
         return False
 
 
+def tensor_owners(model: nn.Module, plan: StagePlan) -> dict[str, set[int]]:
+    """Parameter / buffer name (every alias) -> the stages whose modules use it under that name (pure)."""
+    result: dict[str, set[int]] = {}
+    for s, roots in enumerate(plan.modules):
+        for root in roots:
+            module = model.get_submodule(root)
+            for name, _ in [*module.named_parameters(remove_duplicate=False),
+                            *module.named_buffers(remove_duplicate=False)]:
+                result.setdefault(f"{root}.{name}" if root else name, set()).add(s)
+    return result
+
+
 # --------------------------------------------------------------------------------------------- running stages
 class StageExit(Exception):
     """Raised by a hook at a stage's last module to stop the HF forward there; carries the boundary tensors."""
@@ -248,26 +260,32 @@ class PipelineSplit:
         self.layers: dict[str, dict[str, nn.Module]] = {}  # local layers by stack path, original keys
         self.stage_modules = [StageModule(self, s) for s in self.local_stages]
         self.owners = self._owners()
-        self.tied = self._tied_parameters()
         self._release_unused()
+        self.tied = self._tied_parameters()
 
-    # -- ownership --------------------------------------------------------------------------------------
-    def _owners(self) -> dict[int, set[int]]:
-        """id(parameter or buffer) -> the stages that use it under any of its names (before releasing)."""
+    # -- ownership (by name: tensor objects change when meta tensors are materialized) -------------------
+    def _owners(self) -> dict[str, set[int]]:
+        return tensor_owners(self.model, self.plan)
+
+    def stages_of(self) -> dict[int, set[int]]:
+        """id(parameter or buffer) -> the stages that use it under any of its names."""
         result: dict[int, set[int]] = {}
-        for s, roots in enumerate(self.plan.modules):
-            for root in roots:
-                module = self.model.get_submodule(root)
-                for t in [*module.parameters(), *module.buffers()]:
-                    result.setdefault(id(t), set()).add(s)
+        for name, t in [*self.model.named_parameters(remove_duplicate=False),
+                        *self.model.named_buffers(remove_duplicate=False)]:
+            result.setdefault(id(t), set()).update(self.owners.get(name, ()))
         return result
+
+    def writer(self, names) -> bool:
+        """Whether this rank's pipeline stage saves the tensor known by ``names``: the lowest pp rank using it."""
+        stages = set().union(*(self.owners.get(n, set()) for n in names))
+        return min((s % self.pp for s in stages), default=0) == self.pp_rank
 
     def _tied_parameters(self) -> list[tuple[str, torch.Size, torch.dtype, set[int]]]:
         """(name, shape, dtype, pp ranks) of parameters used on more than one pipeline rank, sorted by name."""
-        owners = self.owners
+        stages = self.stages_of()
         tied = []
         for name, p in self.model.named_parameters():
-            ranks = {s % self.pp for s in owners.get(id(p), ())}
+            ranks = {s % self.pp for s in stages.get(id(p), ())}
             if len(ranks) > 1:
                 tied.append((name, p.shape, p.dtype, ranks))
         return sorted(tied)
@@ -281,11 +299,11 @@ class PipelineSplit:
                     if path.rsplit(".", 1)[0] == stack.layers}
             self.layers[stack.layers] = {key: m for key, m in module_list._modules.items() if key in keep}
             module_list._modules = dict(self.layers[stack.layers])
-        owners = self.owners
+        stages = self.stages_of()
         replaced: dict[int, nn.Parameter] = {}
         for module in self.model.modules():
             for name, p in list(module._parameters.items()):
-                if p is None or owners.get(id(p), set()) & local or p.is_meta:
+                if p is None or stages.get(id(p), set()) & local or p.is_meta:
                     continue
                 if id(p) not in replaced:
                     replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
@@ -300,8 +318,8 @@ class PipelineSplit:
 
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages (each once), in model order."""
-        owners, local = self.owners, set(self.local_stages)
-        return [p for p in self.model.parameters() if owners.get(id(p), set()) & local]
+        stages, local = self.stages_of(), set(self.local_stages)
+        return [p for p in self.model.parameters() if stages.get(id(p), set()) & local]
 
     @torch.no_grad()
     def sync_tied_grads(self) -> None:

@@ -58,10 +58,14 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu", *, init: s
     """Give every meta tensor real (uninitialized) storage on ``device``, keeping ties and layouts, then run the
     HF weight initializer: on everything (``init="all"``), or only on the modules that own non-persistent buffers
     (``init="buffers"``: position ids and the like, when a checkpoint supplies every parameter). Local shapes
-    only: no rank allocates a full sharded tensor."""
+    only: no rank allocates a full sharded tensor; a pipelined model materializes its own stages' parameters."""
+    split = getattr(getattr(model, "_shardlib", None), "pipeline", None)
+    local = {id(p) for p in split.local_parameters()} if split is not None else None
     for tensor, holders in _unique_tensors(model):
         if tensor.device.type != "meta":
             continue
+        if local is not None and isinstance(tensor, nn.Parameter) and id(tensor) not in local:
+            continue  # another pipeline rank's parameter
         new = torch.empty_like(tensor, device=device)
         if isinstance(tensor, nn.Parameter):
             new = nn.Parameter(new, requires_grad=tensor.requires_grad)

@@ -156,3 +156,38 @@ def test_bf16_autocast_through_the_pipeline(pool):
     spec = _spec("bert", "BertForMaskedLM", 2, 2, 2, "1f1b")
     results = pool.run(pipeline_tasks.bf16_autocast_close, spec)
     assert len({r["loss"] for r in results}) == 1  # closeness to the unsharded loss is asserted on the ranks
+
+
+@pytest.mark.parametrize("cls,a,b", [
+    ("T5ForConditionalGeneration", (2, 2), (2, 2)),   # same layout: bitwise
+    ("T5ForConditionalGeneration", (2, 1), (4, 1)),   # more stages
+    ("BertForMaskedLM", (2, 2), (1, 2)),              # pipeline -> no pipeline
+    ("BertForMaskedLM", (1, 4), (2, 2)),              # tensor-parallel only -> pipeline
+])
+def test_pipelined_checkpoint_save_reshard_resume_export(pool, tmp_path, cls, a, b):
+    family = "t5" if cls.startswith("T5") else "bert"
+    spec = {**_spec(family, cls, 2, 1, 2, "gpipe"), "pp_a": a[0], "tp_a": a[1], "pp_b": b[0], "tp_b": b[1],
+            "batch": 8}
+    results = pool.run(pipeline_tasks.pipelined_checkpoint_resumes, spec, str(tmp_path))
+    assert len({tuple(r["resumed"]) for r in results}) == 1
+
+
+@pytest.mark.parametrize("pp_b,tp_b", [(2, 2), (4, 1), (1, 4)])
+def test_convert_with_pp_writes_stage_files_any_layout_loads(pool, tmp_path, pp_b, tp_b):
+    import json
+    import sys
+
+    from shardlib.cli import main as cli
+
+    import t5_cases
+
+    spec = {**_spec("t5", "T5ForConditionalGeneration", 2, 2, 2, "gpipe"), "pp_b": pp_b, "tp_b": tp_b}
+    t5_cases.make_model(spec).save_pretrained(tmp_path / "hf")
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "converted"), "--tp", "2", "--pp", "2"]) == 0
+    document = json.loads((tmp_path / "converted" / "shardlib.json").read_text())
+    assert document["pp"] == 2
+    assert {f.split("-tp")[0].split("-replicated")[0] for f in document["files"]} == {"model-pp00", "model-pp01"}
+    assert cli(["verify", str(tmp_path / "converted")]) == 0
+    results = pool.run(pipeline_tasks.converted_checkpoint_loads, spec, str(tmp_path))
+    assert set().union(*(r["local"] for r in results)) == set(t5_cases.make_model(spec).state_dict()) - {
+        "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}  # tied: named "shared.weight"
