@@ -65,7 +65,9 @@ def t5_plan(model, tp: int) -> Plan:
     if hasattr(model, "lm_head"):
         loss = LossSpec(kind="seq2seq_lm", head="lm_head")
         styles["lm_head"] = VocabParallel()
-    return Plan(styles=styles, divide_by_tp=heads, trunk=_trunk(model, base, stacks), loss=loss)
+    dropout = tuple(f"{base}{stack}.block.*.layer.*.dropout" for stack in stacks)  # each sublayer's residual dropout
+    return Plan(styles=styles, divide_by_tp=heads, trunk=_trunk(model, base, stacks), loss=loss,
+                sequence_dropout=dropout)
 
 
 def _trunk(model, base: str, stacks: list[str]) -> tuple[Stack, ...]:

@@ -58,13 +58,14 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear, group: Group | None, *, copy_input=True, gather_output=False, pad=False,
-                 tp_size: int | None = None, tp_rank: int | None = None):
+                 tp_size: int | None = None, tp_rank: int | None = None, sequence=None):
         nn.Module.__init__(self)
         n, r = self._init_tp(group, tp_size, tp_rank)
         out_features, in_features = linear.weight.shape
         if out_features % n and not pad:
             raise ValueError(f"out_features {out_features} is not divisible by tp={n}")
         self.copy_input, self.gather_output = copy_input, gather_output
+        self.sequence = sequence  # shardlib.sequence.SequenceStream: the input arrives sequence-sharded
         self.global_out_features = out_features
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=0, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
@@ -82,7 +83,7 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
         if self.copy_input:
-            x = copy_to_tp(x, self.group)
+            x = self.sequence.gather(x) if self.sequence is not None else copy_to_tp(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, -1)[..., : self.global_out_features]
@@ -99,12 +100,13 @@ class RowParallelLinear(_TPModule, nn.Linear):
     """Linear with its input features split over the TP group; the output is all-reduced (bias added after)."""
 
     def __init__(self, linear: nn.Linear, group: Group | None, *, tp_size: int | None = None,
-                 tp_rank: int | None = None):
+                 tp_rank: int | None = None, sequence=None):
         nn.Module.__init__(self)
         n, r = self._init_tp(group, tp_size, tp_rank)
         out_features, in_features = linear.weight.shape
         if in_features % n:
             raise ValueError(f"in_features {in_features} is not divisible by tp={n}")
+        self.sequence = sequence  # shardlib.sequence.SequenceStream: reduce-scatter along the sequence
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=1, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
         set_layout(self, "weight", w_layout)
@@ -116,7 +118,10 @@ class RowParallelLinear(_TPModule, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
-        y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
+        if self.sequence is not None:
+            y = self.sequence.reduce_scatter(F.linear(x, self.weight))
+        else:
+            y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

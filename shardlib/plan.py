@@ -57,12 +57,15 @@ class Stack:
 class Plan:
     """``styles``: pattern -> style or tuple of styles. ``divide_by_tp``: pattern -> integer attributes that become
     their per-rank value (head counts, widths). ``trunk``: the repeated layer stacks (ModuleLists), in forward
-    order (:class:`Stack`), for pipeline stages and sequence parallelism. ``loss``: vocab-parallel loss, if the model has a vocab head."""
+    order (:class:`Stack`), for pipeline stages and sequence parallelism. ``loss``: vocab-parallel loss, if the
+    model has a vocab head. ``sequence_dropout``: patterns of the dropout modules inside the layers that act on sequence-sharded activations
+    under sequence parallelism (they then draw per-rank masks)."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
     trunk: tuple[Stack, ...] = ()
     loss: LossSpec | None = None
+    sequence_dropout: tuple[str, ...] = ()
 
 
 @lru_cache(maxsize=None)

@@ -8,19 +8,20 @@ problems are reported together in one :class:`PlanError`, and the model is left 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from . import pipeline
 from .collectives import all_reduce
-from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
+from .layout import LAYOUTS_ATTR, Layout, layout_of, named_layouts, set_layout
 from .losses import install_vocab_parallel_loss
 from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
 from .random import RNGStatesTracker, TP_SEED_OFFSET
-from .styles import ColwiseParallel, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+from .sequence import SequenceParallel, sum_grad_over_tp
+from .styles import ColwiseParallel, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
 
 log = logging.getLogger("shardlib")
 
@@ -191,6 +192,7 @@ def shard(
     check_replicated_inputs: bool = False,
     stages_per_rank: int = 1,
     layers_per_stage: list[int] | None = None,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
@@ -200,6 +202,9 @@ def shard(
     generator state, which must be identical on all ranks: call ``torch.manual_seed`` first).
     ``check_replicated_inputs``: verify at every forward that the tensor inputs are identical across the TP group
     (one small all-reduce; catches silently wrong results from divergent inputs).
+
+    ``sequence_parallel``: Megatron sequence parallelism on the TP group inside the policy's layer stacks
+    (:mod:`shardlib.sequence`): norms, dropout and residuals on 1/tp of the sequence; any sequence length.
 
     Pipeline (``mesh.pp > 1``): the model is cut into ``mesh.pp * stages_per_rank`` stages from the policy's trunk
     (:mod:`shardlib.pipeline`; balanced by a cost model unless ``layers_per_stage`` gives the layer counts), this
@@ -227,6 +232,8 @@ def shard(
             stage_plan = pipeline.stage_plan(model, plan.trunk, pp * stages_per_rank, layers_per_stage)
         except PlanError as e:
             problems.append(str(e))
+    if sequence_parallel:
+        problems += _sequence_parallel_problems(plan, model, pp)
     if problems:
         raise PlanError(
             f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}, pp={pp}:\n  "
@@ -239,10 +246,13 @@ def shard(
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
     report.unsharded_bytes = _param_bytes(model.parameters())
     ctx = ShardContext(group=group, tp=tp, rank=mesh.tp_rank, rng_tracker=rng_tracker)
+    sp = SequenceParallel(group, tp) if sequence_parallel and tp > 1 else None
     for path, styles in assigned.items():
         module = model.get_submodule(path)
+        stack = _stack_of(plan, path) if sp is not None else None
+        style_ctx = ctx if stack is None else replace(ctx, sequence=sp.stream(stack))
         for style in styles:
-            module = style.apply(path, module, ctx)
+            module = style.apply(path, module, style_ctx)
         if path:
             _set_submodule(model, path, module)
         tensors = [
@@ -257,6 +267,8 @@ def shard(
             before = getattr(module, name)
             setattr(module, name, before // tp)
             report.attributes.append((path, name, before, before // tp))
+    if sp is not None:
+        _install_sequence_parallel(model, plan, sp, ctx)
     if plan.loss is not None:
         install_vocab_parallel_loss(model, plan.loss, gather_logits)
     if check_replicated_inputs and tp > 1:
@@ -269,6 +281,62 @@ def shard(
                                  pipeline=split)
     log.info("%s", report)
     return model
+
+
+def _stack_of(plan: Plan, path: str) -> int | None:
+    """The index of the trunk stack whose layers contain module ``path``."""
+    return next((k for k, stack in enumerate(plan.trunk) if path.startswith(stack.layers + ".")), None)
+
+
+def _sequence_parallel_problems(plan: Plan, model: nn.Module, pp: int) -> list[str]:
+    problems = []
+    if pp > 1:
+        problems.append("sequence_parallel with pipeline stages (pp > 1) is not supported yet")
+    if not plan.trunk:
+        problems.append("sequence_parallel needs the policy's layer trunk (Plan.trunk)")
+    paths = [p for p, _ in model.named_modules()]
+    for pattern in plan.sequence_dropout:
+        matches = match_modules(pattern, paths)
+        if not matches:
+            problems.append(f"sequence_dropout pattern {pattern!r} matches no module of {type(model).__name__}")
+        problems += [f"{p}: sequence_dropout applies to nn.Dropout, found {type(model.get_submodule(p)).__name__}"
+                     for p in matches if not isinstance(model.get_submodule(p), nn.Dropout)]
+    return problems
+
+
+def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParallel, ctx: ShardContext) -> None:
+    """Scatter the sequence at each stack's first layer and gather it after the last; per-rank dropout streams on
+    sequence-sharded activations; one TP all-reduce of the gradient of every replicated parameter in the layers."""
+    paths = [p for p, _ in model.named_modules()]
+    for pattern in plan.sequence_dropout:
+        for path in match_modules(pattern, paths):
+            LocalRNG().apply(path, model.get_submodule(path), ctx)
+    layouts = {id(t): layout for _, t, layout in named_layouts(model)}
+    for k, stack in enumerate(plan.trunk):
+        layers = list(model.get_submodule(stack.layers)._modules.values())
+        if not layers:
+            continue
+        stream, saving = sp.stream(k), []
+
+        def enter(mod, args, kwargs, _s=stream, _saving=saving):
+            _saving.append(sp.saving_shards())
+            _saving[-1].__enter__()
+            return (_s.enter(args[0]), *args[1:]), kwargs
+
+        def leave(mod, args, out, _s=stream, _saving=saving):
+            if _saving:
+                _saving.pop().__exit__(None, None, None)
+            return _s.leave(out) if isinstance(out, torch.Tensor) else (_s.leave(out[0]), *out[1:])
+
+        layers[0].register_forward_pre_hook(enter, with_kwargs=True)
+        layers[-1].register_forward_hook(leave, always_call=True)
+        seen = set()
+        for layer in layers:
+            for p in layer.parameters():
+                layout = layouts.get(id(p))
+                if id(p) not in seen and (layout is None or not layout.is_sharded):
+                    seen.add(id(p))
+                    sum_grad_over_tp(p, sp.group)
 
 
 def _replicated_input_check(group):

@@ -25,6 +25,7 @@ class ShardContext:
     tp: int
     rank: int = 0
     rng_tracker: object | None = None
+    sequence: object | None = None  # shardlib.sequence.SequenceStream inside a sequence-parallel layer stack
 
     @property
     def tp_args(self) -> dict:
@@ -72,18 +73,19 @@ class ColwiseParallel(Style):
         if isinstance(module, nn.Embedding):
             return ColumnParallelEmbedding(module, ctx.group, gather_output=self.gather_output, **ctx.tp_args)
         return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output,
-                                    **ctx.tp_args)
+                                    sequence=ctx.sequence, **ctx.tp_args)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RowwiseParallel(Style):
-    """nn.Linear -> RowParallelLinear: input features split (input already sharded), output all-reduced."""
+    """nn.Linear -> RowParallelLinear: input features split (input already sharded), output all-reduced (under
+    sequence parallelism: reduce-scattered along the sequence)."""
 
     def check(self, path, module, tp):
         return self._linear_dim_divides(path, module, "in_features", tp)
 
     def apply(self, path, module, ctx):
-        return RowParallelLinear(module, ctx.group, **ctx.tp_args)
+        return RowParallelLinear(module, ctx.group, sequence=ctx.sequence, **ctx.tp_args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,9 +111,13 @@ class VocabParallel(Style):
 @dataclass(frozen=True)
 class CopyInputs(Style):
     """Enter the TP region once at this module: the named replicated inputs go through ``copy_to_tp`` (forward
-    identity, backward one all-reduce each), so the column linears inside need no copy of their own."""
+    identity, backward one all-reduce each), so the column linears inside need no copy of their own. Under
+    sequence parallelism the ``hidden_states`` input arrives sequence-sharded and is all-gathered instead
+    (backward: reduce-scatter); other inputs (encoder states for cross-attention) stay replicated."""
 
     names: tuple[str, ...]
+
+    SEQUENCE_INPUT = "hidden_states"
 
     def __init__(self, *names: str):
         object.__setattr__(self, "names", tuple(names))
@@ -121,7 +127,12 @@ class CopyInputs(Style):
             return module
         params = list(inspect.signature(module.forward).parameters)
         positions = {name: params.index(name) for name in self.names if name in params}
-        names, group = self.names, ctx.group
+        names, group, sequence = self.names, ctx.group, ctx.sequence
+
+        def enter(name, x):
+            if sequence is not None and name == self.SEQUENCE_INPUT:
+                return sequence.gather(x)
+            return copy_to_tp(x, group)
 
         def copy_inputs(mod, args, kwargs):
             args = list(args)
@@ -129,9 +140,9 @@ class CopyInputs(Style):
                 pos = positions.get(name)
                 if pos is not None and pos < len(args):
                     if isinstance(args[pos], torch.Tensor):
-                        args[pos] = copy_to_tp(args[pos], group)
+                        args[pos] = enter(name, args[pos])
                 elif isinstance(kwargs.get(name), torch.Tensor):
-                    kwargs[name] = copy_to_tp(kwargs[name], group)
+                    kwargs[name] = enter(name, kwargs[name])
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(copy_inputs, with_kwargs=True)

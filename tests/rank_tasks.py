@@ -69,11 +69,11 @@ def equivalence(spec: dict) -> dict:
     if spec.get("meta"):
         with torch.device("meta"):
             model = family.make_model(spec)
-        shardlib.shard(model, mesh, gather_logits=True)
+        shardlib.shard(model, mesh, gather_logits=True, sequence_parallel=spec.get("sp", False))
         assert all(p.device.type == "meta" for p in model.parameters())
         shardlib.load_full_state_dict(model, ref.state_dict())
     else:
-        model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True)
+        model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True, sequence_parallel=spec.get("sp", False))
     batch = cast_batch(family.make_batch(spec, ref.config), dtype)
     if spec["cls"] == "BertLMHeadModel":
         dtype = torch.float32  # HF's causal-LM loss runs in float32 (logits.float()), so gradients have fp32 noise
@@ -151,7 +151,7 @@ class CollectiveCounter(TorchDispatchMode):
 def collective_counts(spec: dict) -> dict:
     """Collectives per forward and per backward, by op name."""
     mesh = pool_mesh(tp=spec["tp"])
-    model = shardlib.shard(cases(spec).make_model(spec), mesh)
+    model = shardlib.shard(cases(spec).make_model(spec), mesh, sequence_parallel=spec.get("sp", False))
     batch = cases(spec).make_batch(spec, model.config)
     with CollectiveCounter() as fwd:
         out = model(**batch)
@@ -175,7 +175,7 @@ def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dic
     torch.manual_seed(spec["seed"])
     model = cases(spec).make_model(spec)
     tracker = shardlib.manual_seed(spec["seed"], mesh)
-    shardlib.shard(model, mesh, rng_tracker=tracker)
+    shardlib.shard(model, mesh, rng_tracker=tracker, sequence_parallel=spec.get("sp", False))
     model.train()
     opt = _adamw(model.parameters())
     losses = []

@@ -27,12 +27,12 @@ def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4)):
         "cls": cls, "tp": tp, "config": config, "seq": seq, "batch": draw(st.integers(1, 3)),
         "enc_seq": draw(st.integers(1, 7)), "padding": draw(st.booleans()),
         "dtype": draw(st.sampled_from(["float32", "float64"])), "seed": draw(st.integers(0, 2**20)),
-        "meta": draw(st.booleans()),
+        "meta": draw(st.booleans()), "sp": draw(st.booleans()),
     }
 
 
 SPEC_COMMON = dict(padding=st.booleans(), dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**20),
-                   meta=st.booleans(), batch=st.integers(1, 3))
+                   meta=st.booleans(), batch=st.integers(1, 3), sp=st.booleans())
 
 
 @st.composite
@@ -99,7 +99,7 @@ def pipeline_specs(draw):
         schedule = "gpipe" if schedule == "1f1b" else schedule
         microbatches = stages if schedule != "gpipe" else microbatches
     dp = 4 // (pp * tp)
-    spec.update(pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, meta=False,
+    spec.update(pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, meta=False, sp=False,
                 batch=dp * microbatches * draw(st.integers(1, 2)), all_targets=spec["cls"] == "BertForPreTraining")
     if draw(st.booleans()):
         cuts = sorted(draw(st.lists(st.integers(1, total - 1), min_size=stages - 1, max_size=stages - 1,

@@ -14,7 +14,7 @@ from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT
 import shardlib
 from shardlib.layers import vocab_parallel_cross_entropy
 from shardlib.mesh import MeshError, _resolve_sizes
-from shardlib.plan import Plan, match_modules
+from shardlib.plan import Plan, PlanError, match_modules
 from shardlib.policies import policy_for
 from shardlib.styles import ColwiseParallel, RowwiseParallel
 
@@ -257,3 +257,23 @@ def test_every_registered_class_has_a_plan_that_matches():
         model = cls(configs[family])
         shardlib.shard(model, FakeMesh(tp=1))
         assert shardlib.report(model).rows, cls.__name__
+
+
+@dataclass
+class FakePipelineMesh(FakeMesh):
+    pp: int = 2
+
+
+def test_sequence_parallel_with_pipeline_stages_is_refused_before_any_change():
+    model = tiny_bert()
+    before = copy.deepcopy(model)
+    with pytest.raises(PlanError, match="sequence_parallel with pipeline stages"):
+        shardlib.shard(model, FakePipelineMesh(tp=2), sequence_parallel=True)
+    assert_untouched(before, model)
+
+
+def test_more_pipeline_stages_than_layers_is_refused_before_any_change():
+    model = tiny_bert()
+    with pytest.raises(PlanError, match="3 pipeline stages but only 2 layers"):
+        shardlib.shard(model, FakePipelineMesh(tp=1, pp=3))
+    assert not hasattr(model, "_shardlib")

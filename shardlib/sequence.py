@@ -1,0 +1,150 @@
+"""Megatron-style sequence parallelism on the tensor-parallel group (``shard(..., sequence_parallel=True)``).
+
+Between the tensor-parallel regions of a layer stack, activations are sharded along the sequence (dim 1): each
+TP rank holds ``ceil(L / tp)`` positions, so LayerNorms, dropout and residual adds run on 1/tp of the tokens. The
+regions change their entry and exit collectives:
+
+=====================================  ==========================================  ==================================
+where                                  tensor parallel only                        with sequence parallelism
+=====================================  ==========================================  ==================================
+first layer of a stack (input)         (replicated)                                keep this rank's chunk (scatter)
+entering attention / MLP (CopyInputs,  ``copy_to_tp``: fwd identity, bwd            ``all_gather_from_tp``: fwd all-
+column-parallel ``copy_input``)        all-reduce                                  gather, bwd reduce-scatter
+leaving them (row-parallel)            ``reduce_from_tp``: fwd all-reduce          ``reduce_scatter_to_tp``: fwd
+                                                                                   reduce-scatter, bwd all-gather
+last layer of a stack (output)         (replicated)                                all-gather (bwd: keep own chunk)
+=====================================  ==========================================  ==================================
+
+Sequence lengths that tp does not divide are padded internally: the scatter at the stack entry and every
+reduce-scatter pad the sequence with zero rows up to a multiple of tp, every all-gather strips them again before
+the module sees the sequence (so attention masks and T5's position bias see the true length and the padding
+never enters a result). The true length of each stack is recorded at its entry (``lengths``).
+
+Dropout on sequence-sharded activations must draw different masks per rank: the policies list those dropout
+modules (``Plan.sequence_dropout``) and they run on the per-rank RNG stream. Replicated parameters inside the
+layers (LayerNorm weights, row-parallel biases) now see only this rank's tokens, so their gradients are partial
+sums: each is all-reduced over the TP group once, by a gradient hook.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .collectives import (
+    Group, all_gather, all_gather_from_tp, all_reduce, gather_from_tp, reduce_scatter_to_tp, scatter_to_tp,
+)
+
+SEQ_DIM = 1
+
+
+@dataclass
+class SequenceParallel:
+    """The sequence-parallel state of one sharded model: its TP group and the true length of each stack's
+    sequence in the current forward (recorded at the stack's entry, read by every all-gather inside it)."""
+
+    group: Group
+    tp: int
+    lengths: dict[int, int] = field(default_factory=dict)
+    _gathered: dict = field(default_factory=dict)  # storage address of a gathered sequence -> _Regather
+
+    def stream(self, stack: int) -> "SequenceStream":
+        return SequenceStream(self, stack)
+
+    def saving_shards(self):
+        """While active (a stack's forward), a gathered sequence that a layer saves for backward (the input of q,
+        k, v and of the first MLP linear) is saved as this rank's shard and all-gathered again when backward needs
+        it, as Megatron does: saved activations stay 1/tp of the sequence. Hooks already active (activation
+        offloading, a memory counter) still see every saved tensor: they get the shard instead of the full one."""
+        outer = _active_saved_tensor_hooks()
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(t):
+            # matched by storage: the layer may save a view of the gathered tensor (linear saves a 2-D view)
+            regather = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+            stored = regather.shard if regather is not None else t
+            view = (tuple(t.shape), t.stride(), t.storage_offset()) if regather is not None else None
+            return regather, view, outer_pack(stored) if outer_pack is not None else stored
+
+        def unpack(packed):
+            regather, view, stored = packed
+            stored = outer_unpack(stored) if outer_unpack is not None else stored
+            return regather.materialize(stored).as_strided(*view) if regather is not None else stored
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _register(self, full: torch.Tensor, shard: torch.Tensor, length: int) -> None:
+        """Remember that ``full`` (fresh, contiguous) is the gathered ``shard``, until ``full`` is collected (its
+        address cannot be reused before)."""
+        key = full.untyped_storage().data_ptr()
+        self._gathered[key] = _Regather(shard.detach(), self.group, length)
+        weakref.finalize(full, self._gathered.pop, key, None)
+
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        extra = -x.shape[SEQ_DIM] % self.tp
+        if not extra:
+            return x
+        pad = [0, 0] * (x.dim() - SEQ_DIM - 1) + [0, extra]
+        return F.pad(x, pad)
+
+
+@dataclass
+class SequenceStream:
+    """The sequence of stack ``stack`` (T5's encoder and decoder have different lengths)."""
+
+    sp: SequenceParallel
+    stack: int
+
+    @property
+    def length(self) -> int:
+        return self.sp.lengths[self.stack]
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicated [b, L, ...] -> this rank's [b, ceil(L / tp), ...] (padded). fwd split, bwd all-gather."""
+        self.sp.lengths[self.stack] = x.shape[SEQ_DIM]
+        return scatter_to_tp(self.sp._pad(x), self.sp.group, SEQ_DIM)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk -> replicated [b, L, ...]. fwd all-gather, bwd keep this rank's chunk."""
+        return gather_from_tp(x, self.sp.group, SEQ_DIM).narrow(SEQ_DIM, 0, self.length)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Enter a tensor-parallel region. fwd all-gather (padding stripped), bwd reduce-scatter. If a layer saves
+        the result for backward, only ``x`` is kept (see :meth:`SequenceParallel.saving_shards`)."""
+        full = all_gather_from_tp(x, self.sp.group, SEQ_DIM)
+        if full.shape[SEQ_DIM] != self.length:
+            full = full.narrow(SEQ_DIM, 0, self.length).contiguous()
+        self.sp._register(full, x, self.length)
+        return full
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """Leave a tensor-parallel region with partial sums. fwd reduce-scatter (padded), bwd all-gather."""
+        return reduce_scatter_to_tp(self.sp._pad(y), self.sp.group, SEQ_DIM)
+
+
+class _Regather:
+    """A saved gathered sequence, kept as this rank's shard; gathered again (once for all the layers that saved
+    it: q, k and v) when backward unpacks it."""
+
+    def __init__(self, shard: torch.Tensor, group: Group, length: int):
+        self.shard, self.group, self.length, self.full = shard, group, length, None
+
+    def materialize(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = all_gather(shard, SEQ_DIM, self.group).narrow(SEQ_DIM, 0, self.length).contiguous()
+        return self.full
+
+
+def _active_saved_tensor_hooks():
+    """The (pack, unpack) pair currently active, if any (torch has no public getter)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def sum_grad_over_tp(param: torch.nn.Parameter, group: Group) -> None:
+    """A replicated parameter used on sequence-sharded activations: all-reduce its gradient once per backward."""
+    param.register_hook(lambda grad: all_reduce(grad, group))
