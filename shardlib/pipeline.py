@@ -259,6 +259,7 @@ class PipelineSplit:
             ))
         self.layers: dict[str, dict[str, nn.Module]] = {}  # local layers by stack path, original keys
         self.stage_modules = [StageModule(self, s) for s in self.local_stages]
+        self.sequence = None  # shardlib.sequence.SequenceParallel, when the model is also sequence-parallel
         self.owners = self._owners()
         self._release_unused()
         self.tied = self._tied_parameters()
@@ -349,6 +350,15 @@ class PipelineSplit:
         received = list(received)
         outputs = {k: received.pop(0) for k in route.receives_outputs}
         carry = received
+        sp = self.sequence
+        placeholder = carry[0] if carry else None
+        if route.receives_carry and sp is not None:
+            # sequence parallel: the hidden state arrives sharded along the sequence, followed by a [1, L] tensor
+            # whose shape carries the true length L (shapes survive torch's metadata inference, values do not)
+            length = carry.pop().shape[1]
+            sp.lengths[route.first[0]] = length
+            hidden = carry[0]
+            placeholder = hidden.new_zeros(()).expand(hidden.shape[0], length, *hidden.shape[2:])  # HF's masks
         handles, restore = [], []
         kwargs = dict(kwargs)
         for k in route.receives_outputs:
@@ -367,7 +377,7 @@ class PipelineSplit:
                     parent, _, name = path.rpartition(".")
                     holder = self.model.get_submodule(parent) if parent else self.model
                     restore.append((holder, name, holder._modules[name]))
-                    holder._modules[name] = _Received(carry[0], holder._modules[name])
+                    holder._modules[name] = _Received(placeholder, holder._modules[name])
 
             def inject(module, args, kw, _carry=tuple(carry), _spec=start.carry):
                 args = list(args)
@@ -387,6 +397,8 @@ class PipelineSplit:
 
                 def leave(module, args, kw, out, _spec=stop.carry):
                     values = [_pick(out, o) if o is not None else args[i] for i, o in _spec]
+                    if sp is not None:
+                        values.append(values[0].new_zeros(1, sp.lengths[route.last[0]]))
                     raise StageExit(tuple(t.contiguous() for t in (*boundary_outputs(), *values)))
 
                 handles.append(last_layer.register_forward_hook(leave, with_kwargs=True))
@@ -430,7 +442,8 @@ class StageModule(nn.Module):
             batch[self.input_name], received = received[0], ()
         autocast = (torch.autocast(device_type=_device_type(received, batch), dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
-        with split.running(self.route, received, {**batch, **self.static_kwargs}) as kwargs, autocast:
+        saving = split.sequence.saving_shards() if split.sequence is not None else contextlib.nullcontext()
+        with split.running(self.route, received, {**batch, **self.static_kwargs}) as kwargs, autocast, saving:
             try:
                 out = split.model(**kwargs)
             except StageExit as stop:

@@ -50,6 +50,8 @@ class SequenceParallel:
     tp: int
     lengths: dict[int, int] = field(default_factory=dict)
     _gathered: dict = field(default_factory=dict)  # storage address of a gathered sequence -> _Regather
+    #: pipeline stages hold the saving_shards context for their whole forward (a stage may stop mid-stack)
+    saving_managed_outside: bool = False
 
     def stream(self, stack: int) -> "SequenceStream":
         return SequenceStream(self, stack)

@@ -233,7 +233,7 @@ def shard(
         except PlanError as e:
             problems.append(str(e))
     if sequence_parallel:
-        problems += _sequence_parallel_problems(plan, model, pp)
+        problems += _sequence_parallel_problems(plan, model)
     if problems:
         raise PlanError(
             f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}, pp={pp}:\n  "
@@ -276,6 +276,8 @@ def shard(
     split = None
     if stage_plan is not None:
         split = pipeline.PipelineSplit(model, plan.trunk, stage_plan, mesh, stages_per_rank)
+        if sp is not None:
+            split.sequence, sp.saving_managed_outside = sp, True
     report.local_bytes = _param_bytes(split.local_parameters() if split else model.parameters())
     model._shardlib = ShardState(mesh=mesh, policy=policy, plan=plan, report=report, rng_tracker=rng_tracker,
                                  pipeline=split)
@@ -288,10 +290,8 @@ def _stack_of(plan: Plan, path: str) -> int | None:
     return next((k for k, stack in enumerate(plan.trunk) if path.startswith(stack.layers + ".")), None)
 
 
-def _sequence_parallel_problems(plan: Plan, model: nn.Module, pp: int) -> list[str]:
+def _sequence_parallel_problems(plan: Plan, model: nn.Module) -> list[str]:
     problems = []
-    if pp > 1:
-        problems.append("sequence_parallel with pipeline stages (pp > 1) is not supported yet")
     if not plan.trunk:
         problems.append("sequence_parallel needs the policy's layer trunk (Plan.trunk)")
     paths = [p for p, _ in model.named_modules()]
@@ -319,8 +319,9 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
         stream, saving = sp.stream(k), []
 
         def enter(mod, args, kwargs, _s=stream, _saving=saving):
-            _saving.append(sp.saving_shards())
-            _saving[-1].__enter__()
+            if not sp.saving_managed_outside:
+                _saving.append(sp.saving_shards())
+                _saving[-1].__enter__()
             return (_s.enter(args[0]), *args[1:]), kwargs
 
         def leave(mod, args, out, _s=stream, _saving=saving):

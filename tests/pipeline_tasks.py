@@ -30,7 +30,7 @@ def build(spec: dict):
     ref = family.make_model(spec)
     stages_per_rank = 2 if spec["schedule"] in MULTI_STAGE else 1
     model = shardlib.shard(copy.deepcopy(ref), mesh, stages_per_rank=stages_per_rank,
-                           layers_per_stage=spec.get("layers_per_stage"))
+                           layers_per_stage=spec.get("layers_per_stage"), sequence_parallel=spec.get("sp", False))
     batch = cast_batch(family.make_batch(spec, ref.config), DTYPES[spec["dtype"]])
     return mesh, ref, model, batch
 

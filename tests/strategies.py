@@ -99,7 +99,7 @@ def pipeline_specs(draw):
         schedule = "gpipe" if schedule == "1f1b" else schedule
         microbatches = stages if schedule != "gpipe" else microbatches
     dp = 4 // (pp * tp)
-    spec.update(pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, meta=False, sp=False,
+    spec.update(pp=pp, tp=tp, schedule=schedule, microbatches=microbatches, meta=False,
                 batch=dp * microbatches * draw(st.integers(1, 2)), all_targets=spec["cls"] == "BertForPreTraining")
     if draw(st.booleans()):
         cuts = sorted(draw(st.lists(st.integers(1, total - 1), min_size=stages - 1, max_size=stages - 1,

@@ -124,6 +124,17 @@ def test_schedules_and_microbatch_counts(pool, schedule, microbatches):
         assert len(results[0]["stages"]) == 4
 
 
+@pytest.mark.parametrize("family,cls", [("bert", "BertForMaskedLM"), ("vit", "ViTForImageClassification"),
+                                        ("t5", "T5ForConditionalGeneration"), ("t5", "UMT5ForConditionalGeneration")])
+@pytest.mark.parametrize("seq", [6, 7])
+def test_sequence_parallel_pipeline(pool, family, cls, seq):
+    """tp=2 x pp=2 with sequence parallelism: activations cross the stage boundaries still sharded along the
+    sequence (the true length travels as the shape of a [1, L] tensor), any length."""
+    spec = {**_spec(family, cls, 2, 2, 2, "1f1b"), "sp": True, "seq": seq, "dec_seq": seq - 2}
+    spec["config"] = {**spec["config"], "layers": 3} if family != "t5" else spec["config"]
+    pool.run(pipeline_tasks.pipeline_equivalence, spec)
+
+
 def test_training_is_deterministic_across_runs(pool):
     spec = {**_spec("bert", "BertForMaskedLM", 2, 2, 2, "1f1b"), "max_grad_norm": 0.5}
     first = pool.run(pipeline_tasks.losses_over_steps, spec)

@@ -264,14 +264,6 @@ class FakePipelineMesh(FakeMesh):
     pp: int = 2
 
 
-def test_sequence_parallel_with_pipeline_stages_is_refused_before_any_change():
-    model = tiny_bert()
-    before = copy.deepcopy(model)
-    with pytest.raises(PlanError, match="sequence_parallel with pipeline stages"):
-        shardlib.shard(model, FakePipelineMesh(tp=2), sequence_parallel=True)
-    assert_untouched(before, model)
-
-
 def test_more_pipeline_stages_than_layers_is_refused_before_any_change():
     model = tiny_bert()
     with pytest.raises(PlanError, match="3 pipeline stages but only 2 layers"):
