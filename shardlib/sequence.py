@@ -147,6 +147,20 @@ def _active_saved_tensor_hooks():
     return top(False) if top is not None else None
 
 
-def sum_grad_over_tp(param: torch.nn.Parameter, group: Group) -> None:
-    """A replicated parameter used on sequence-sharded activations: all-reduce its gradient once per backward."""
-    param.register_hook(lambda grad: all_reduce(grad, group))
+class ReplicatedGradSync:
+    """Forward pre-hook for a layer of a sequence-parallel stack: its replicated parameters (LayerNorms, row-parallel
+    biases) see only this rank's tokens, so each gets a gradient hook that all-reduces its gradient over the TP
+    group once per backward. Hooks are attached at the layer's first forward and again to any parameter object that
+    replaced one since (materializing a meta model or loading a checkpoint creates new parameters)."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.hooked = weakref.WeakValueDictionary()  # id -> parameter (tensors compare elementwise: no WeakSet)
+
+    def __call__(self, layer: torch.nn.Module, args) -> None:
+        from .layout import layout_of
+
+        for name, p in layer.named_parameters():
+            if self.hooked.get(id(p)) is not p and p.requires_grad and not layout_of(layer, name).is_sharded:
+                p.register_hook(lambda grad: all_reduce(grad, self.group))
+                self.hooked[id(p)] = p

@@ -15,12 +15,12 @@ from torch import nn
 
 from . import pipeline
 from .collectives import all_reduce
-from .layout import LAYOUTS_ATTR, Layout, layout_of, named_layouts, set_layout
+from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
 from .losses import install_vocab_parallel_loss
 from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
 from .random import RNGStatesTracker, TP_SEED_OFFSET
-from .sequence import SequenceParallel, sum_grad_over_tp
+from .sequence import ReplicatedGradSync, SequenceParallel
 from .styles import ColwiseParallel, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
 
 log = logging.getLogger("shardlib")
@@ -311,7 +311,7 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
     for pattern in plan.sequence_dropout:
         for path in match_modules(pattern, paths):
             LocalRNG().apply(path, model.get_submodule(path), ctx)
-    layouts = {id(t): layout for _, t, layout in named_layouts(model)}
+    grad_sync = ReplicatedGradSync(sp.group)
     for k, stack in enumerate(plan.trunk):
         layers = list(model.get_submodule(stack.layers)._modules.values())
         if not layers:
@@ -331,13 +331,8 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
 
         layers[0].register_forward_pre_hook(enter, with_kwargs=True)
         layers[-1].register_forward_hook(leave, always_call=True)
-        seen = set()
         for layer in layers:
-            for p in layer.parameters():
-                layout = layouts.get(id(p))
-                if id(p) not in seen and (layout is None or not layout.is_sharded):
-                    seen.add(id(p))
-                    sum_grad_over_tp(p, sp.group)
+            layer.register_forward_pre_hook(grad_sync)
 
 
 def _replicated_input_check(group):

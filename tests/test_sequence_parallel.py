@@ -87,3 +87,12 @@ def test_sp_matches_unsharded(pool, case, tp, seq):
             "seed": 5, "sp": True, **case}
     results = pool.run(rank_tasks.equivalence, spec)
     assert all(r["grads"] > 10 for r in results)
+
+
+@pytest.mark.parametrize("case", FIXED[::2], ids=[c["cls"] for c in FIXED[::2]])
+def test_sp_on_a_meta_built_model_loaded_afterwards(pool, case):
+    """Built on the meta device, sharded, then loaded: the loaded parameters are new objects and still get their
+    gradients summed over the TP group (a hook on the meta parameters would be lost)."""
+    spec = {"tp": 2, "seq": 7, "dec_seq": 5, "enc_seq": 5, "batch": 2, "padding": True, "dtype": "float32",
+            "seed": 6, "sp": True, "meta": True, **case}
+    pool.run(rank_tasks.equivalence, spec)
