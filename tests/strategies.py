@@ -56,7 +56,9 @@ def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES):
     buckets = draw(st.sampled_from([4, 8, 32]))  # HF's bucketing needs >= 4 buckets and max_distance > buckets / 2
     config = {
         "vocab": draw(st.integers(3, 60)),  # divisible by tp or not: padded
-        "d_model": draw(st.integers(2, 12)),  # never split: need not divide
+        # never split: need not divide. >= 4: an RMSNorm over 2 features maps onto a circle, and its gradient
+        # amplifies float32 summation-order noise past any sane tolerance (float64 passes at 1e-9 there)
+        "d_model": draw(st.integers(4, 12)),
         "d_kv": draw(st.sampled_from([1, 2, 4])), "heads": tp * draw(st.integers(1, 2)),
         "d_ff": tp * draw(st.integers(1, 5)), "layers": draw(st.integers(1, 2)),
         "decoder_layers": draw(st.integers(1, 2)), "buckets": buckets,
