@@ -23,6 +23,8 @@ one after another (never two at once: the machine has 2 cores):
 1. ``unsharded``  one process, ``torch.set_num_threads(2)`` (both cores on one model);
 2. ``shardlib``   two processes, one thread each: ``mesh = shardlib.init_mesh(tp=2)``; ``shardlib.shard(model, mesh)``
                   (the BERT, ViT and T5 policies are found from the model class);
+   ``shardlib_sp`` the same with ``sequence_parallel=True`` (norms, dropout and residuals on half the sequence;
+                  all-gather / reduce-scatter instead of all-reduce, plus backward re-gathers of saved shards);
 3. ``hf``         two processes, one thread each: transformers 5's native DTensor TP with hand-written Megatron plans
                   (``benchmarks/_hf_dtensor_tp.py``: ``build_hf_tp_bert`` / ``build_hf_tp_vit``; loads a
                   checkpoint written to a temp dir). T5 has no HF number: transformers' TP cannot split T5's
@@ -122,10 +124,11 @@ QUICK_SIZES = ("bert-tiny", "vit-tiny", "t5-tiny")
 DEFAULT_STEPS = {"bert-tiny": 5, "bert-small": 20, "bert-base": 12, "vit-tiny": 5, "vit-small": 20, "vit-base": 8,
                  "t5-tiny": 5, "t5-small": 12, "t5-base": 6}
 MODEL_CLASS = {"bert": "BertModel", "vit": "ViTModel", "t5": "T5Model"}
-MODES = ("unsharded", "shardlib", "hf")
-MODE_TITLES = {"unsharded": "unsharded", "shardlib": "shardlib tp=2", "hf": "HF DTensor tp=2"}
-WORLD = {"unsharded": 1, "shardlib": 2, "hf": 2}
-THREADS = {"unsharded": 2, "shardlib": 1, "hf": 1}
+MODES = ("unsharded", "shardlib", "shardlib_sp", "hf")
+MODE_TITLES = {"unsharded": "unsharded", "shardlib": "shardlib tp=2", "shardlib_sp": "shardlib tp=2 + SP",
+               "hf": "HF DTensor tp=2"}
+WORLD = {"unsharded": 1, "shardlib": 2, "shardlib_sp": 2, "hf": 2}
+THREADS = {"unsharded": 2, "shardlib": 1, "shardlib_sp": 1, "hf": 1}
 SEED = 1234
 
 
@@ -204,11 +207,11 @@ def _build_model(mode: str, size: str, config, tmpdir: str):
         return build(config, os.path.join(tmpdir, size), seed=SEED)
     torch.manual_seed(SEED)
     model = getattr(transformers, MODEL_CLASS[fam])(config)
-    if mode == "shardlib":
+    if mode in ("shardlib", "shardlib_sp"):
         import shardlib
 
         mesh = shardlib.init_mesh(tp=2)
-        model = shardlib.shard(model, mesh)
+        model = shardlib.shard(model, mesh, sequence_parallel=mode == "shardlib_sp")
     return model
 
 
@@ -490,18 +493,18 @@ def main(argv=None) -> int:
                 na_notes.append(f"n/a: {size} / {MODE_TITLES[mode]}: {r['reason']} (observed: {r['error']})")
 
     print()
-    print("| model | tokens/step | unsharded tok/s | shardlib tp=2 tok/s | HF DTensor tp=2 tok/s | shardlib/unsharded "
-          "| shardlib/HF |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| model | tokens/step | unsharded tok/s | shardlib tp=2 tok/s | shardlib tp=2 + SP tok/s | HF DTensor tp=2 "
+          "tok/s | shardlib/unsharded | shardlib/HF | SP/shardlib |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in sizes:
-        u, s, h = rate(size, "unsharded"), rate(size, "shardlib"), rate(size, "hf")
+        u, s, sp, h = (rate(size, m) for m in ("unsharded", "shardlib", "shardlib_sp", "hf"))
         print(f"| {size} | {step_shape(size, batch, seq, dec_seq)[0]:,} | {_fmt_rate(u)} | {_fmt_rate(s)} | "
-              f"{_fmt_rate(h)} | {_fmt_ratio(s, u)} | {_fmt_ratio(s, h)} |")
+              f"{_fmt_rate(sp)} | {_fmt_rate(h)} | {_fmt_ratio(s, u)} | {_fmt_ratio(s, h)} | {_fmt_ratio(sp, s)} |")
     vit_sizes = [s for s in sizes if family(s) == "vit"]
     if vit_sizes:
         print()
-        print("| model | images/step | unsharded img/s | shardlib tp=2 img/s | HF DTensor tp=2 img/s |")
-        print("|---|---:|---:|---:|---:|")
+        print("| model | images/step | " + " | ".join(f"{MODE_TITLES[m]} img/s" for m in MODES) + " |")
+        print("|---|---:|" + "---:|" * len(MODES))
         for size in vit_sizes:
             print(f"| {size} | {batch} | " + " | ".join(_fmt_rate(rate(size, m, "items")) for m in MODES) + " |")
     for line in na_notes:
