@@ -1,25 +1,27 @@
 """Checkpoints: HF safetensors straight into shards, the sharded format, resharding and export to HF.
 
-Reading always goes through ``safe_open(...).get_slice(key)``, so a rank reads only the rows of each tensor it
-holds: no rank ever materializes a full copy of a sharded tensor. Nothing is ever unpickled.
+Files are read and written by :mod:`shardlib.safetensors_io`: no file is ever mapped (a rank's resident memory is
+its local shards: slices are read with ``preadv`` straight into the parameters), writes stream in bounded blocks
+with an xxh3-128 checksum computed on the way, and nothing is ever unpickled. ``convert`` reads each source tensor
+once and sends each block's rows to the output files that hold them.
 
 The sharded format (``docs/checkpoint-format.md``) is a directory with
 
 * ``shardlib.json``: format version, model class, model config, and for every tensor its global shape, dtype,
   layout, aliases (tied names) and *pieces*: which file holds which rows ``[start, stop)`` of which dim;
-  plus every file's size and SHA-256;
+  plus every file's size and checksum;
 * ``model-tp{r}-of-{n}.safetensors``: rank r's rows of every sharded tensor (padding is not stored);
 * ``model-replicated.safetensors``: every replicated tensor, written once.
 
 Writes are atomic: all ranks write into a hidden temporary directory next to the destination, and the directory
 appears under its final name (replacing an older checkpoint only with ``overwrite``) after every rank finished
-and ``shardlib.json`` is complete. A crash mid-save leaves the previous checkpoint untouched.
+and fsynced its files and ``shardlib.json`` is complete. A crash mid-save leaves the previous checkpoint untouched.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -28,111 +30,39 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from .layout import Layout, layout_of
+from .safetensors_io import (  # noqa: F401  (sha256_of, DIRECT_ROW: re-exported, part of this module's API)
+    BLOCK, DIRECT_ROW, _ST_RANK, CheckpointError, SafetensorsFile, SafetensorsFiles, _dtype_name, _inside, _OutFile,
+    _Writer,
+    checksum_of, file_checksum, sha256_of,
+)
 from .state import materialize
 
-FORMAT = "shardlib-sharded-v1"
+FORMAT = "shardlib-sharded-v2"
+READABLE_FORMATS = ("shardlib-sharded-v1", FORMAT)  # v1: the same layout with SHA-256 file checksums
 METADATA = "shardlib.json"
 REPLICATED_FILE = "model-replicated.safetensors"
-DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                                     torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or cannot go into this model: the message names the file or tensor."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _inside(directory: Path, name: str) -> Path:
-    """``directory / name``, refusing names that leave the directory (path traversal in an index)."""
-    path = (directory / name).resolve()
-    if directory.resolve() not in path.parents:
-        raise CheckpointError(f"{name!r} points outside the checkpoint directory {directory}")
-    return path
-
-
-# ------------------------------------------------------------------------------------------------ reading slices
-class SafetensorsFiles:
-    """The tensors of a directory of safetensors files (a single ``model.safetensors``, an HF index + shards, or
-    explicit key -> file map), read slice by slice. Files open lazily; a corrupt or truncated file is an error
-    naming it."""
-
-    def __init__(self, directory: str | Path, weight_map: dict[str, str] | None = None):
-        self.directory = Path(directory)
-        self._open: dict[Path, object] = {}
-        if weight_map is None:
-            weight_map = self._hf_weight_map()
-        self.weight_map = {key: _inside(self.directory, name) for key, name in weight_map.items()}
-
-    def _hf_weight_map(self) -> dict[str, str]:
-        index = self.directory / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                return json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
-        single = self.directory / "model.safetensors"
-        if not single.exists():
-            raise CheckpointError(f"{self.directory}: no model.safetensors or model.safetensors.index.json")
-        return {key: single.name for key in self._handle(single).keys()}
-
-    def _handle(self, path: Path):
-        if path not in self._open:
-            if not path.exists():
-                raise CheckpointError(f"missing checkpoint file {path}")
-            try:
-                self._open[path] = safe_open(str(path), framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-        return self._open[path]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.weight_map
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.weight_map[key]).get_slice(key).get_shape())
-
-    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows ``[start, stop)`` of ``dim`` (the whole tensor when ``dim`` is None), reading only those bytes."""
-        path = self.weight_map[key]
-        try:
-            if dim is None:
-                return self._handle(path).get_tensor(key)
-            piece = self._handle(path).get_slice(key)
-            index = tuple(slice(None) if d != dim else slice(start, stop) for d in range(len(piece.get_shape())))
-            return piece[index]
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"{path}: cannot read tensor {key!r} ({exc})") from None
-
-
-def _local_piece(read_rows, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's local tensor for ``layout``: ``read_rows(dim, start, stop)`` supplies global rows; zero padding
-    is appended where the layout pads."""
+def _fill_local(read_into, layout: Layout, rank: int, out: torch.Tensor, what: str) -> torch.Tensor:
+    """Fill ``out``, this rank's local tensor for ``layout``, in place: ``read_into(dim, start, stop, view)`` reads
+    global rows straight into ``view`` (a narrow of ``out``); padding rows are zeroed in place. No temporary."""
+    if tuple(out.shape) != tuple(layout.local_shape):
+        raise CheckpointError(f"{what}: the local tensor has shape {tuple(out.shape)}, its layout says "
+                              f"{tuple(layout.local_shape)}")
     if not layout.is_sharded:
-        return read_rows(None, 0, None).to(dtype)
+        read_into(None, 0, None, out)
+        return out
+    d = layout.shard_dim
     start, stop = layout.valid_range(rank)
-    local = torch.zeros(layout.local_shape, dtype=dtype)
-    if stop > start:
-        local.narrow(layout.shard_dim, 0, stop - start).copy_(read_rows(layout.shard_dim, start, stop))
-    return local
-
+    valid = max(stop - start, 0)
+    if valid:
+        read_into(d, start, stop, out.narrow(d, 0, valid))
+    if valid < out.shape[d]:
+        out.narrow(d, valid, out.shape[d] - valid).zero_()
+    return out
 
 def _tensors_to_load(model: nn.Module):
     """(tensor, [names]) for every distinct parameter and persistent buffer: tied tensors once, with all names."""
@@ -162,7 +92,8 @@ def _tp_rank(model: nn.Module) -> int:
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
-    """Fill a sharded model (materialized) with its slices of an HF checkpoint; return the names loaded."""
+    """Fill a sharded model (materialized) with its slices of an HF checkpoint, read straight into the parameters;
+    return the names loaded."""
     policy = model._shardlib.policy if hasattr(model, "_shardlib") else None
     to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
     rank, loaded, missing = _tp_rank(model), [], []
@@ -176,7 +107,7 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
         if shape != layout.global_shape:
             raise CheckpointError(f"tensor {key!r} in {files.weight_map[key].name} has shape {shape}, "
                                   f"the model expects {layout.global_shape} ({names[0]})")
-        tensor.copy_(_local_piece(lambda d, a, b: files.read(key, d, a, b), layout, rank, tensor.dtype))
+        _fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
         loaded.append(names[0])
     if missing and strict:
         raise CheckpointError(f"{len(missing)} tensor(s) of {type(model).__name__} missing from {files.directory}: "
@@ -198,7 +129,8 @@ def _build_sharded(model_class, config, mesh, shard_options: dict) -> nn.Module:
 def from_pretrained(model_class, path: str | Path, mesh, **shard_options) -> nn.Module:
     """Build ``model_class`` (an HF model class or Auto class) on the meta device, shard it over ``mesh`` and read
     each rank's slice of each tensor straight from the HF safetensors checkpoint at ``path`` (single file or
-    index + shards). ``shard_options`` are :func:`shardlib.shard`'s. Returns the model in eval mode, as HF does."""
+    index + shards) into the parameters. ``shard_options`` are :func:`shardlib.shard`'s. Returns the model in eval
+    mode, as HF does."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -206,7 +138,8 @@ def from_pretrained(model_class, path: str | Path, mesh, **shard_options) -> nn.
         raise CheckpointError(f"{path}: no config.json (not an HF checkpoint directory)")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     model = _build_sharded(model_class, config, mesh, shard_options)
-    load_hf_weights(model, SafetensorsFiles(path))
+    with SafetensorsFiles(path) as files:
+        load_hf_weights(model, files)
     return model.eval()
 
 
@@ -277,9 +210,9 @@ def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
 
 
 def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None) -> tuple[dict, dict]:
-    """This rank's file contents: {file: {key: tensor}} (real rows only), and the metadata of the tensors this
-    rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is written by
-    the lowest pipeline rank using it)."""
+    """This rank's file contents: {file: {key: tensor view}} (real rows only, no copies), and the metadata of the
+    tensors this rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is
+    written by the lowest pipeline rank using it)."""
     split = getattr(model._shardlib, "pipeline", None) if hasattr(model, "_shardlib") else None
     stage = split.pp_rank if split is not None else None
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -293,9 +226,9 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None) -> tuple[dic
             start, stop = layout.valid_range(rank)
             if stop > start:
                 files.setdefault(rank_file(rank, layout.num_shards, stage), {})[names[0]] = \
-                    tensor.detach().narrow(layout.shard_dim, 0, stop - start).contiguous()
+                    tensor.detach().narrow(layout.shard_dim, 0, stop - start)  # a view: streamed
         elif rank == 0:
-            files.setdefault(replicated_file(stage), {})[names[0]] = tensor.detach().contiguous()
+            files.setdefault(replicated_file(stage), {})[names[0]] = tensor.detach()
     return files, meta
 
 
@@ -312,10 +245,11 @@ def _broadcast_str(value: str) -> str:
 
 
 def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: bool = False) -> Path:
-    """Write ``model``'s local shards (no gather) plus ``shardlib.json``; atomic (see module docstring). Every rank
-    of the mesh must call it; data-parallel replicas other than dp rank 0 write nothing. With ``optimizer``, its
-    per-parameter state (AdamW moments and step) is saved the same way, keyed by parameter name, and its
-    hyperparameters go into the metadata, so training resumes exactly (also under another tp)."""
+    """Write ``model``'s local shards (no gather, no copies: each tensor is streamed from its own memory) plus
+    ``shardlib.json``; atomic (see module docstring). Every rank of the mesh must call it; data-parallel replicas
+    other than dp rank 0 write nothing. With ``optimizer``, its per-parameter state (AdamW moments and step) is
+    saved the same way, keyed by parameter name, and its hyperparameters go into the metadata, so training resumes
+    exactly (also under another tp)."""
     state = model._shardlib
     mesh = state.mesh
     directory = Path(directory)
@@ -325,10 +259,7 @@ def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: 
     tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12])}"
     tmp.mkdir(parents=True, exist_ok=True)
     files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer)
-    written = {}
-    if is_writer:
-        for name, tensors in files.items():
-            written[name] = _write_file(tmp, name, tensors)
+    written = _write_files(tmp, files) if is_writer else {}  # fsynced before rank 0 writes the metadata
     gathered = [(written, meta)]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
@@ -353,23 +284,47 @@ def _document(model_class: str, config: dict, tp: int, tensors: dict, files: dic
             "files": files}
 
 
+def _fsync_directory(path: Path) -> None:
+    """Make a directory's entries (new files, a rename) durable, where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _finish(tmp: Path, directory: Path, document: dict | None) -> None:
-    """Write the metadata last, then swap the finished directory in (the old one survives until then)."""
+    """Write the metadata last (the data files are fsynced already), then swap the finished directory in (the old
+    one survives until then)."""
     if document is not None:
         with open(tmp / METADATA, "w") as f:
             f.write(json.dumps(document, indent=1))
             f.flush()
             os.fsync(f.fileno())
+    _fsync_directory(tmp)
     old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
     if directory.exists():
         directory.rename(old)
     tmp.rename(directory)
+    _fsync_directory(directory.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_file(tmp: Path, name: str, tensors: dict) -> dict:
-    save_file(tensors, str(tmp / name), metadata={"format": "pt", "writer": FORMAT})
-    return {"bytes": (tmp / name).stat().st_size, "sha256": sha256_of(tmp / name)}
+def _write_files(directory: Path, files: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Stream ``{file: {key: tensor}}`` into safetensors files (tensors may be strided views); the files' sizes and
+    checksums. Every file is fsynced when this returns."""
+    with _Writer(directory) as writer:
+        for name, tensors in files.items():
+            out = writer.open(name, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
+                              {"format": "pt", "writer": FORMAT})
+            for key in out.order:
+                writer.tensor(out, key, tensors[key])
+        return writer.finish()
 
 
 class ShardedCheckpoint:
@@ -384,15 +339,16 @@ class ShardedCheckpoint:
             self.meta = json.loads(meta_path.read_text())
         except ValueError as exc:
             raise CheckpointError(f"{meta_path}: not valid JSON ({exc})") from None
-        if self.meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        if self.meta.get("format") not in READABLE_FORMATS:
+            raise CheckpointError(f"{meta_path}: format {self.meta.get('format')!r}, expected one of "
+                                  f"{', '.join(READABLE_FORMATS)}")
         self.tensors = self.meta["tensors"]
         self._verified: dict[str, Path] = {}  # file name -> checked path
-        self._readers: dict[str, SafetensorsFiles] = {}
+        self._readers: dict[str, SafetensorsFile] = {}
+        self._scratch: dict = {}
         self._verify = verify
-        for t in self.tensors.values():
-            for p in t["pieces"]:
-                _inside(self.directory, p["file"])
+        for file in {p["file"] for t in self.tensors.values() for p in t["pieces"]}:
+            _inside(self.directory, file)
 
     def problems(self) -> list[str]:
         """Completeness and checksums of every file; an empty list when the checkpoint is whole."""
@@ -415,69 +371,121 @@ class ShardedCheckpoint:
             raise CheckpointError(f"missing checkpoint file {path}")
         if path.stat().st_size != info["bytes"]:
             raise CheckpointError(f"{path}: {path.stat().st_size} bytes, {METADATA} records {info['bytes']} (truncated?)")
-        if self._verify and sha256_of(path) != info["sha256"]:
-            raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
+        if self._verify:
+            algorithm, value = file_checksum(info)
+            if checksum_of(path, algorithm) != value:
+                raise CheckpointError(f"{path}: checksum mismatch (corrupted; {algorithm})")
         self._verified[name] = path
         return path
 
-    def _reader(self, file: str) -> SafetensorsFiles:
+    def _reader(self, file: str) -> SafetensorsFile:
         """One open reader per file (verified once) for every tensor stored in it."""
         if file not in self._readers:
-            path = self._check_file(file, self.meta["files"][file])
-            keys = {name: path.name for name, t in self.tensors.items() if any(p["file"] == file for p in t["pieces"])}
-            self._readers[file] = SafetensorsFiles(self.directory, keys)
+            if file not in self.meta["files"]:
+                raise CheckpointError(f"{self.directory / file}: named by tensors but not listed in {METADATA}")
+            self._readers[file] = SafetensorsFile(self._check_file(file, self.meta["files"][file]), self._scratch)
         return self._readers[file]
 
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._scratch.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        value = getattr(torch, str(self.tensors[name]["dtype"]), None)
+        if not isinstance(value, torch.dtype):
+            raise CheckpointError(f"{self.directory}: tensor {name!r} has unknown dtype "
+                                  f"{self.tensors[name]['dtype']!r}")
+        return value
+
     def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
-        """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), read from
-        the pieces that overlap them."""
+        """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), as a new
+        tensor read from the pieces that overlap them."""
+        shape = list(self.shape(name))
+        if dim is not None:
+            shape[dim] = (shape[dim] if stop is None else stop) - start
+        return self.read_into(name, torch.empty(shape, dtype=self.dtype(name)), dim, start, stop)
+
+    def read_into(self, name: str, out: torch.Tensor, dim: int | None = None, start: int = 0,
+                  stop: int | None = None) -> torch.Tensor:
+        """Read global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (all of it when dim is None) into
+        ``out`` (that shape; may be a strided view): each overlapping piece is read straight into its part of
+        ``out``. Pieces split along another dim than ``dim`` each fill their own columns of ``out``."""
         t = self.tensors[name]
-        parts = []
-        for p in t["pieces"]:
-            reader = self._reader(p["file"])
-            if p["dim"] is None:
-                whole = reader.read(name)
-                return whole if dim is None else whole.narrow(dim, start, (stop or whole.shape[dim]) - start)
-            if dim is None:
-                parts.append(reader.read(name))
-                continue
-            if dim != p["dim"]:
-                raise CheckpointError(f"{name}: stored split along dim {p['dim']}, requested along {dim}")
-            lo, hi = max(start, p["start"]), min(stop, p["stop"])
-            if lo < hi:
-                parts.append(reader.read(name, dim, lo - p["start"], hi - p["start"]))
-        if not parts:
-            raise CheckpointError(f"{name}: no stored rows for [{start}, {stop}) of dim {dim}")
-        return torch.cat(parts, dim=t["pieces"][0]["dim"] if dim is None else dim)
+        pieces = t["pieces"]
+        if any(p["dim"] is None for p in pieces):  # stored whole
+            return self._reader(pieces[0]["file"]).read_into(name, out, dim, start, stop)
+        shape, pdim = tuple(t["shape"]), pieces[0]["dim"]
+        if dim is None:
+            dim, start, stop = pdim, 0, shape[pdim]
+        stop = shape[dim] if stop is None else stop
+        covered = 0
+        for p in pieces:
+            if p["dim"] != pdim:
+                raise CheckpointError(f"{self.directory}: tensor {name!r} has pieces split along dims "
+                                      f"{sorted({q['dim'] for q in pieces})}")
+            if dim == pdim:
+                lo, hi = max(start, p["start"]), min(stop, p["stop"])
+                if lo < hi:
+                    self._reader(p["file"]).read_into(name, out.narrow(dim, lo - start, hi - lo), dim,
+                                                      lo - p["start"], hi - p["start"])
+                    covered += hi - lo
+            else:
+                rows = p["stop"] - p["start"]
+                self._reader(p["file"]).read_into(name, out.narrow(pdim, p["start"], rows), dim, start, stop)
+                covered += rows
+        wanted = stop - start if dim == pdim else shape[pdim]
+        if covered != wanted:
+            raise CheckpointError(f"{self.directory}: the pieces of tensor {name!r} cover {covered} of the {wanted} "
+                                  f"rows [{start if dim == pdim else 0}, ...) of dim {pdim}")
+        return out
 
 
-def _read_local(ckpt: ShardedCheckpoint, name: str, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    stored = tuple(ckpt.tensors[name]["shape"])
+def _check_stored_shape(ckpt: ShardedCheckpoint, name: str, layout: Layout) -> None:
+    stored = ckpt.shape(name)
     if stored != layout.global_shape:
         raise CheckpointError(f"tensor {name!r} in {ckpt.directory} has shape {stored}, the model expects "
                               f"{layout.global_shape}")
-    return _local_piece(lambda d, a, b: ckpt.read(name, d, a, b), layout, rank, dtype)
+
+
+def _read_local(ckpt: ShardedCheckpoint, name: str, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new local tensor for ``layout`` read from ``ckpt`` (optimizer state: there is no tensor to fill yet)."""
+    _check_stored_shape(ckpt, name, layout)
+    out = torch.empty(layout.local_shape, dtype=dtype)
+    return _fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, out, name)
 
 
 @torch.no_grad()
 def load(model: nn.Module, directory: str | Path, *, optimizer=None) -> nn.Module:
     """Load a sharded checkpoint into a sharded model of the same architecture under any tp layout (resharding:
-    each rank reads only the overlapping rows of the stored pieces); with ``optimizer`` (built over this model's
-    parameters), restore its state and hyperparameters too."""
-    ckpt = ShardedCheckpoint(directory)
-    expected = hf_class_name(model)
-    if ckpt.meta["model_class"] != expected:
-        raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
-    if any(t.device.type == "meta" for t, _ in _local_tensors(model)):
-        materialize(model, init="buffers")  # every parameter is read below
-    rank = _tp_rank(model)
-    for tensor, names in _local_tensors(model):
-        name = next((n for n in names if n in ckpt.tensors), None)
-        if name is None:
-            raise CheckpointError(f"tensor {names[0]!r} of {type(model).__name__} is not in {directory}")
-        tensor.copy_(_read_local(ckpt, name, layout_of(model, names[0]), rank, tensor.dtype))
-    if optimizer is not None:
-        _load_optimizer(model, ckpt, optimizer, rank)
+    each rank reads only the overlapping rows of the stored pieces, straight into its parameters); with
+    ``optimizer`` (built over this model's parameters), restore its state and hyperparameters too."""
+    with ShardedCheckpoint(directory) as ckpt:
+        expected = hf_class_name(model)
+        if ckpt.meta["model_class"] != expected:
+            raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
+        if any(t.device.type == "meta" for t, _ in _local_tensors(model)):
+            materialize(model, init="buffers")  # every parameter is read below
+        rank = _tp_rank(model)
+        for tensor, names in _local_tensors(model):
+            name = next((n for n in names if n in ckpt.tensors), None)
+            if name is None:
+                raise CheckpointError(f"tensor {names[0]!r} of {type(model).__name__} is not in {directory}")
+            layout = layout_of(model, names[0])
+            _check_stored_shape(ckpt, name, layout)
+            _fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, tensor, name)
+        if optimizer is not None:
+            _load_optimizer(model, ckpt, optimizer, rank)
     return model
 
 
@@ -501,7 +509,7 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
         for key, stored in stored_state.get(names[0], {}).items():
             shape = tuple(ckpt.tensors[stored]["shape"])
             layout = param_layout if shape == param_layout.global_shape else Layout.replicated(shape)
-            state[key] = _read_local(ckpt, stored, layout, rank, DTYPES[ckpt.tensors[stored]["dtype"]])
+            state[key] = _read_local(ckpt, stored, layout, rank, ckpt.dtype(stored))
         if state:
             optimizer.state[tensor] = state
 
@@ -518,75 +526,151 @@ def from_sharded(model_class, directory: str | Path, mesh, **shard_options) -> n
     return load(model, directory).eval()
 
 
+# ------------------------------------------------------------------------------------ streamed copies of tensors
+def _stream_rows(writer: _Writer, source, key: str, shape: tuple[int, ...], dtype: torch.dtype, start: int,
+                 stop: int, out: _OutFile) -> None:
+    """Copy dim-0 rows ``[start, stop)`` of tensor ``key`` of ``source`` (anything with ``read_into``) to ``out``,
+    in blocks of at most 4 MiB: each block is read straight into a pool buffer, hashed and handed to the writer."""
+    if not shape:  # a scalar
+        block = writer.buffer()
+        source.read_into(key, block[:dtype.itemsize].view(dtype).view(()))
+        writer.emit(out, memoryview(block.numpy())[:dtype.itemsize], block)
+        return
+    row = math.prod(shape[1:]) * dtype.itemsize
+    if row == 0:
+        return
+    step = max(1, BLOCK // row)
+    for i in range(start, stop, step):
+        k = min(step, stop - i)
+        pooled = k * row <= BLOCK
+        block = writer.buffer() if pooled else torch.empty(k * row, dtype=torch.uint8)
+        source.read_into(key, block[:k * row].view(dtype).view(k, *shape[1:]), 0, i, i + k)
+        writer.emit(out, memoryview(block.numpy())[:k * row], block if pooled else None)
+
+
+def _stream_tensor(writer: _Writer, source, key: str, dtype: torch.dtype, layout: Layout, outs: dict) -> int:
+    """Copy tensor ``key`` of ``source`` into the output files of ``layout`` (``outs``: tp rank, or None for
+    the replicated file -> :class:`_OutFile`), reading every source byte once: a tensor split along dim 0 goes
+    rank range by rank range; one split along another dim is read in blocks of whole dim-0 rows whose columns
+    are copied to each rank's file. Returns the bytes written."""
+    shape = layout.global_shape
+    if not layout.is_sharded:
+        _stream_rows(writer, source, key, shape, dtype, 0, shape[0] if shape else 0, outs[None])
+        return math.prod(shape) * dtype.itemsize
+    d = layout.shard_dim
+    ranges = [(r, *layout.valid_range(r)) for r in range(layout.num_shards)]
+    ranges = [(r, a, b) for r, a, b in ranges if b > a]
+    if d == 0:
+        for r, a, b in ranges:
+            _stream_rows(writer, source, key, shape, dtype, a, b, outs[r])
+        return math.prod(shape) * dtype.itemsize
+    row = math.prod(shape[1:]) * dtype.itemsize
+    if row == 0:
+        return 0
+    step = max(1, BLOCK // row)
+    for i in range(0, shape[0], step):
+        k = min(step, shape[0] - i)
+        pooled = k * row <= BLOCK
+        block = writer.buffer() if pooled else torch.empty(k * row, dtype=torch.uint8)
+        rows = source.read_into(key, block[:k * row].view(dtype).view(k, *shape[1:]), 0, i, i + k)
+        for r, a, b in ranges:
+            writer._emit_copy(outs[r], rows.narrow(d, a, b - a), k * row // shape[d] * (b - a))
+        if pooled:
+            writer.give_back(block)
+    return math.prod(shape) * dtype.itemsize
+
+
 def export_hf(directory: str | Path, destination: str | Path, *, overwrite: bool = False,
               max_shard_bytes: int = 2 << 30, progress=None) -> Path:
     """Write a plain HF checkpoint (Hub key names, ``config.json``; ``model.safetensors`` or index + shards of at
-    most ``max_shard_bytes``) from a sharded checkpoint, one full tensor at a time. Needs no process group."""
+    most ``max_shard_bytes``) from a sharded checkpoint, streamed in 4 MiB blocks (a tensor's pieces are read
+    straight into the block). Needs no process group."""
     from shardlib.policies import policy_for_class_name  # noqa: PLC0415
 
-    ckpt = ShardedCheckpoint(directory)
-    policy = policy_for_class_name(ckpt.meta["model_class"])
     destination = Path(destination)
     if destination.exists() and not overwrite:
         raise CheckpointError(f"{destination} exists; pass overwrite=True to replace it")
-    tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)
-    written: list[tuple[str, list[str]]] = []  # (part file, hub keys); one part held in memory at a time
-    current: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush():
-        part = f".part-{len(written)}"
-        save_file(current, str(tmp / part), metadata={"format": "pt"})
-        written.append((part, list(current)))
-
-    for name in ckpt.tensors:
-        tensor = ckpt.read(name, None, 0, None).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-            current, size = {}, 0
-        current[policy.to_hub_key(name)] = tensor
-        size += nbytes
-        if progress:
-            progress(name, nbytes)
-    flush()
-    if len(written) == 1:
-        os.replace(tmp / written[0][0], tmp / "model.safetensors")
-    else:
-        weight_map = {}
-        for i, (part, keys) in enumerate(written):
-            final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-            os.replace(tmp / part, tmp / final)
-            weight_map |= {k: final for k in keys}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps(ckpt.meta["config"], indent=1))
-    _finish(tmp, destination, None)
+    with ShardedCheckpoint(directory) as ckpt:
+        policy = policy_for_class_name(ckpt.meta["model_class"])
+        parts: list[list[tuple[str, str, torch.dtype, tuple]]] = [[]]  # (name, hub key, dtype, shape)
+        size = 0
+        for name in ckpt.tensors:
+            dtype, shape = ckpt.dtype(name), ckpt.shape(name)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if parts[-1] and size + nbytes > max_shard_bytes:
+                parts.append([])
+                size = 0
+            parts[-1].append((name, policy.to_hub_key(name), dtype, shape))
+            size += nbytes
+        tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir(parents=True)
+        try:
+            files = ["model.safetensors"] if len(parts) == 1 else \
+                [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+            with _Writer(tmp, checksum=None) as writer:
+                for file, part in zip(files, parts):
+                    out = writer.open(file, [(hub, dtype, shape) for _, hub, dtype, shape in part], {"format": "pt"})
+                    by_hub = {hub: (name, dtype, shape) for name, hub, dtype, shape in part}
+                    for hub in out.order:
+                        name, dtype, shape = by_hub[hub]
+                        _stream_rows(writer, ckpt, name, shape, dtype, 0, shape[0] if shape else 0, out)
+                        if progress:
+                            progress(name, math.prod(shape) * dtype.itemsize)
+                writer.finish()
+            if len(parts) > 1:
+                weight_map = {hub: file for file, part in zip(files, parts) for _, hub, _, _ in part}
+                index = {"metadata": {}, "weight_map": weight_map}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index))
+            (tmp / "config.json").write_text(json.dumps(ckpt.meta["config"], indent=1))
+            _finish(tmp, destination, None)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return destination
 
 
+class _HFSource(SafetensorsFiles):
+    """An HF checkpoint as a convert source: tensors by Hub key; ``key(names)`` finds a tensor's key."""
+
+    def __init__(self, directory: Path, to_hub):
+        super().__init__(directory)
+        self._to_hub = to_hub
+
+    def key(self, names: list[str]) -> str:
+        key = next((self._to_hub(n) for n in names if self._to_hub(n) in self), None)
+        if key is None:
+            raise CheckpointError(f"{self.directory}: no tensor {' = '.join(self._to_hub(n) for n in names)!r}")
+        return key
+
+
+class _ShardedSource(ShardedCheckpoint):
+    def key(self, names: list[str]) -> str:
+        key = next((n for n in names if n in self.tensors), None)
+        if key is None:
+            raise CheckpointError(f"{self.directory}: no tensor {names[0]!r}")
+        return key
+
+
 def _config_and_class(source: Path):
-    """(HF config, model class, tensor reader(name, dim, start, stop), policy) of an HF or sharded checkpoint."""
+    """(HF config, model class name, source) of an HF or sharded checkpoint; the source reads tensors by the key
+    that its ``key(names)`` gives (``shape``, ``dtype``, ``read_into``, ``close``)."""
     import transformers
     from transformers import AutoConfig
 
     from shardlib.policies import policy_for_class_name  # noqa: PLC0415
 
     if (source / METADATA).exists():
-        ckpt = ShardedCheckpoint(source)
+        ckpt = _ShardedSource(source)
         config_dict = dict(ckpt.meta["config"])
         config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-        class_name = ckpt.meta["model_class"]
-        return config, class_name, ckpt.read
+        return config, ckpt.meta["model_class"], ckpt
     if not (source / "config.json").exists():
         raise CheckpointError(f"{source}: neither a shardlib checkpoint ({METADATA}) nor an HF one (config.json)")
     config = AutoConfig.from_pretrained(source, local_files_only=True)
     class_name = (config.architectures or [None])[0]
     if class_name is None or not hasattr(transformers, class_name):
         raise CheckpointError(f"{source}/config.json names no known model class (architectures={config.architectures})")
-    files = SafetensorsFiles(source)
-    to_hub = policy_for_class_name(class_name).to_hub_key
-    return config, class_name, lambda name, dim, start, stop: files.read(to_hub(name), dim, start, stop)
+    return config, class_name, _HFSource(source, policy_for_class_name(class_name).to_hub_key)
 
 
 def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1, overwrite: bool = False,
@@ -594,7 +678,8 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
     """HF -> sharded or sharded -> sharded (any tp, any pp), without a process group: the layouts come from
     sharding the model on the meta device offline, the pipeline stages from :func:`shardlib.pipeline.stage_plan`.
     With ``pp > 1`` each stage's tensors go to that stage's files (``model-ppXX-...``), as a pipelined ``save``
-    writes them. One file is held in memory at a time (at most 1/tp of a stage)."""
+    writes them. Streams: every output file of a stage is open at once and each source tensor is read once, in
+    blocks of at most 4 MiB, each block's rows going to the files that hold them (memory: a few blocks)."""
     import transformers
 
     from .mesh import OfflineMesh
@@ -607,45 +692,58 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
         raise CheckpointError(f"{destination} exists; pass overwrite=True / --overwrite to replace it")
     if pp < 1 or tp < 1:
         raise CheckpointError(f"--tp and --pp must be >= 1, got tp={tp}, pp={pp}")
-    config, class_name, read = _config_and_class(source)
-    with torch.device("meta"):
-        model = getattr(transformers, class_name)(config)
-    owners = None
-    if pp > 1:  # before sharding: the cost model reads the full shapes
-        owners = tensor_owners(model, stage_plan(model, policy_for(model).plan(model, tp).trunk, pp))
-    shard(model, OfflineMesh(tp=tp))  # validates the layout: e.g. heads that the new tp does not divide
-
-    def stage_of(names):
-        return None if owners is None else min(s for n in names for s in owners.get(n, {0}))
-
-    entries = [(names, layout_of(model, names[0]), tensor.dtype, stage_of(names))
-               for tensor, names in _tensors_to_load(model)]
-    tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir(parents=True)
+    config, class_name, src = _config_and_class(source)
     try:
-        meta = {names[0]: _tensor_entry(layout, dtype, names[1:], stage) for names, layout, dtype, stage in entries}
-        written = {}
-        for stage in sorted({e[3] for e in entries}, key=lambda x: -1 if x is None else x):
-            mine = [e for e in entries if e[3] == stage]
-            for rank in [None, *range(tp)]:  # the replicated file, then each tp rank's file
-                tensors = {}
-                for names, layout, _, _ in mine:
-                    if rank is None and not layout.is_sharded:
-                        tensors[names[0]] = read(names[0], None, 0, None)
-                    elif rank is not None and layout.is_sharded:
-                        start, stop = layout.valid_range(rank)
-                        if stop > start:
-                            tensors[names[0]] = read(names[0], layout.shard_dim, start, stop).contiguous()
-                    if progress and names[0] in tensors:
-                        progress(names[0], tensors[names[0]].numel() * tensors[names[0]].element_size())
-                if tensors:
-                    name = replicated_file(stage) if rank is None else rank_file(rank, tp, stage)
-                    written[name] = _write_file(tmp, name, tensors)
-        document = _document(class_name, config.to_dict(), tp, meta, written)
-        if pp > 1:
-            document["pp"] = pp
-        _finish(tmp, destination, document)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with torch.device("meta"):
+            model = getattr(transformers, class_name)(config)
+        owners = None
+        if pp > 1:  # before sharding: the cost model reads the full shapes
+            owners = tensor_owners(model, stage_plan(model, policy_for(model).plan(model, tp).trunk, pp))
+        shard(model, OfflineMesh(tp=tp))  # validates the layout: e.g. heads that the new tp does not divide
+
+        def stage_of(names):
+            return None if owners is None else min(s for n in names for s in owners.get(n, {0}))
+
+        entries = []  # (names, layout, stored dtype, stage, source key)
+        for _, names in _tensors_to_load(model):
+            layout, key = layout_of(model, names[0]), src.key(names)
+            if tuple(src.shape(key)) != layout.global_shape:
+                raise CheckpointError(f"tensor {key!r} in {source} has shape {tuple(src.shape(key))}, the model "
+                                      f"expects {layout.global_shape} ({names[0]})")
+            entries.append((names, layout, src.dtype(key), stage_of(names), key))
+        tmp = destination.parent / f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir(parents=True)
+        try:
+            meta = {names[0]: _tensor_entry(layout, dtype, names[1:], stage)
+                    for names, layout, dtype, stage, _ in entries}
+            with _Writer(tmp) as writer:
+                for stage in sorted({e[3] for e in entries}, key=lambda x: -1 if x is None else x):
+                    # data order of every file: safetensors' (dtype, name); walking the tensors in that order
+                    # writes each file front to back
+                    mine = sorted((e for e in entries if e[3] == stage), key=lambda e: (-_ST_RANK[e[2]], e[0][0]))
+                    contents: dict[str, list] = {}
+                    for names, layout, dtype, _, _ in mine:
+                        for piece in _pieces(layout, stage):
+                            shape = list(layout.global_shape)
+                            if piece.dim is not None:
+                                shape[piece.dim] = piece.stop - piece.start
+                            contents.setdefault(piece.file, []).append((names[0], dtype, tuple(shape)))
+                    files = {name: writer.open(name, tensors, {"format": "pt", "writer": FORMAT})
+                             for name, tensors in contents.items()}
+                    for names, layout, dtype, _, key in mine:
+                        outs = {None: files.get(replicated_file(stage))} | {
+                            r: files.get(rank_file(r, tp, stage)) for r in range(tp)}
+                        nbytes = _stream_tensor(writer, src, key, dtype, layout, outs)
+                        if progress:
+                            progress(names[0], nbytes)
+                written = writer.finish()
+            document = _document(class_name, config.to_dict(), tp, meta, written)
+            if pp > 1:
+                document["pp"] = pp
+            _finish(tmp, destination, document)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        src.close()
     return destination

@@ -69,7 +69,7 @@ def convert(src: str, dst: str, tp: int, pp: int, to: str, overwrite: bool) -> i
 
 def inspect(directory: str) -> int:
     """A table of the tensors of a sharded checkpoint: shape, dtype, layout, files, bytes per rank."""
-    from .checkpoint import ShardedCheckpoint
+    from .checkpoint import ShardedCheckpoint, file_checksum
 
     ckpt = ShardedCheckpoint(directory, verify=False)
     meta = ckpt.meta
@@ -86,7 +86,8 @@ def inspect(directory: str) -> int:
         print(f"{name:<60} {shape:>14} {t['dtype']:>9}  {layout:<34} {', '.join(files) if len(files) < 3 else files[0] + ' ... ' + files[-1]}")
     print()
     for name, info in sorted(meta["files"].items()):
-        print(f"{name:<40} {info['bytes'] / 2**20:10.2f} MiB  sha256 {info['sha256'][:16]}")
+        algorithm, value = file_checksum(info)
+        print(f"{name:<40} {info['bytes'] / 2**20:10.2f} MiB  {algorithm} {value[:16]}")
     return 0
 
 

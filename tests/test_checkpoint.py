@@ -172,12 +172,15 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(sharded_dir, monkeypatch):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    def dying_save_file(tensors, path, metadata=None):
-        with open(path, "wb") as f:  # half a file, then the process dies
-            f.write(b"\x00" * 100)
-        raise RuntimeError("rank died")
+    real_write = ckpt._OutFile.write
 
-    monkeypatch.setattr(ckpt, "save_file", dying_save_file)
+    def dying_write(self, view, offset):
+        if offset:  # after the header: write part of a block, then the process dies
+            real_write(self, view[: len(view) // 2], offset)
+            raise RuntimeError("rank died")
+        real_write(self, view, offset)
+
+    monkeypatch.setattr(ckpt._OutFile, "write", dying_write)
     with pytest.raises(RuntimeError, match="rank died"):
         ckpt.save(model, directory, overwrite=True)
     assert cli("verify", str(directory)).returncode == 0
@@ -215,3 +218,221 @@ def layout_pair_specs(draw):
 def test_random_configs_and_layout_pairs_round_trip(pool, tmp_path_factory, spec):
     """Save under layout A, load under layout B, export to HF: bitwise equal at every step; forward equal."""
     pool.run(rank_tasks.checkpoint_round_trip, spec, str(tmp_path_factory.mktemp("ck")))
+
+
+# --------------------------------------------------------------- the safetensors reader and the streamed writer
+import math  # noqa: E402
+import os  # noqa: E402
+import struct  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from safetensors.torch import load_file, save_file  # noqa: E402 (the reference implementation, as an oracle)
+
+DTYPE_CHOICES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+                 torch.uint8, torch.bool]
+
+
+def _random_tensor(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype.is_signed else 0, 100, shape, generator=g).to(dtype)
+
+
+def _split(raw: bytes):
+    """(header length, header as a dict, data area) of a safetensors file's bytes (safetensors orders the
+    ``__metadata__`` keys at random: compare the header parsed)."""
+    length = struct.unpack("<Q", raw[:8])[0]
+    return length, json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def _raw_file(path, header: dict, data: bytes, length: int | None = None):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@st.composite
+def slice_cases(draw):
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=4)))
+    dim = draw(st.integers(0, len(shape) - 1))
+    start = draw(st.integers(0, shape[dim]))
+    stop = draw(st.integers(start, shape[dim]))
+    return shape, draw(st.sampled_from(DTYPE_CHOICES)), dim, start, stop, draw(st.integers(0, 2**16))
+
+
+@settings(deadline=None)
+@given(case=slice_cases(), small_blocks=st.booleans())
+def test_reader_slice_equals_slice_of_the_full_tensor(case, small_blocks):
+    """Any dim, any rows, any dtype (bfloat16 included): the bytes read equal the full tensor's slice, into a fresh
+    tensor and into a strided view of a bigger one; with tiny blocks the row-block path and the run-by-run path
+    run too."""
+    shape, dtype, dim, start, stop, seed = case
+    full = _random_tensor(shape, dtype, seed)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.safetensors"
+        save_file({"x": full, "other": torch.ones(3)}, str(path))
+        old = ckpt.BLOCK, ckpt.DIRECT_ROW
+        if small_blocks:
+            ckpt.BLOCK, ckpt.DIRECT_ROW = 64, 16
+        try:
+            f = ckpt.SafetensorsFile(path)
+            assert torch.equal(f.read("x"), full)
+            expected = full.narrow(dim, start, stop - start)
+            assert torch.equal(f.read("x", dim, start, stop), expected)
+            padded = list(expected.shape)
+            padded[dim] += 2
+            holder = torch.zeros(padded, dtype=dtype)
+            f.read_into("x", holder.narrow(dim, 1, stop - start), dim, start, stop)
+            assert torch.equal(holder.narrow(dim, 1, stop - start), expected)
+            assert not holder.narrow(dim, 0, 1).any() and not holder.narrow(dim, padded[dim] - 1, 1).any()
+            # a contiguous byte range (all of dim 0's rows [start, stop) when dim is 0, else the whole tensor)
+            # into a view strided in its last dim: scattered straight into the rows
+            if len(shape) >= 2:
+                rows = (start, stop) if dim == 0 else (0, shape[0])
+                wide = torch.zeros(*shape[:-1], shape[-1] + 3, dtype=dtype)
+                view = wide.narrow(-1, 2, shape[-1]).narrow(0, rows[0], rows[1] - rows[0])
+                f.read_into("x", view, 0, *rows)
+                assert torch.equal(view, full.narrow(0, rows[0], rows[1] - rows[0]))
+            f.close()
+        finally:
+            ckpt.BLOCK, ckpt.DIRECT_ROW = old
+
+
+@settings(deadline=None, max_examples=50)
+@given(shapes=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.sampled_from(DTYPE_CHOICES)),
+                       min_size=1, max_size=5),
+       transpose=st.booleans())
+def test_streamed_writer_matches_safetensors_bytes(shapes, transpose):
+    """The streamed writer's files are safetensors' ``save_file`` files of the same tensors (strided inputs
+    included): same header length, header, tensor order and data bytes; the recorded checksum is the file's."""
+    tensors = {f"t{i}": _random_tensor(tuple(s), dt, i) for i, (s, dt) in enumerate(shapes)}
+    if transpose:
+        tensors = {k: (v.t() if v.dim() == 2 else v) for k, v in tensors.items()}
+    with tempfile.TemporaryDirectory() as d:
+        written = ckpt._write_files(Path(d), {"mine.safetensors": tensors})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, f"{d}/ref.safetensors",
+                  metadata={"format": "pt", "writer": ckpt.FORMAT})
+        mine = Path(d, "mine.safetensors").read_bytes()
+        assert _split(mine) == _split(Path(d, "ref.safetensors").read_bytes())
+        info = written["mine.safetensors"]
+        assert info["bytes"] == len(mine) and info["checksum"]["algorithm"] == "xxh3_128"
+        assert info["checksum"]["value"] == ckpt.checksum_of(Path(d, "mine.safetensors"))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short", "too short for a header"),
+    ("huge_length", "header length 18446744073709551615 is impossible"),
+    ("zero_length", "header length 0 is impossible"),
+    ("not_json", "header is not JSON"),
+    ("unknown_dtype", "tensor 'w': unknown dtype 'F33'"),
+    ("offsets_vs_shape", r"tensor 'w': data_offsets \[0, 20\] hold 20 bytes, shape \[2, 3\] of F32 needs 24"),
+    ("outside", r"tensor 'w': data_offsets \[0, 24\] lie outside the data area of 16 bytes \(truncated\?\)"),
+    ("overlap", "tensor 'v': data_offsets start at 8, expected 24"),
+    ("trailing", "trailing bytes"),
+    ("bad_shape", "tensor 'w': bad shape"),
+])
+def test_reader_rejects_corrupt_headers_naming_file_and_tensor(tmp_path, case, message):
+    good = {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
+    data = bytes(24)
+    path = tmp_path / "bad.safetensors"
+    if case == "short":
+        path.write_bytes(b"\x01\x02")
+    elif case == "huge_length":
+        _raw_file(path, good, data, length=2**64 - 1)
+    elif case == "zero_length":
+        _raw_file(path, good, data, length=0)
+    elif case == "not_json":
+        path.write_bytes(struct.pack("<Q", 8) + b"{not js}" + data)
+    elif case == "unknown_dtype":
+        _raw_file(path, {"w": {**good["w"], "dtype": "F33"}}, data)
+    elif case == "offsets_vs_shape":
+        _raw_file(path, {"w": {**good["w"], "data_offsets": [0, 20]}}, data[:20])
+    elif case == "outside":
+        _raw_file(path, good, data[:16])  # truncated data area
+    elif case == "overlap":
+        _raw_file(path, {**good, "v": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, data)
+    elif case == "trailing":
+        _raw_file(path, good, data + bytes(8))
+    elif case == "bad_shape":
+        _raw_file(path, {"w": {**good["w"], "shape": [2, -3]}}, data)
+    with pytest.raises(ckpt.CheckpointError, match=message) as info:
+        ckpt.SafetensorsFile(path).read("w")
+    assert "bad.safetensors" in str(info.value)
+
+
+def test_reader_errors_on_a_file_shrunk_after_opening(tmp_path):
+    """Truncated between header check and read (another process): the short read is an error, not zeros."""
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(path))
+    f = ckpt.SafetensorsFile(path)
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(ckpt.CheckpointError, match=r"t.safetensors: unexpected end of file .*truncated"):
+        f.read("w")
+    with pytest.raises(ckpt.CheckpointError, match=r"no tensor 'nope'"):
+        f.read("nope")
+
+
+def test_save_fsyncs_every_data_file_before_the_metadata(hf_dir, tmp_path, monkeypatch):
+    model = ckpt.from_pretrained(BertForMaskedLM, hf_dir[0], OfflineMesh())
+    order = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        order.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(ckpt.os, "fsync", recording_fsync)
+    ckpt.save(model, tmp_path / "saved")
+    data = [n for n in order if n.endswith(".safetensors")]
+    assert data and order.index("shardlib.json") > max(order.index(n) for n in data)
+    document = json.loads((tmp_path / "saved" / "shardlib.json").read_text())
+    assert set(data) == set(document["files"]) and document["format"] == "shardlib-sharded-v2"
+    assert {f["checksum"]["algorithm"] for f in document["files"].values()} == {"xxh3_128"}
+
+
+def test_v1_checkpoint_with_sha256_checksums_still_loads_and_verifies(sharded_dir):
+    directory, original = sharded_dir
+    meta_path = directory / "shardlib.json"
+    document = json.loads(meta_path.read_text())
+    document["format"] = "shardlib-sharded-v1"
+    for name, info in document["files"].items():
+        document["files"][name] = {"bytes": info["bytes"], "sha256": ckpt.sha256_of(directory / name)}
+    meta_path.write_text(json.dumps(document))
+    assert ckpt.ShardedCheckpoint(directory).problems() == []
+    model = BertForMaskedLM(BertConfig(**CONFIG))
+    shardlib.shard(model, OfflineMesh(tp=2, tp_rank=1))
+    ckpt.load(model, directory)
+    victim = directory / "model-tp00-of-02.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert any("checksum mismatch" in p for p in ckpt.ShardedCheckpoint(directory).problems())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_convert_streams_in_small_blocks_to_identical_files(hf_dir, tmp_path, monkeypatch, tp):
+    """Blocks far smaller than the tensors (many blocks per tensor, a pool that runs dry, columns staged block by
+    block): the files are byte-identical to a convert in one block, and hold exactly the original slices."""
+    src, original = hf_dir
+    reference = ckpt.convert(src, tmp_path / "big", tp=tp)
+    monkeypatch.setattr(ckpt, "BLOCK", 256)
+    monkeypatch.setattr(ckpt, "DIRECT_ROW", 64)
+    small = ckpt.convert(src, tmp_path / "small", tp=tp)
+    again = ckpt.convert(small, tmp_path / "resharded", tp=tp)  # sharded -> sharded, small blocks too
+    for directory in (small, again):
+        for name in json.loads((reference / "shardlib.json").read_text())["files"]:
+            assert (directory / name).read_bytes() == (reference / name).read_bytes(), name
+    document = json.loads((reference / "shardlib.json").read_text())
+    state = original.state_dict()
+    for name, entry in document["tensors"].items():
+        for piece in entry["pieces"]:
+            stored = load_file(str(reference / piece["file"]))[name]
+            full = state[name]
+            expected = full if piece["dim"] is None else full.narrow(piece["dim"], piece["start"],
+                                                                     piece["stop"] - piece["start"])
+            assert torch.equal(stored, expected), (name, piece)
+    assert math.prod(state["bert.embeddings.word_embeddings.weight"].shape) > 256  # really many blocks
