@@ -16,7 +16,7 @@ from harness import mesh as pool_mesh
 from rank_tasks import DTYPES, TOL, _adamw, _close, cases, cast_batch
 from shardlib.runtime import Trainer, dp_shard
 
-MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+MULTI_STAGE = ("interleaved_1f1b", "looped_bfs")
 
 
 def first_output_objective(value: torch.Tensor) -> torch.Tensor:
