@@ -5,40 +5,46 @@ What is measured
 Two models, random weights from configs, fp32, dropout 0, ``train()`` mode, full attention masks:
 
 * ``bert``: ``BertForMaskedLM`` at BERT-base size (12 layers, hidden 768, 12 heads, intermediate 3072, vocab
-  30522); batch ``input_ids`` / ``attention_mask`` / ``labels`` (a label on every token);
+  30522); batch ``input_ids`` / ``attention_mask`` / ``labels`` (a label on every token), 16 x 32 tokens;
 * ``t5``: ``T5ForConditionalGeneration`` at T5-base size (12 + 12 layers, d_model 768, d_kv 64, 12 heads, d_ff 3072,
-  vocab 32128); batch ``input_ids`` / ``attention_mask`` / ``labels`` (the decoder input is ``labels`` shifted
-  right by HF; encoder and decoder sequences have the same length).
+  vocab 32128); batch ``input_ids`` / ``attention_mask`` / ``labels`` (HF shifts ``labels`` right into the decoder
+  input), 16 x (16 encoder + 16 decoder) tokens.
 
-Global batch 16 x 64 tokens by default (``--batch``, ``--seq``; ``--layers`` shrinks the stacks, keeping the width).
-Each model is split by ``shardlib.shard(model, init_mesh(pp=2), stages_per_rank=...)``:
+Those sizes keep the full sweep near 10 minutes on 2 cores (692 s on the reference machine; ``--batch``, ``--seq``;
+``--layers`` shrinks the stacks, keeping the width). Each model is split by ``shardlib.shard(model,
+init_mesh(pp=2), stages_per_rank=...)`` (embeddings go with the first layer of their stack, the LM head with the
+last stage):
 
 * ``stages_per_rank=1`` (2 stages, stage s on rank s) for ``gpipe`` and ``1f1b``;
 * ``stages_per_rank=2`` (4 stages, stages 0 and 2 on rank 0, 1 and 3 on rank 1) for ``interleaved_1f1b``,
 
 and run by ``shardlib.runtime.Trainer(model, microbatches=m, schedule=...)`` for m in 1, 2, 4, 8, 16. A cell is
-one ``trainer.forward_backward(batch)`` of the whole global batch (no optimizer step): ``--warmup`` untimed steps
-(the first one also runs torch's metadata inference; its time is printed separately as "first step"), then
-``--repeats`` timed ones, each after a barrier, its time the maximum over the two ranks; the table gives the median.
-Combinations torch refuses (1F1B needs m >= pp) are printed as n/a with torch's reason.
+one ``trainer.forward_backward(batch)`` of the whole global batch (no optimizer step, so no optimizer is built):
+``--warmup`` untimed steps (the first one also runs torch's metadata inference; its time is printed as "first
+step"), then ``--repeats`` timed ones, each after a barrier, its time the maximum over the two ranks; the table
+gives the median. Each rank's main-thread CPU time per step is printed too: its compute inside the pipeline (a
+rank waiting on gloo for the other sleeps). Combinations torch refuses (its 1F1B needs m >= pp) print n/a with
+torch's reason.
 
 The ideal
 ---------
-Per-stage compute time per microbatch, ``t_s``: during the warm-up the stage modules' inputs of one microbatch
-(received boundary tensors and the batch keyword arguments) are recorded; each rank then runs its local
-``StageModule`` alone on them, forward then backward (a ones gradient on the boundary outputs; the loss on the
-last stage), no communication, both ranks at the same time (as in the pipeline), ``--stage-repeats`` times after a
-warm-up; ``t_s`` is the median. It is measured for every microbatch size (16 / m sequences): smaller matmuls are
-less efficient per token, and the ideal should not charge that to the schedule. With p stages of one per rank:
+Per-stage compute time per microbatch, ``t_s``: the first step at each m records the inputs of one microbatch of
+every local ``StageModule`` (received boundary tensors and the batch keyword arguments); each rank then runs its
+stages alone on them, forward then backward (a ones gradient on the boundary outputs; the loss on the last stage),
+no communication, ``--stage-repeats`` times after one warm-up run; ``t_s`` is the median. It is measured for every
+microbatch size (16 / m sequences), because smaller matmuls are less efficient per token on a CPU (the weights are
+streamed from memory once per microbatch), and the ideal should not charge that to the schedule. It is timed twice:
+with both ranks computing at once (what the pipeline's steady state does; memory bandwidth is shared) and with one
+rank at a time (the other idle, as in the fill and drain of the pipeline). The ideal uses the first:
 
     ideal(m) = (m + p - 1) * max_s t_s  =  m * max_s t_s / (1 - bubble),   bubble = (p - 1) / (m + p - 1)
 
-For the interleaved schedule (v = 2 stages per rank, p = 2 ranks) the same formula over chunks (Megatron's
-bubble (p - 1) / (v m + p - 1) for equal chunks): ``ideal(m) = m * max_r (sum of rank r's t_s) + (p - 1) * max_s
-t_s``. It assumes m >= p (with fewer microbatches the chunks cannot interleave, and the formula undercounts the
-bubble). The table prints measured / ideal per cell; what is left above 1.00x is what the schedule's runtime
-adds: point-to-point sends and receives over gloo, waiting for the slower rank beyond what max_s t_s already
-charges, the schedule's bookkeeping, the loss all-reduce at the end of the step.
+and the second is printed as a reference row. For the interleaved schedule (v = 2 stages per rank, p = 2 ranks) the
+same over chunks (Megatron's bubble (p - 1) / (v m + p - 1) for equal chunks): ``ideal(m) = m * max_r (sum of rank
+r's t_s) + (p - 1) * max_s t_s``; it assumes m >= p (with fewer microbatches the chunks cannot interleave and the
+formula undercounts the bubble). The table prints measured / ideal per cell; what is left above 1.00x is what the
+runtime adds: point-to-point sends and receives over gloo, waiting beyond what max_s t_s charges, the schedule's
+bookkeeping, the loss all-reduce at the end of the step.
 
 Memory
 ------
@@ -53,20 +59,23 @@ gradients, allocator slack and communication buffers, so it is a coarser number)
 
 Machine
 -------
-Two ranks, one thread each (``torch.set_num_threads(1)``), on a 2-core machine: nothing else may run. Rank 0
-waits (``--wait-idle``, default up to 120 s) for other processes to go quiet before each model, prints the load
-average, and every timed cell records the CPU other processes used meanwhile (machine busy time minus both
-ranks' own); cells above 0.1 cores are marked with ``*`` and listed under the tables.
+Two ranks, one thread each (``torch.set_num_threads(1)``), on a 2-core machine: nothing else may run. Rank 0 waits
+(``--wait-idle``, default up to 120 s) for other processes to go quiet before each model, and every timed window
+(a cell's repeats, a set of isolated stage runs) records the CPU other processes used meanwhile (the machine's busy
+time minus both ranks' own). Above 0.1 cores the window is measured again after waiting (up to 60 s) for quiet
+(``--retries``, default once; not with ``--quick``); if it is still noisy the cell is marked ``*`` and listed under
+the tables. The load average is printed at the start and the end.
 
 How to run
 ----------
-    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py            # full sweep, BERT-base and T5-base
-    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --quick    # smoke check: tiny models, < 1 minute
+    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py            # full sweep, about 12 minutes
+    .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --quick    # smoke check: tiny models, ~30 s
     .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --models bert --microbatches 4,8 --repeats 5
 
-It prints, per model, the stage split, the per-stage compute times, the step-time table (median ms and
-measured / ideal), the first-step times, the memory table, and a line saying whether 1F1B at m = 8 is within
-1.15x of its ideal (the target). Nothing is downloaded.
+It prints progress per cell, then per model markdown tables: the stage split, the per-stage compute times, the
+step times (median ms and measured / ideal) with the bubble and the ideal rows, the CPU time per rank, the first
+steps, the memory table, and a line saying whether 1F1B at m = 8 is within 1.15x of its ideal (the target).
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -293,13 +302,14 @@ def measure_quietly(fn, args, log):
             return result, foreign
         log(f"    (other processes used {foreign:.2f} cores meanwhile: waiting for quiet, then measuring again)")
         if dist.get_rank() == 0:
-            wait_idle(args.wait_idle, IDLE_CORES)
+            wait_idle(min(args.wait_idle, 60.0), IDLE_CORES)
         dist.barrier()
 
 
-def time_stages(model, split, captured: dict, args, log):
-    """Median fwd+bwd ms and saved bytes of one microbatch per stage (all stages, gathered over the ranks), and the
-    other processes' CPU use while it was timed."""
+def time_stages(model, split, captured: dict, args, log) -> dict:
+    """Per stage (all stages, gathered over the ranks), for one microbatch: bytes saved for backward ("saved"),
+    median fwd+bwd ms with both ranks computing at once ("together") and with one rank at a time ("alone"), and
+    the other processes' CPU use while each was timed ("together_foreign", "alone_foreign")."""
     saved = {}
     skip = parameter_storages(model)
     for module in split.stage_modules:  # warm-up; counting hooks cost time, so this untimed run measures memory
@@ -309,21 +319,25 @@ def time_stages(model, split, captured: dict, args, log):
             run_stage_alone(module, *captured[module.index])
         saved[module.index] = counter.peak
 
-    def timed():
+    def timed(together: bool):
         times = {m.index: [] for m in split.stage_modules}
         for _ in range(args.stage_repeats):
             for module in split.stage_modules:
-                dist.barrier()  # both ranks compute at once, as in the pipeline
-                t0 = time.perf_counter()
-                run_stage_alone(module, *captured[module.index])
-                times[module.index].append(time.perf_counter() - t0)
+                for turn in [None] if together else range(dist.get_world_size()):
+                    dist.barrier()  # together: both ranks compute at once, as in the pipeline's steady state
+                    if turn is None or turn == dist.get_rank():
+                        t0 = time.perf_counter()
+                        run_stage_alone(module, *captured[module.index])
+                        times[module.index].append(time.perf_counter() - t0)
         return times
 
-    times, foreign = measure_quietly(timed, args, log)
     n = split.num_stages
-    t = [statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)]
-    b = [float(saved.get(s, 0)) for s in range(n)]
-    return all_reduce(t), all_reduce(b), foreign
+    result = {"saved": all_reduce([float(saved.get(s, 0)) for s in range(n)])}
+    for key, together in (("together", True), ("alone", False)):
+        times, foreign = measure_quietly(lambda: timed(together), args, log)
+        result[key] = all_reduce([statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)])
+        result[key + "_foreign"] = foreign
+    return result
 
 
 # ------------------------------------------------------------------------------------------------- one split
@@ -331,8 +345,7 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
     """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
     model = shardlib.shard(build_model(name, config), MESH, stages_per_rank=spr)
     split = model._shardlib.pipeline
-    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stage_ms": {}, "stage_bytes": {},
-           "stage_foreign": {}, "mem": {}}
+    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stages": {}, "mem": {}}
     trainers: dict = {}
 
     def trainer(sched, m):
@@ -382,10 +395,11 @@ def bench_split(name, config, batch, spr, schedules, microbatches, args, log) ->
             h.remove()
         if len(captured) == len(split.stage_modules):
             model.zero_grad(set_to_none=True)
-            out["stage_ms"][m], out["stage_bytes"][m], foreign = time_stages(model, split, captured, args, log)
-            out["stage_foreign"][m] = foreign
-            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in out["stage_ms"][m])
-                + f" ms per microbatch (stage 0 / 1 / ...; others' CPU {_fmt_cores(foreign)})")
+            out["stages"][m] = r = time_stages(model, split, captured, args, log)
+            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in r["together"])
+                + " ms per microbatch, both ranks at once (one rank at a time: "
+                + " / ".join(f"{t:.1f}" for t in r["alone"]) + f"; others' CPU {_fmt_cores(r['together_foreign'])}"
+                f", {_fmt_cores(r['alone_foreign'])})")
         del captured
     mm = args.memory_m
     for sched in schedules:
@@ -432,87 +446,96 @@ def ideal_ms(stage_ms: list[float], m: int, pp: int = 2) -> float:
 
 
 def report(name, config, batch_size, seq, results, microbatches, args, warnings) -> list[str]:
+    """The markdown tables of one model (rank 0)."""
+
+    def stages(spr, m):
+        return results.get(spr, {}).get("stages", {}).get(m)
+
+    def flag(foreign, what):
+        if foreign is not None and foreign > IDLE_CORES:
+            warnings.append(f"{name} {what}: other processes used {foreign:.2f} cores while it was timed")
+            return "*"
+        return ""
+
     lines = [f"### {name}: {describe(name, config, batch_size, seq)}", ""]
     for spr, res in sorted(results.items()):
-        plan = "; ".join(f"stage {s} (rank {s % 2}): {_layer_span(layers)}" for s, layers in enumerate(res["plan"]))
-        lines.append(f"- stages_per_rank={spr}: {plan}")
-    lines += ["", "Per-stage compute, forward + backward of one microbatch alone (median ms; stage s on rank s % 2):",
-              "", "| m | sequences per microbatch | 2-stage split: t_0 / t_1 | 4-stage split: t_0 / t_1 / t_2 / t_3 |",
+        plan = "; ".join(f"{s} (rank {s % 2}): {_layer_span(layers)}" for s, layers in enumerate(res["plan"]))
+        lines.append(f"- {2 * spr} stages: {plan}")
+    lines += ["", "Per-stage compute t_s, forward + backward of one microbatch of the stage alone, no communication "
+              "(median ms; both ranks computing at once, in brackets one rank at a time):", "",
+              "| m | sequences per microbatch | 2 stages: t_0 / t_1 | 4 stages: t_0 / t_1 / t_2 / t_3 |",
               "|---:|---:|---|---|"]
     for m in microbatches:
         cols = []
         for spr in (1, 2):
-            res = results.get(spr, {})
-            t = res.get("stage_ms", {}).get(m)
-            foreign = res.get("stage_foreign", {}).get(m)
-            mark = ""
-            if foreign is not None and foreign > IDLE_CORES:
-                mark = "*"
-                warnings.append(f"{name} stages alone ({2 * spr} stages) m={m}: other processes used {foreign:.2f} "
-                                "cores while they were timed")
-            cols.append(" / ".join(f"{x:.1f}" for x in t) + mark if t else "n/a")
+            r = stages(spr, m)
+            if not r:
+                cols.append("n/a")
+                continue
+            mark = flag(r["together_foreign"], f"stages ({2 * spr}) m={m} together") + flag(
+                r["alone_foreign"], f"stages ({2 * spr}) m={m} one at a time")
+            cols.append(" / ".join(f"{x:.0f}" for x in r["together"]) + " ("
+                        + " / ".join(f"{x:.0f}" for x in r["alone"]) + ")" + mark[:1])
         lines.append(f"| {m} | {batch_size // m} | {cols[0]} | {cols[1]} |")
     header = "| schedule | " + " | ".join(f"m={m}" for m in microbatches) + " |"
-    lines += ["", f"Step time, forward + backward of the global batch: median ms of {args.repeats} (measured / ideal):",
-              "", header, "|---|" + "---:|" * len(microbatches)]
+    rule = "|---|" + "---:|" * len(microbatches)
+    lines += ["", f"Step time, forward + backward of the global batch, median ms of {args.repeats} "
+              "(measured / ideal from t_s together):", "", header, rule,
+              "| bubble (p-1)/(m+p-1), p=2 | " + " | ".join(f"{1 / (m + 1):.0%}" for m in microbatches) + " |"]
 
-    def ideal_row(spr, label):
-        cells = []
-        for m in microbatches:
-            t = results.get(spr, {}).get("stage_ms", {}).get(m)
-            cells.append(f"{ideal_ms(t, m):.0f}" if t else "n/a")
-        return f"| {label} | " + " | ".join(cells) + " |"
+    def ideal_rows(spr, label):
+        rows = []
+        for key, what in (("together", "t_s together"), ("alone", "t_s one rank at a time")):
+            cells = [f"{ideal_ms(stages(spr, m)[key], m):.0f}" if stages(spr, m) else "n/a" for m in microbatches]
+            rows.append(f"| ideal, {label}, {what} | " + " | ".join(cells) + " |")
+        return rows
 
-    lines.append("| bubble (p-1)/(m+p-1), p=2 | " + " | ".join(f"{1 / (m + 1):.0%}" for m in microbatches) + " |")
-    lines.append(ideal_row(1, "ideal, 2 stages: (m+1) max t_s"))
-    rows_first = []
-    for sched in args.schedules:
+    rows_cpu, rows_first, ideals_shown = [], [], set()
+    for sched in sorted(args.schedules, key=SCHEDULES.index):
         spr = STAGES_PER_RANK[sched]
-        if sched == "interleaved_1f1b":
-            lines.append(ideal_row(2, "ideal, 4 stages: m max_r(t_r + t_r+2) + max t_s"))
-        res = results.get(spr, {})
-        cells, firsts = [], []
+        if spr not in ideals_shown:
+            ideals_shown.add(spr)
+            lines += ideal_rows(spr, "2 stages: (m+1) max t_s" if spr == 1 else
+                                "4 stages: m max_r(t_r + t_r+2) + max t_s")
+        cells, cpus, firsts = [], [], []
         for m in microbatches:
-            cell = res.get("cells", {}).get((sched, m))
+            cell = results.get(spr, {}).get("cells", {}).get((sched, m))
             if cell is None or "error" in cell:
                 cells.append("n/a")
+                cpus.append("n/a")
                 firsts.append("n/a")
+                if cell:
+                    warnings.append(f"n/a: {name} {TITLES[sched]} m={m}: {cell['error']}")
                 continue
             med = statistics.median(cell["times"]) * 1e3
-            t = res["stage_ms"].get(m)
-            ratio = f" ({med / ideal_ms(t, m):.2f}x)" if t else ""
-            mark = ""
-            if cell["foreign"] is not None and cell["foreign"] > IDLE_CORES:
-                mark = "*"
-                warnings.append(f"{name} {TITLES[sched]} m={m}: other processes used {cell['foreign']:.2f} cores "
-                                "while it was timed")
-            cells.append(f"{med:.0f}{ratio}{mark}")
+            ratio = f" ({med / ideal_ms(stages(spr, m)['together'], m):.2f}x)" if stages(spr, m) else ""
+            cells.append(f"{med:.0f}{ratio}{flag(cell['foreign'], f'{TITLES[sched]} m={m}')}")
+            cpus.append(" / ".join(f"{x:.0f}" for x in cell["cpu_ms"]))
             firsts.append(f"{cell['first'] * 1e3:.0f}")
         lines.append(f"| **{TITLES[sched]}** | " + " | ".join(cells) + " |")
+        rows_cpu.append(f"| {TITLES[sched]} | " + " | ".join(cpus) + " |")
         rows_first.append(f"| {TITLES[sched]} | " + " | ".join(firsts) + " |")
-    for sched in args.schedules:
-        for m in microbatches:
-            cell = results.get(STAGES_PER_RANK[sched], {}).get("cells", {}).get((sched, m))
-            if cell and "error" in cell:
-                warnings.append(f"n/a: {name} {TITLES[sched]} m={m}: {cell['error']}")
-    lines += ["", "First step (ms; includes torch's metadata inference on a new schedule):", "", header,
-              "|---|" + "---:|" * len(microbatches), *rows_first]
+    lines += ["", "CPU time of each rank's main thread per step (median ms, rank 0 / rank 1: its compute in the "
+              "pipeline; waiting for the other rank is idle):", "", header, rule, *rows_cpu]
+    lines += ["", "First step (ms; includes torch's metadata inference for a new schedule):", "", header, rule,
+              *rows_first]
     mm = args.memory_m
     mem = {s: results.get(STAGES_PER_RANK[s], {}).get("mem", {}).get(s) for s in args.schedules}
     if any(mem.values()):
-        lines += ["", f"Peak bytes saved for backward per rank at m={mm} (activations alive at once; predicted from "
-                  "one microbatch's saved bytes a_s of the isolated stage), and peak RSS growth during the step:", "",
-                  "| schedule | rank 0 saved | rank 1 saved | predicted rank 0 / rank 1 | rank 0 RSS growth "
+        lines += ["", f"Peak bytes saved for backward per rank at m={mm} (activations alive at once), predicted from "
+                  "one microbatch's saved bytes a_s of the isolated stage, and the growth of peak RSS during the step:",
+                  "", "| schedule | rank 0 saved | rank 1 saved | predicted rank 0 / rank 1 | rank 0 RSS growth "
                   "| rank 1 RSS growth |", "|---|---:|---:|---|---:|---:|"]
         for sched, r in mem.items():
             if not r:
                 continue
-            a = results[STAGES_PER_RANK[sched]]["stage_bytes"].get(mm)
+            st = stages(STAGES_PER_RANK[sched], mm)
+            a = st["saved"] if st else None
             pred = "n/a"
             if a and sched == "gpipe":
-                pred = " / ".join(_mib(mm * a[r]) for r in range(2)) + " (m a_s)"
+                pred = " / ".join(_mib(mm * a[k]) for k in range(2)) + " (m a_s)"
             elif a and sched == "1f1b":
-                pred = " / ".join(_mib(min(mm, 2 - r) * a[r]) for r in range(2)) + " (min(m, p-r) a_s)"
+                pred = " / ".join(_mib(min(mm, 2 - k) * a[k]) for k in range(2)) + " (min(m, p - r) a_s)"
             rss = [_mib(x) for x in r["rss"]] if r["rss"] else ["n/a", "n/a"]
             lines.append(f"| {TITLES[sched]} | {_mib(r['saved'][0])} | {_mib(r['saved'][1])} | {pred} | {rss[0]} | "
                          f"{rss[1]} |")
@@ -521,13 +544,12 @@ def report(name, config, batch_size, seq, results, microbatches, args, warnings)
             lines += ["", f"GPipe / 1F1B peak saved bytes at m={mm}: rank 0 {g[0] / o[0]:.2f}x, rank 1 "
                           f"{g[1] / o[1]:.2f}x."]
     cell = results.get(1, {}).get("cells", {}).get(("1f1b", TARGET_M))
-    t = results.get(1, {}).get("stage_ms", {}).get(TARGET_M)
-    if cell and "times" in cell and t:
-        med = statistics.median(cell["times"]) * 1e3
-        ratio = med / ideal_ms(t, TARGET_M)
-        verdict = "within" if ratio <= TARGET_RATIO else "NOT within"
-        lines += ["", f"**Target: 1F1B at m={TARGET_M}: {med:.0f} ms vs ideal {ideal_ms(t, TARGET_M):.0f} ms = "
-                      f"{ratio:.2f}x, {verdict} {TARGET_RATIO}x.**"]
+    st = stages(1, TARGET_M)
+    if cell and "times" in cell and st:
+        med, ideal = statistics.median(cell["times"]) * 1e3, ideal_ms(st["together"], TARGET_M)
+        verdict = "within" if med / ideal <= TARGET_RATIO else "NOT within"
+        lines += ["", f"**Target: 1F1B at m={TARGET_M}: {med:.0f} ms vs ideal {ideal:.0f} ms = {med / ideal:.2f}x, "
+                      f"{verdict} {TARGET_RATIO}x.**"]
     return lines
 
 
@@ -563,9 +585,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="timed steps per cell (default 3; --quick 2)")
     p.add_argument("--stage-repeats", type=int, default=None,
                    help="timed runs of each isolated stage per microbatch size (default 5; --quick 3)")
-    p.add_argument("--retries", type=int, default=1,
+    p.add_argument("--retries", type=int, default=None,
                    help="measure a cell again (after waiting for quiet) when other processes used more than "
-                        f"{IDLE_CORES} cores meanwhile, up to this many times (default 1)")
+                        f"{IDLE_CORES} cores meanwhile, up to this many times (default 1; --quick 0)")
     p.add_argument("--memory-m", type=int, default=8, help="microbatches of the memory measurement (default 8)")
     p.add_argument("--wait-idle", type=float, default=None, metavar="SECONDS",
                    help="before each model rank 0 waits up to this long for other processes to go quiet (default "
@@ -579,6 +601,7 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.stage_repeats = args.stage_repeats or (3 if args.quick else 5)
     args.wait_idle = args.wait_idle if args.wait_idle is not None else (10.0 if args.quick else 120.0)
+    args.retries = args.retries if args.retries is not None else (0 if args.quick else 1)
     bad = [m for m in args.models if m not in BASE] + [s for s in args.schedules if s not in SCHEDULES]
     if bad or any(args.batch % m for m in microbatches) or args.warmup < 1 or args.batch % args.memory_m:
         p.error(f"bad arguments {bad}: models from bert, t5; schedules from {', '.join(SCHEDULES)}; every "
