@@ -11,6 +11,8 @@ from .random import RNGStatesTracker, manual_seed
 from .sharder import ShardReport, report, shard
 from .state import full_state_dict, load_full_state_dict, materialize
 from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+from . import checkpoint, runtime  # noqa: E402  (shardlib.checkpoint.*, shardlib.runtime.Trainer after `import shardlib`)
+from .runtime import Trainer, dp_shard
 
 __version__ = "0.1.0"
 
@@ -18,4 +20,5 @@ __all__ = [
     "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "Stack", "PlanError",
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
+    "Trainer", "dp_shard", "checkpoint", "runtime",
 ]
