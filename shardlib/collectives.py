@@ -56,6 +56,20 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum", *, inplace: bool 
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group: Group) -> None:
+    """Sum each tensor over ``group`` in place, with one all-reduce per dtype of the tensors flattened together."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (same shape on every rank)."""
     out = funcol.all_gather_single(x.contiguous(), 0, group)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .collectives import all_reduce_flat
 from .plan import PlanError, Stack
 
 
@@ -324,24 +325,15 @@ class PipelineSplit:
 
     @torch.no_grad()
     def sync_tied_grads(self) -> None:
-        """Sum the gradients of parameters used on several pipeline ranks: one all-reduce over the pp group per
-        dtype, ranks that do not hold a parameter contributing zeros."""
-        by_dtype: dict[torch.dtype, list] = {}
+        """Sum the gradients of parameters used on several pipeline ranks over the pp group (flattened per dtype;
+        ranks that do not hold a parameter contribute zeros)."""
+        grads = []
         for name, shape, dtype, ranks in self.tied:
-            by_dtype.setdefault(dtype, []).append((name, shape, ranks))
-        for dtype, entries in by_dtype.items():
-            pieces = []
-            for name, shape, ranks in entries:
-                grad = self.model.get_parameter(name).grad if self.pp_rank in ranks else None
-                pieces.append(grad.reshape(-1) if grad is not None else torch.zeros(shape.numel(), dtype=dtype))
-            flat = torch.cat(pieces)
-            torch.distributed.all_reduce(flat, group=self.group)
-            offset = 0
-            for name, shape, ranks in entries:
-                if self.pp_rank in ranks:
-                    p = self.model.get_parameter(name)
-                    p.grad = flat[offset: offset + shape.numel()].view(shape).clone()
-                offset += shape.numel()
+            p = self.model.get_parameter(name) if self.pp_rank in ranks else None
+            if p is not None and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad if p is not None else torch.zeros(shape, dtype=dtype))
+        all_reduce_flat(grads, self.group)
 
     # -- one stage's forward ----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -366,7 +358,7 @@ class PipelineSplit:
         stage_layers = set(self.plan.layers[route.index])
         for k, stack in enumerate(self.trunk):
             module_list = self.model.get_submodule(stack.layers)
-            restore.append((module_list, module_list._modules))
+            restore.append(lambda ml=module_list, kept=module_list._modules: setattr(ml, "_modules", kept))
             module_list._modules = {key: m for key, m in self.layers[stack.layers].items()
                                     if f"{stack.layers}.{key}" in stage_layers}
         start, stop = self.trunk[route.first[0]], self.trunk[route.last[0]]
@@ -376,7 +368,7 @@ class PipelineSplit:
                 if _exists(self.model, path):
                     parent, _, name = path.rpartition(".")
                     holder = self.model.get_submodule(parent) if parent else self.model
-                    restore.append((holder, name, holder._modules[name]))
+                    restore.append(lambda h=holder, n=name, m=holder._modules[name]: h._modules.__setitem__(n, m))
                     holder._modules[name] = _Received(placeholder, holder._modules[name])
 
             def inject(module, args, kw, _carry=tuple(carry), _spec=start.carry):
@@ -414,11 +406,8 @@ class PipelineSplit:
             self.active = None
             for h in handles:
                 h.remove()
-            for item in restore:
-                if len(item) == 2:
-                    item[0]._modules = item[1]
-                else:
-                    item[0]._modules[item[1]] = item[2]
+            for undo in reversed(restore):
+                undo()
 
 
 class StageModule(nn.Module):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import all_reduce_flat
 from .layout import named_layouts
 from .losses import IGNORE_INDEX
 
@@ -196,7 +197,7 @@ class Trainer:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce_flat([p.grad for p in params], group)
+            all_reduce_flat([p.grad for p in params], group)
 
     def grad_norm(self) -> float:
         """The global L2 norm of the gradient of the whole (unsharded) model: tensor-parallel shards summed,
@@ -238,8 +239,7 @@ class Trainer:
                     return [{k: v for k, v in self.model(**mb).items()} for mb in split_batch(batch, self.microbatches)]
             schedule, last = self._schedule(batch, eval=True)
             last.outputs.clear() if last is not None else None
-            args = (batch[self._input_name(batch)],) if 0 in self.split.local_stages else ()
-            schedule.eval(*args, **self._stage_kwargs(batch))
+            schedule.eval(*self._first_stage_args(batch), **self._stage_kwargs(batch))
             # the schedule's first run on a new input shape adds one metadata-inference forward: keep the real ones
             return list(last.outputs[-self.microbatches:]) if last is not None else []
 
@@ -270,14 +270,17 @@ class Trainer:
     def _run_pipeline(self, batch: dict, weights: torch.Tensor) -> float:
         schedule, last = self._schedule(batch, eval=False)
         losses: list = []
-        args = (batch[self._input_name(batch)],) if 0 in self.split.local_stages else ()
-        schedule.step(*args, target=weights, losses=losses, return_outputs=False, **self._stage_kwargs(batch))
+        schedule.step(*self._first_stage_args(batch), target=weights, losses=losses, return_outputs=False, **self._stage_kwargs(batch))
         if last is not None:
             last.outputs.clear()
         return float(sum(float(l.detach()) for l in losses)) if losses else 0.0
 
     def _input_name(self, batch: dict) -> str:
         return next(k for k, v in batch.items() if torch.is_tensor(v))
+
+    def _first_stage_args(self, batch: dict) -> tuple:
+        """The first stage takes the batch's first tensor positionally (torch's schedules need one)."""
+        return (batch[self._input_name(batch)],) if 0 in self.split.local_stages else ()
 
     def _stage_kwargs(self, batch: dict) -> dict:
         return {k: v for k, v in batch.items() if torch.is_tensor(v)}
@@ -327,19 +330,6 @@ class Trainer:
             if self.split.pp_rank in ranks:
                 result[id(self.model.get_parameter(name))] = self.split.pp_rank == min(ranks)
         return result
-
-
-def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group_tensors in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group_tensors])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in group_tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def _first_tensor(batch: dict) -> torch.Tensor:
