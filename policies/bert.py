@@ -54,10 +54,12 @@ def bert_plan(model, tp: int) -> Plan:
     styles = {f"{base}embeddings.word_embeddings": VocabParallel()}
     styles |= attention_styles(f"{layer}.attention", ("hidden_states",))
     heads = {f"{layer}.attention.self": ("num_attention_heads", "all_head_size")}
+    attention, cross_attention = {f"{layer}.attention.self": "num_attention_heads"}, {}
     dropout = (f"{layer}.attention.output.dropout", f"{layer}.output.dropout")  # after the row-parallel exits
     if config.is_decoder and config.add_cross_attention:
         styles |= attention_styles(f"{layer}.crossattention", ("hidden_states", "encoder_hidden_states"))
         heads[f"{layer}.crossattention.self"] = ("num_attention_heads", "all_head_size")
+        cross_attention[f"{layer}.crossattention.self"] = "num_attention_heads"
         dropout += (f"{layer}.crossattention.output.dropout",)
     styles[f"{layer}.intermediate.dense"] = ColwiseParallel()
     styles[f"{layer}.output.dense"] = RowwiseParallel()
@@ -65,7 +67,8 @@ def bert_plan(model, tp: int) -> Plan:
     if loss is not None:
         styles[loss.head] = VocabParallel()
     trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
-    return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout)
+    return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout,
+                attention=attention, cross_attention=cross_attention)
 
 
 POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

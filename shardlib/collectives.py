@@ -17,9 +17,12 @@ mapping                       forward                              backward
 ``gather_from_tp(dim)``       all-gather along dim                 keep this rank's chunk along dim
 ``reduce_scatter_to_tp(dim)`` reduce-scatter along dim             all-gather along dim
 ``all_gather_from_tp(dim)``   all-gather along dim                 reduce-scatter along dim
+``all_to_all(s, g)``          split along s, exchange, concat      ``all_to_all(g, s)``
+                              along g
 ============================  ===================================  ===================================
 
-``reduce_scatter_to_tp`` / ``all_gather_from_tp`` are the sequence-parallel pair (dim = the sequence dim).
+``reduce_scatter_to_tp`` / ``all_gather_from_tp`` are the sequence-parallel pair (dim = the sequence dim);
+``all_to_all`` turns sequence-sharded activations into head-sharded ones and back (Ulysses).
 """
 
 from __future__ import annotations
@@ -88,6 +91,17 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group))
 
 
+def all_to_all_single(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group) -> torch.Tensor:
+    """Cut ``x`` into n chunks along ``scatter_dim``, send chunk i to rank i, and concatenate the chunks received
+    (in rank order) along ``gather_dim``: [.., S, .., G, ..] -> [.., S/n, .., n*G, ..]."""
+    n = group_size(group)
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"all-to-all: size {x.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n} ranks")
+    send = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()  # [n, chunk]: row i goes to rank i
+    received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's chunk of ``x`` along ``dim`` (no communication)."""
     n = group_size(group)
@@ -147,6 +161,27 @@ _ReduceScatterToTP = _dim_mapping("_ReduceScatterToTP", reduce_scatter, all_gath
                                   "forward: reduce-scatter along dim, backward: all-gather along dim.")
 _AllGatherFromTP = _dim_mapping("_AllGatherFromTP", all_gather, reduce_scatter,
                                 "forward: all-gather along dim, backward: reduce-scatter along dim.")
+
+
+class _AllToAll(torch.autograd.Function):
+    """forward: all-to-all (split scatter_dim, concat gather_dim), backward: all-to-all (split gather_dim, concat
+    scatter_dim)."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return all_to_all_single(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all_single(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group: Group | None, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """forward: split ``scatter_dim`` n ways and exchange, concatenating along ``gather_dim``; backward: the
+    inverse exchange."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 `init_mesh` is the one entry point: it initializes torch.distributed from the launcher's environment (torchrun's
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) when that has not been done yet, picks NCCL when CUDA is available
 and gloo otherwise, and returns a validated :class:`Mesh` over a torch ``DeviceMesh`` with dimensions named
-``("dp", "pp", "tp")``. There is no module-level process-group state: the mesh is passed explicitly to
+``("dp", "pp", "sp", "tp")``. ``sp`` is the all-to-all (Ulysses) sequence-parallel dimension: its ranks hold
+different parts of the same sequences (``shard(..., sequence_parallel="all_to_all")``); it is 1 unless asked for. There is no module-level process-group state: the mesh is passed explicitly to
 everything that communicates.
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DIM_NAMES = ("dp", "pp", "tp")
+DIM_NAMES = ("dp", "pp", "sp", "tp")
 
 #: Default bound on every collective wait (seconds). A hung or dead rank turns into an error after this long.
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDLIB_TIMEOUT", "120"))
@@ -27,31 +28,33 @@ class MeshError(ValueError):
     """A mesh that does not fit the world: the message shows the arithmetic."""
 
 
-def _resolve_sizes(world_size: int, dp: int | None, pp: int, tp: int) -> tuple[int, int, int]:
-    for name, value in (("pp", pp), ("tp", tp)):
+def _resolve_sizes(world_size: int, dp: int | None, pp: int, tp: int, sp: int = 1) -> tuple[int, int, int, int]:
+    for name, value in (("pp", pp), ("sp", sp), ("tp", tp)):
         if not isinstance(value, int) or value < 1:
             raise MeshError(f"{name} must be a positive integer, got {value!r}")
+    named = f"pp({pp}) * sp({sp}) * tp({tp})" if sp > 1 else f"pp({pp}) * tp({tp})"
     if dp is None:
-        if world_size % (pp * tp):
+        if world_size % (pp * sp * tp):
             raise MeshError(
-                f"pp({pp}) * tp({tp}) = {pp * tp} does not divide WORLD_SIZE {world_size}, so dp cannot be inferred"
+                f"{named} = {pp * sp * tp} does not divide WORLD_SIZE {world_size}, so dp cannot be inferred"
             )
-        dp = world_size // (pp * tp)
+        dp = world_size // (pp * sp * tp)
     elif not isinstance(dp, int) or dp < 1:
         raise MeshError(f"dp must be a positive integer, got {dp!r}")
-    if dp * pp * tp != world_size:
-        raise MeshError(f"dp({dp}) * pp({pp}) * tp({tp}) = {dp * pp * tp} != WORLD_SIZE {world_size}")
-    return dp, pp, tp
+    if dp * pp * sp * tp != world_size:
+        raise MeshError(f"dp({dp}) * {named} = {dp * pp * sp * tp} != WORLD_SIZE {world_size}")
+    return dp, pp, sp, tp
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """A validated dp x pp x tp mesh. ``device_mesh`` is torch's DeviceMesh with dims ("dp", "pp", "tp")."""
+    """A validated dp x pp x sp x tp mesh. ``device_mesh`` is torch's DeviceMesh with dims ("dp", "pp", "sp", "tp")."""
 
     device_mesh: DeviceMesh
     dp: int
     pp: int
     tp: int
+    sp: int = 1
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def group(self, dim: str) -> dist.ProcessGroup:
@@ -60,7 +63,7 @@ class Mesh:
         return self._groups[dim]
 
     def size(self, dim: str) -> int:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}[dim]
+        return {"dp": self.dp, "pp": self.pp, "sp": self.sp, "tp": self.tp}[dim]
 
     def local_rank(self, dim: str) -> int:
         return self.device_mesh.get_local_rank(dim)
@@ -74,12 +77,19 @@ class Mesh:
         return self.local_rank("tp")
 
     @property
+    def sp_rank(self) -> int:
+        return self.local_rank("sp")
+
+    @property
     def device_type(self) -> str:
         return self.device_mesh.device_type
 
     def __str__(self) -> str:
-        coord = self.device_mesh.get_coordinate()
-        return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; this rank at (dp, pp, tp) = {tuple(coord or ())})"
+        coord = tuple(self.device_mesh.get_coordinate() or ())
+        if self.sp == 1:
+            return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; this rank at (dp, pp, tp) = {coord[:2] + coord[3:]})"
+        return (f"Mesh(dp={self.dp}, pp={self.pp}, sp={self.sp}, tp={self.tp}; "
+                f"this rank at (dp, pp, sp, tp) = {coord})")
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -104,19 +114,21 @@ def init_mesh(
     pp: int = 1,
     tp: int = 1,
     *,
+    sp: int = 1,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Mesh:
-    """Return a validated dp x pp x tp :class:`Mesh` over all ranks (``dp=None`` infers dp from WORLD_SIZE).
+    """Return a validated dp x pp x sp x tp :class:`Mesh` over all ranks (``dp=None`` infers dp from WORLD_SIZE).
 
-    Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible).
+    Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible), then
+    the all-to-all sequence-parallel peers (``sp``, which also move activations every layer).
     """
     init_distributed(backend, timeout_s)
     world = dist.get_world_size()
-    dp, pp, tp = _resolve_sizes(world, dp, pp, tp)
+    dp, pp, sp, tp = _resolve_sizes(world, dp, pp, tp, sp)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=DIM_NAMES)
-    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp)
+    device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
+    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp)
     # DeviceMesh creates its dimension groups with torch's default timeout (30 min for gloo), not the world's:
     # bound every wait on them too, so a dead peer ends a pipeline recv or a TP all-reduce with an error
     for dim in DIM_NAMES:
@@ -134,6 +146,7 @@ class OfflineMesh:
     tp_rank: int = 0
     dp: int = 1
     pp: int = 1
+    sp: int = 1
 
     def __post_init__(self):
         if self.tp < 1 or not 0 <= self.tp_rank < self.tp:

@@ -58,14 +58,19 @@ class Plan:
     """``styles``: pattern -> style or tuple of styles. ``divide_by_tp``: pattern -> integer attributes that become
     their per-rank value (head counts, widths). ``trunk``: the repeated layer stacks (ModuleLists), in forward
     order (:class:`Stack`), for pipeline stages and sequence parallelism. ``loss``: vocab-parallel loss, if the
-    model has a vocab head. ``sequence_dropout``: patterns of the dropout modules inside the layers that act on sequence-sharded activations
-    under sequence parallelism (they then draw per-rank masks)."""
+    model has a vocab head. ``sequence_dropout``: patterns of the dropout modules inside the layers that act on
+    sequence-sharded activations under sequence parallelism (they then draw per-rank masks). ``attention``:
+    pattern -> head-count attribute of the modules that call transformers' attention interface for
+    self-attention (all-to-all sequence parallelism wraps that call and splits their heads over the sp ranks);
+    ``cross_attention``: the same for attention over another sequence (which all-to-all does not shard)."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
     trunk: tuple[Stack, ...] = ()
     loss: LossSpec | None = None
     sequence_dropout: tuple[str, ...] = ()
+    attention: dict[str, str] = field(default_factory=dict)
+    cross_attention: dict[str, str] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=None)

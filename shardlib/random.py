@@ -10,6 +10,10 @@ Two kinds of activations need two kinds of random streams:
   like the unsharded model whose heads draw independent masks. Their modules run inside
   ``tracker.fork()``, which swaps in a per-TP-rank generator state for the duration of the call.
 
+All-to-all sequence parallelism (mesh dimension ``sp``) adds a third kind: activations sharded along the sequence
+but replicated over the TP group (the residual stream inside the layers) draw from the "sequence-parallel" stream,
+seeded per sp rank; the "tensor-parallel" stream is then seeded per (sp, tp) rank, since its heads differ on both.
+
 torch's offset-based RNG tracker (``torch.distributed.tensor._random``) is CUDA-only, hence this one. It keeps
 plain generator states (``torch.get_rng_state`` / ``torch.cuda.get_rng_state``) so it works on any device.
 """
@@ -22,6 +26,8 @@ import torch
 
 #: Offset added to the base seed for the tensor-parallel stream (Megatron uses 2718 too).
 TP_SEED_OFFSET = 2718
+#: Offset added to the base seed for the all-to-all sequence-parallel stream.
+SP_SEED_OFFSET = 3141
 
 
 class RNGStatesTracker:
@@ -89,7 +95,16 @@ def manual_seed(seed: int, mesh=None, tracker: RNGStatesTracker | None = None) -
     current default generator state.
     """
     torch.manual_seed(seed)
-    tracker = tracker or RNGStatesTracker()
-    tp_rank = mesh.tp_rank if mesh is not None else 0
-    tracker.add("tensor-parallel", seed + TP_SEED_OFFSET + tp_rank)
+    return rng_streams(tracker or RNGStatesTracker(), seed, mesh)
+
+
+def rng_streams(tracker: RNGStatesTracker, seed: int, mesh=None) -> RNGStatesTracker:
+    """Add this rank's "tensor-parallel" stream (``seed + 2718 + tp_rank + tp * sp_rank``) and, on a mesh with
+    all-to-all sequence parallelism, its "sequence-parallel" stream (``seed + 3141 + sp_rank``)."""
+    tp, tp_rank = (mesh.tp, mesh.tp_rank) if mesh is not None else (1, 0)
+    sp, sp_rank = getattr(mesh, "sp", 1), 0
+    if sp > 1:
+        sp_rank = mesh.sp_rank
+        tracker.add("sequence-parallel", seed + SP_SEED_OFFSET + sp_rank)
+    tracker.add("tensor-parallel", seed + TP_SEED_OFFSET + tp_rank + tp * sp_rank)
     return tracker

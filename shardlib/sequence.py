@@ -47,7 +47,7 @@ class SequenceParallel:
     sequence in the current forward (recorded at the stack's entry, read by every all-gather inside it)."""
 
     group: Group
-    tp: int
+    size: int  # ranks sharing one sequence
     lengths: dict[int, int] = field(default_factory=dict)
     _gathered: dict = field(default_factory=dict)  # storage address of a gathered sequence -> _Regather
     #: pipeline stages hold the saving_shards context for their whole forward (a stage may stop mid-stack)
@@ -85,9 +85,9 @@ class SequenceParallel:
         self._gathered[key] = _Regather(shard.detach(), self.group, length)
         weakref.finalize(full, self._gathered.pop, key, None)
 
-
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        extra = -x.shape[SEQ_DIM] % self.tp
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with zero rows appended along the sequence up to a multiple of the group size."""
+        extra = -x.shape[SEQ_DIM] % self.size
         if not extra:
             return x
         pad = [0, 0] * (x.dim() - SEQ_DIM - 1) + [0, extra]
@@ -108,7 +108,7 @@ class SequenceStream:
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated [b, L, ...] -> this rank's [b, ceil(L / tp), ...] (padded). fwd split, bwd all-gather."""
         self.sp.lengths[self.stack] = x.shape[SEQ_DIM]
-        return scatter_to_tp(self.sp._pad(x), self.sp.group, SEQ_DIM)
+        return scatter_to_tp(self.sp.pad(x), self.sp.group, SEQ_DIM)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's chunk -> replicated [b, L, ...]. fwd all-gather, bwd keep this rank's chunk."""
@@ -125,7 +125,7 @@ class SequenceStream:
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """Leave a tensor-parallel region with partial sums. fwd reduce-scatter (padded), bwd all-gather."""
-        return reduce_scatter_to_tp(self.sp._pad(y), self.sp.group, SEQ_DIM)
+        return reduce_scatter_to_tp(self.sp.pad(y), self.sp.group, SEQ_DIM)
 
 
 class _Regather:
@@ -148,19 +148,23 @@ def _active_saved_tensor_hooks():
 
 
 class ReplicatedGradSync:
-    """Forward pre-hook for a layer of a sequence-parallel stack: its replicated parameters (LayerNorms, row-parallel
-    biases) see only this rank's tokens, so each gets a gradient hook that all-reduces its gradient over the TP
-    group once per backward. Hooks are attached at the layer's first forward and again to any parameter object that
-    replaced one since (materializing a meta model or loading a checkpoint creates new parameters)."""
+    """Forward pre-hook for a layer of a sequence-parallel stack: its parameters replicated over ``group`` see only
+    this rank's tokens, so each gets a gradient hook that all-reduces its gradient over ``group`` once per backward.
+    Megatron style (``group`` = TP): the LayerNorms and row-parallel biases (``tp_sharded_too=False``); all-to-all
+    (``group`` = sp, which shards no parameter): every parameter. Hooks are attached at the layer's first forward
+    and again to any parameter object that replaced one since (materializing a meta model or loading a checkpoint
+    creates new parameters)."""
 
-    def __init__(self, group: Group):
-        self.group = group
+    def __init__(self, group: Group, *, tp_sharded_too: bool = False):
+        self.group, self.tp_sharded_too = group, tp_sharded_too
         self.hooked = weakref.WeakValueDictionary()  # id -> parameter (tensors compare elementwise: no WeakSet)
 
     def __call__(self, layer: torch.nn.Module, args) -> None:
         from .layout import layout_of
 
         for name, p in layer.named_parameters():
-            if self.hooked.get(id(p)) is not p and p.requires_grad and not layout_of(layer, name).is_sharded:
+            if self.hooked.get(id(p)) is p or not p.requires_grad:
+                continue
+            if self.tp_sharded_too or not layout_of(layer, name).is_sharded:
                 p.register_hook(lambda grad: all_reduce(grad, self.group))
                 self.hooked[id(p)] = p

@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from . import pipeline
+from .kernels import Kernels
+from .kernels.attention import CONTEXT_ATTR, AllToAllContext, all_to_all_name, set_attention
 from .collectives import all_reduce
 from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
 from .losses import install_vocab_parallel_loss
 from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
-from .random import RNGStatesTracker, TP_SEED_OFFSET
+from .random import RNGStatesTracker, rng_streams
 from .sequence import ReplicatedGradSync, SequenceParallel
 from .styles import ColwiseParallel, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
 
@@ -192,7 +194,8 @@ def shard(
     check_replicated_inputs: bool = False,
     stages_per_rank: int = 1,
     layers_per_stage: list[int] | None = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | str = False,
+    kernels: Kernels | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
@@ -203,8 +206,12 @@ def shard(
     ``check_replicated_inputs``: verify at every forward that the tensor inputs are identical across the TP group
     (one small all-reduce; catches silently wrong results from divergent inputs).
 
-    ``sequence_parallel``: Megatron sequence parallelism on the TP group inside the policy's layer stacks
+    ``sequence_parallel``: ``True``: Megatron sequence parallelism on the TP group inside the policy's layer stacks
     (:mod:`shardlib.sequence`): norms, dropout and residuals on 1/tp of the sequence; any sequence length.
+    ``"all_to_all"``: Ulysses sequence parallelism over the mesh's ``sp`` dimension: every activation inside the
+    stacks holds 1/sp of the sequence, attention exchanges sequence for heads (:mod:`shardlib.kernels.attention`).
+
+    ``kernels``: which fused kernels to use (:class:`shardlib.kernels.Kernels`; default: the fastest measured).
 
     Pipeline (``mesh.pp > 1``): the model is cut into ``mesh.pp * stages_per_rank`` stages from the policy's trunk
     (:mod:`shardlib.pipeline`; balanced by a cost model unless ``layers_per_stage`` gives the layer counts), this
@@ -232,8 +239,17 @@ def shard(
             stage_plan = pipeline.stage_plan(model, plan.trunk, pp * stages_per_rank, layers_per_stage)
         except PlanError as e:
             problems.append(str(e))
-    if sequence_parallel:
+    kernels = kernels or Kernels()
+    problems += kernels.problems()
+    mode = _sequence_mode(sequence_parallel, problems)
+    sp_size = getattr(mesh, "sp", 1)
+    if mode is not None:
         problems += _sequence_parallel_problems(plan, model)
+    if mode == ALL_TO_ALL:
+        problems += _all_to_all_problems(plan, model, tp, sp_size)
+    elif sp_size > 1:
+        problems.append(f"the mesh has sp={sp_size} ranks per sequence but sequence_parallel={sequence_parallel!r}; "
+                        "pass sequence_parallel='all_to_all'")
     if problems:
         raise PlanError(
             f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}, pp={pp}:\n  "
@@ -241,12 +257,12 @@ def shard(
         )
 
     if rng_tracker is None:
-        rng_tracker = RNGStatesTracker()
-        rng_tracker.add("tensor-parallel", torch.initial_seed() + TP_SEED_OFFSET + mesh.tp_rank)
+        rng_tracker = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
     report.unsharded_bytes = _param_bytes(model.parameters())
     ctx = ShardContext(group=group, tp=tp, rank=mesh.tp_rank, rng_tracker=rng_tracker)
-    sp = SequenceParallel(group, tp) if sequence_parallel and tp > 1 else None
+    sp = SequenceParallel(group, tp) if mode == MEGATRON and tp > 1 else None
+    set_attention(model, kernels.attention)
     for path, styles in assigned.items():
         module = model.get_submodule(path)
         stack = _stack_of(plan, path) if sp is not None else None
@@ -269,6 +285,10 @@ def shard(
             report.attributes.append((path, name, before, before // tp))
     if sp is not None:
         _install_sequence_parallel(model, plan, sp, ctx)
+    if mode == ALL_TO_ALL and sp_size > 1:
+        sp = SequenceParallel(mesh.group("sp"), sp_size)
+        _install_sequence_parallel(model, plan, sp, ctx, all_to_all=True)
+        _install_all_to_all_attention(model, plan, sp, kernels.attention)
     if plan.loss is not None:
         install_vocab_parallel_loss(model, plan.loss, gather_logits)
     if check_replicated_inputs and tp > 1:
@@ -290,6 +310,58 @@ def _stack_of(plan: Plan, path: str) -> int | None:
     return next((k for k, stack in enumerate(plan.trunk) if path.startswith(stack.layers + ".")), None)
 
 
+MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"
+
+
+def _sequence_mode(value, problems: list[str]) -> str | None:
+    """``sequence_parallel`` as None / MEGATRON / ALL_TO_ALL."""
+    if value is False or value is None:
+        return None
+    if value is True or value == MEGATRON:
+        return MEGATRON
+    if value == ALL_TO_ALL:
+        return ALL_TO_ALL
+    problems.append(f"sequence_parallel={value!r}: expected False, True (Megatron, on the TP group) or "
+                    f"'{ALL_TO_ALL}' (Ulysses, on the mesh's sp dimension)")
+    return None
+
+
+def _all_to_all_problems(plan: Plan, model: nn.Module, tp: int, sp: int) -> list[str]:
+    name = type(model).__name__
+    if sp < 2:
+        return [f"sequence_parallel='{ALL_TO_ALL}' needs a mesh with sp > 1 ranks per sequence "
+                "(init_mesh(..., sp=N)); this mesh has sp=1"]
+    if not plan.attention:
+        return [f"the policy of {name} lists no self-attention modules (Plan.attention) that all-to-all sequence "
+                "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
+    modules = dict(model.named_modules())
+    problems = []
+    for pattern, attr in plan.cross_attention.items():
+        problems += [f"{path}: all-to-all sequence parallelism does not shard cross-attention (over another "
+                     "sequence); use sequence_parallel=True or a model without it" for path in
+                     match_modules(pattern, modules)]
+    for pattern, attr in plan.attention.items():
+        matches = match_modules(pattern, modules)
+        if not matches:
+            problems.append(f"attention pattern {pattern!r} matches no module of {name}")
+        for path in matches:
+            heads = getattr(modules[path], attr)
+            if heads % (tp * sp):
+                problems.append(f"{path}.{attr} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}: "
+                                "all-to-all gives each sp rank whole heads")
+    return problems
+
+
+def _install_all_to_all_attention(model: nn.Module, plan: Plan, sp: SequenceParallel, implementation: str) -> None:
+    """Each self-attention module calls all-to-all attention around ``implementation`` with its stack's stream."""
+    modules = dict(model.named_modules())
+    for pattern in plan.attention:
+        for path in match_modules(pattern, modules):
+            modules[path].__dict__[CONTEXT_ATTR] = AllToAllContext(sp.group, sp.stream(_stack_of(plan, path)),
+                                                                   implementation)
+    set_attention(model, all_to_all_name(implementation))
+
+
 def _sequence_parallel_problems(plan: Plan, model: nn.Module) -> list[str]:
     problems = []
     if not plan.trunk:
@@ -304,27 +376,30 @@ def _sequence_parallel_problems(plan: Plan, model: nn.Module) -> list[str]:
     return problems
 
 
-def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParallel, ctx: ShardContext) -> None:
+def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParallel, ctx: ShardContext, *,
+                               all_to_all: bool = False) -> None:
     """Scatter the sequence at each stack's first layer and gather it after the last; per-rank dropout streams on
-    sequence-sharded activations; one TP all-reduce of the gradient of every replicated parameter in the layers."""
+    sequence-sharded activations; one all-reduce over the sequence group of the gradient of every parameter in the
+    layers that the group replicates (Megatron: the TP-replicated ones; all-to-all: all)."""
     paths = [p for p, _ in model.named_modules()]
+    stream = "sequence-parallel" if all_to_all else "tensor-parallel"
     for pattern in plan.sequence_dropout:
         for path in match_modules(pattern, paths):
-            LocalRNG().apply(path, model.get_submodule(path), ctx)
-    grad_sync = ReplicatedGradSync(sp.group)
+            LocalRNG(stream=stream).apply(path, model.get_submodule(path), ctx)
+    grad_sync = ReplicatedGradSync(sp.group, tp_sharded_too=all_to_all)
     for k, stack in enumerate(plan.trunk):
         layers = list(model.get_submodule(stack.layers)._modules.values())
         if not layers:
             continue
-        stream, saving = sp.stream(k), []
+        seq, saving = sp.stream(k), []
 
-        def enter(mod, args, kwargs, _s=stream, _saving=saving):
-            if not sp.saving_managed_outside:
+        def enter(mod, args, kwargs, _s=seq, _saving=saving):
+            if not sp.saving_managed_outside and not all_to_all:  # all-to-all gathers nothing a layer saves
                 _saving.append(sp.saving_shards())
                 _saving[-1].__enter__()
             return (_s.enter(args[0]), *args[1:]), kwargs
 
-        def leave(mod, args, out, _s=stream, _saving=saving):
+        def leave(mod, args, out, _s=seq, _saving=saving):
             if _saving:
                 _saving.pop().__exit__(None, None, None)
             return _s.leave(out) if isinstance(out, torch.Tensor) else (_s.leave(out[0]), *out[1:])

@@ -44,16 +44,16 @@ def _free_port() -> int:
 _MESHES: dict = {}
 
 
-def mesh(dp=None, pp=1, tp=1):
+def mesh(dp=None, pp=1, tp=1, sp=1):
     """A cached ``shardlib.Mesh`` over the pool's world (call inside a task)."""
     import torch.distributed as dist
 
     import shardlib
 
     world = dist.get_world_size()
-    key = (dp or world // (pp * tp), pp, tp)
+    key = (dp or world // (pp * sp * tp), pp, tp, sp)
     if key not in _MESHES:
-        _MESHES[key] = shardlib.init_mesh(*key)
+        _MESHES[key] = shardlib.init_mesh(*key[:3], sp=sp)
     return _MESHES[key]
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardlib
+from shardlib.kernels.attention import set_attention
 from harness import mesh as pool_mesh
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -60,20 +61,31 @@ def cases(spec: dict):
     return importlib.import_module(f"{spec.get('family', 'bert')}_cases")
 
 
+def spec_mesh(spec: dict):
+    """The pool mesh of a spec: ``tp``, and ``sp_size`` ranks per sequence under all-to-all sequence parallelism."""
+    return pool_mesh(tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") == "all_to_all" else 1)
+
+
+def shard_options(spec: dict) -> dict:
+    return {"sequence_parallel": spec.get("sp", False), "kernels": shardlib.kernels.Kernels(**spec.get("kernels", {}))}
+
+
 def equivalence(spec: dict) -> dict:
     """Outputs, every gradient and the weights after one AdamW step: sharded == unsharded."""
-    mesh = pool_mesh(tp=spec["tp"])
+    mesh = spec_mesh(spec)
     dtype = DTYPES[spec["dtype"]]
     family = cases(spec)
     ref = family.make_model(spec)
+    # the same attention implementation in both (ViT's eager reference runs its softmax in float32, SDPA does not)
+    set_attention(ref, shard_options(spec)["kernels"].attention)
     if spec.get("meta"):
         with torch.device("meta"):
             model = family.make_model(spec)
-        shardlib.shard(model, mesh, gather_logits=True, sequence_parallel=spec.get("sp", False))
+        shardlib.shard(model, mesh, gather_logits=True, **shard_options(spec))
         assert all(p.device.type == "meta" for p in model.parameters())
         shardlib.load_full_state_dict(model, ref.state_dict())
     else:
-        model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True, sequence_parallel=spec.get("sp", False))
+        model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True, **shard_options(spec))
     batch = cast_batch(family.make_batch(spec, ref.config), dtype)
     if spec["cls"] == "BertLMHeadModel":
         dtype = torch.float32  # HF's causal-LM loss runs in float32 (logits.float()), so gradients have fp32 noise
@@ -150,8 +162,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 def collective_counts(spec: dict) -> dict:
     """Collectives per forward and per backward, by op name."""
-    mesh = pool_mesh(tp=spec["tp"])
-    model = shardlib.shard(cases(spec).make_model(spec), mesh, sequence_parallel=spec.get("sp", False))
+    model = shardlib.shard(cases(spec).make_model(spec), spec_mesh(spec), **shard_options(spec))
     batch = cases(spec).make_batch(spec, model.config)
     with CollectiveCounter() as fwd:
         out = model(**batch)
@@ -169,13 +180,15 @@ def _gathered_copies(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dict:
     """Train with dropout; replicated parameters stay bitwise identical across the TP group, sharded-activation
-    dropout draws differ across TP ranks, replicated-activation dropout draws agree."""
-    mesh = pool_mesh(tp=spec["tp"])
-    group = mesh.tp_group
+    dropout draws differ across TP ranks, replicated-activation dropout draws agree. Under all-to-all sequence
+    parallelism the group is sp (which replicates every parameter) and the per-rank stream the sequence one."""
+    mesh = spec_mesh(spec)
+    all_to_all = spec.get("sp") == "all_to_all"
+    group, stream = (mesh.group("sp"), "sequence-parallel") if all_to_all else (mesh.tp_group, "tensor-parallel")
     torch.manual_seed(spec["seed"])
     model = cases(spec).make_model(spec)
     tracker = shardlib.manual_seed(spec["seed"], mesh)
-    shardlib.shard(model, mesh, rng_tracker=tracker, sequence_parallel=spec.get("sp", False))
+    shardlib.shard(model, mesh, rng_tracker=tracker, **shard_options(spec))
     model.train()
     opt = _adamw(model.parameters())
     losses = []
@@ -188,17 +201,17 @@ def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dic
         losses.append(loss.item())
     checked = 0
     for name, p, layout in shardlib.named_layouts(model):
-        if layout.is_sharded:
+        if layout.is_sharded and not all_to_all:
             continue
         copies = _gathered_copies(p.detach(), group)
-        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across TP ranks"
+        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across ranks"
         checked += 1
-    with tracker.fork():
+    with tracker.fork(stream):
         sharded_draw = torch.rand(64)
     replicated_draw = torch.rand(64)
     sharded_copies = _gathered_copies(sharded_draw, group)
     replicated_copies = _gathered_copies(replicated_draw, group)
-    assert all(not torch.equal(sharded_copies[0], c) for c in sharded_copies[1:]), "TP stream identical across ranks"
+    assert all(not torch.equal(sharded_copies[0], c) for c in sharded_copies[1:]), f"{stream} stream identical"
     assert all(torch.equal(replicated_copies[0], c) for c in replicated_copies[1:]), "default stream differs"
     return {"replicated_checked": checked, "losses": losses}
 

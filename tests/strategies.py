@@ -7,12 +7,22 @@ import vit_cases
 from bert_cases import CLASSES as BERT_CLASSES
 
 
+def sequence_parallel(draw, tp: int, all_to_all: bool = True) -> dict:
+    """Off, Megatron (on the TP group) or all-to-all over sp_size ranks (tp * sp_size <= the pool's 4 ranks)."""
+    modes = [False, True] + (["all_to_all"] if all_to_all and tp < 4 else [])
+    mode = draw(st.sampled_from(modes))
+    if mode != "all_to_all":
+        return {"sp": mode}
+    return {"sp": mode, "sp_size": draw(st.sampled_from([2, 4] if tp == 1 else [2]))}
+
+
 @st.composite
-def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4)):
+def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4), all_to_all=True):
     tp = draw(st.sampled_from(tp))
     cls = draw(st.sampled_from(classes))
+    sp = sequence_parallel(draw, tp, all_to_all)
     config = {
-        "heads": tp * draw(st.integers(1, 2)),
+        "heads": tp * sp.get("sp_size", 1) * draw(st.integers(1, 2)),
         "head_dim": draw(st.sampled_from([2, 4, 8])),
         "layers": draw(st.integers(1, 2)),
         "intermediate": tp * draw(st.integers(1, 6)),
@@ -20,14 +30,14 @@ def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4)):
         "act": draw(st.sampled_from(["gelu", "relu"])),
         "tie": draw(st.booleans()),
         "num_labels": draw(st.integers(2, 5)),
-        "cross_attention": draw(st.booleans()),
+        "cross_attention": draw(st.booleans()) and sp["sp"] != "all_to_all",  # all-to-all: self-attention only
     }
     seq = draw(st.integers(2 if cls == "BertLMHeadModel" else 1, 9))  # causal loss needs 2 tokens
     return {
         "cls": cls, "tp": tp, "config": config, "seq": seq, "batch": draw(st.integers(1, 3)),
         "enc_seq": draw(st.integers(1, 7)), "padding": draw(st.booleans()),
         "dtype": draw(st.sampled_from(["float32", "float64"])), "seed": draw(st.integers(0, 2**20)),
-        "meta": draw(st.booleans()), "sp": draw(st.booleans()),
+        "meta": draw(st.booleans()), **sp,
     }
 
 
@@ -36,18 +46,19 @@ SPEC_COMMON = dict(padding=st.booleans(), dtype=st.sampled_from(["float32", "flo
 
 
 @st.composite
-def vit_specs(draw, tp=(1, 2, 4)):
+def vit_specs(draw, tp=(1, 2, 4), all_to_all=True):
     tp = draw(st.sampled_from(tp))
     patch = draw(st.sampled_from([2, 4]))
+    sp = sequence_parallel(draw, tp, all_to_all)
     config = {
         "image": patch * draw(st.integers(1, 3)), "patch": patch,
-        "heads": tp * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
+        "heads": tp * sp.get("sp_size", 1) * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
         "layers": draw(st.integers(1, 2)), "intermediate": tp * draw(st.integers(1, 6)),
         "act": draw(st.sampled_from(["gelu", "relu"])), "num_labels": draw(st.integers(2, 7)),  # tp need not divide
         "qkv_bias": draw(st.booleans()),
     }
     return {"family": "vit", "cls": draw(st.sampled_from(vit_cases.CLASSES)), "tp": tp, "config": config,
-            "interpolate": draw(st.booleans()), **{k: draw(v) for k, v in SPEC_COMMON.items()}}
+            "interpolate": draw(st.booleans()), **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp}
 
 
 @st.composite
@@ -80,7 +91,8 @@ def pipeline_specs(draw):
     sometimes an explicit layers-per-stage split."""
     pp, tp = draw(st.sampled_from(PIPELINE_MESHES))
     family = draw(st.sampled_from(["bert", "vit", "t5"]))
-    spec = draw({"bert": bert_specs(tp=(tp,)), "vit": vit_specs(tp=(tp,)), "t5": t5_specs(tp=(tp,))}[family])
+    spec = draw({"bert": bert_specs(tp=(tp,), all_to_all=False), "vit": vit_specs(tp=(tp,), all_to_all=False),
+                 "t5": t5_specs(tp=(tp,))}[family])
     spec["family"] = family
     schedule = draw(st.sampled_from(SCHEDULES))
     stages = pp * (2 if schedule == "interleaved_1f1b" else 1)

@@ -26,6 +26,7 @@ class FakeMesh:
     tp: int
     tp_group: object = None
     tp_rank: int = 0
+    sp: int = 1
 
 
 def tiny_bert(cls=BertForMaskedLM, **overrides):
@@ -94,7 +95,12 @@ def test_all_problems_reported_together():
 
 
 def test_mesh_arithmetic_errors():
-    assert _resolve_sizes(8, None, 2, 2) == (2, 2, 2)
+    assert _resolve_sizes(8, None, 2, 2) == (2, 2, 1, 2)
+    assert _resolve_sizes(8, None, 1, 2, sp=2) == (2, 1, 2, 2)
+    with pytest.raises(MeshError, match=r"dp\(1\) \* pp\(1\) \* sp\(2\) \* tp\(2\) = 4 != WORLD_SIZE 8"):
+        _resolve_sizes(8, 1, 1, 2, sp=2)
+    with pytest.raises(MeshError, match="sp must be a positive integer"):
+        _resolve_sizes(4, None, 1, 1, sp=0)
     with pytest.raises(MeshError, match=r"dp\(2\) \* pp\(2\) \* tp\(2\) = 8 != WORLD_SIZE 4"):
         _resolve_sizes(4, 2, 2, 2)
     with pytest.raises(MeshError, match=r"pp\(1\) \* tp\(3\) = 3 does not divide WORLD_SIZE 4"):
@@ -233,6 +239,33 @@ def test_t5_heads_not_divisible_is_refused():
     assert "relative_attention_bias: embedding_dim 3 is not divisible by tp=2" in message
     assert "decoder.block.0.layer.1.EncDecAttention.n_heads = 3" in message
     assert_untouched(before, model)
+
+
+@pytest.mark.parametrize("make,sp,expected", [
+    (lambda: tiny_bert(num_attention_heads=6), 4,
+     r"encoder.layer.0.attention.self.num_attention_heads = 6 is not divisible by tp\(1\) \* sp\(4\) = 4"),
+    (lambda: tiny_bert(BertModel), 1, "needs a mesh with sp > 1"),
+    (lambda: tiny_bert(shardlib.policies.bert.BertLMHeadModel, is_decoder=True, add_cross_attention=True), 2,
+     "encoder.layer.0.crossattention.self: all-to-all sequence parallelism does not shard cross-attention"),
+    (lambda: __import__("transformers").T5Model(__import__("transformers").T5Config(
+        vocab_size=20, d_model=8, d_kv=2, d_ff=16, num_layers=1, num_heads=2)), 2,
+     "the policy of T5Model lists no self-attention modules"),
+])
+def test_all_to_all_refusals(make, sp, expected):
+    model = make()
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError, match=expected):
+        shardlib.shard(model, FakeMesh(tp=1, sp=sp), sequence_parallel="all_to_all")
+    assert_untouched(before, model)
+
+
+def test_sp_mesh_without_all_to_all_and_unknown_modes_are_refused():
+    with pytest.raises(shardlib.PlanError, match="sp=2 ranks per sequence but sequence_parallel=True"):
+        shardlib.shard(tiny_bert(), FakeMesh(tp=1, sp=2), sequence_parallel=True)
+    with pytest.raises(shardlib.PlanError, match="sequence_parallel='ulysses': expected False, True"):
+        shardlib.shard(tiny_bert(), FakeMesh(tp=1), sequence_parallel="ulysses")
+    with pytest.raises(shardlib.PlanError, match="attention implementation 'flash' is not one of sdpa, eager"):
+        shardlib.shard(tiny_bert(), FakeMesh(tp=1), kernels=shardlib.kernels.Kernels(attention="flash"))
 
 
 def test_every_registered_class_has_a_plan_that_matches():

@@ -1,0 +1,97 @@
+"""Attention through transformers' attention interface: the implementation switch and all-to-all (Ulysses)
+sequence-parallel attention. No HF forward is copied: HF's attention modules compute q, k and v and call the
+function registered under ``config._attn_implementation``; shardlib only chooses or wraps that function.
+
+Implementations (``shard(..., kernels=Kernels(attention=...))``):
+
+* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` (HF's ``sdpa_attention_forward``). For T5 HF
+  folds the relative position bias into the additive mask, passes ``scale=1.0`` (T5 does not scale q.k) and
+  dropout only in training. Under tensor parallelism each rank runs it on its local heads.
+* ``"eager"``: the model's own ``eager_attention_forward`` (matmul, softmax, dropout, matmul): the reference.
+
+All-to-all sequence parallelism (``sequence_parallel="all_to_all"``, DeepSpeed-Ulysses): inside the layer stacks
+every activation is sharded along the sequence over the mesh's ``sp`` dimension (n ranks): q, k, v arrive as
+[b, h, L/n, d] for this rank's L/n positions and all h local heads. One all-to-all (q, k and v stacked) turns
+them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself is exact. The output
+[b, L, h/n, d] goes back with a second all-to-all to [b, L/n, h, d]. Backward: the two inverse all-to-alls.
+Sequences n does not divide are padded at the stack entry (``shardlib.sequence``); the padding is cut off after
+the first all-to-all, so attention and the mask see exactly the true length, and restored before the second.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from shardlib.collectives import all_to_all
+
+IMPLEMENTATIONS = ("sdpa", "eager")
+ALL_TO_ALL_PREFIX = "shardlib_all_to_all_"
+CONTEXT_ATTR = "_shardlib_all_to_all"
+
+
+def attention_problems(implementation: str) -> list[str]:
+    if implementation not in IMPLEMENTATIONS:
+        return [f"attention implementation {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}"]
+    return []
+
+
+def set_attention(model: nn.Module, implementation: str) -> None:
+    """Make every attention module of ``model`` call ``implementation`` (HF's own switch)."""
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
+
+
+def inner_attention(module: nn.Module, implementation: str):
+    """The function HF would call for ``implementation`` in ``module`` (eager: the model file's own)."""
+    if implementation == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+@dataclass
+class AllToAllContext:
+    """What the all-to-all attention of one attention module needs: the sp group and the sequence stream of its
+    stack (whose ``length`` is the true, unpadded sequence length of the current forward)."""
+
+    group: object
+    stream: object  # shardlib.sequence.SequenceStream
+    implementation: str
+
+
+def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask, **kwargs):
+    """Ulysses attention (see module docstring). q, k, v: [b, h, L/n, d] (L/n = this rank's padded chunk);
+    returns ([b, L/n, h, d], None) like HF's attention functions (attention weights are not gathered)."""
+    ctx: AllToAllContext = module.__dict__[CONTEXT_ATTR]
+    if key.shape != query.shape:
+        raise RuntimeError(
+            f"{type(module).__name__}: all-to-all sequence parallelism needs self-attention (q and k of one "
+            f"sequence); got query {tuple(query.shape)} and key {tuple(key.shape)}"
+        )
+    length = ctx.stream.length
+    qkv = all_to_all(torch.stack((query, key, value)), ctx.group, scatter_dim=2, gather_dim=3)
+    if qkv.shape[3] != length:
+        qkv = qkv.narrow(3, 0, length)
+    out, _ = inner_attention(module, ctx.implementation)(module, *qkv.unbind(0), attention_mask, **kwargs)
+    out = ctx.stream.sp.pad(out)  # [b, L, h/n, d] -> padded L
+    return all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2), None
+
+
+def all_to_all_name(implementation: str) -> str:
+    """Register (once) and return the attention-interface name of all-to-all attention around
+    ``implementation``; its mask function is the inner implementation's, so masks are built as HF builds them."""
+    name = ALL_TO_ALL_PREFIX + implementation
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, all_to_all_attention)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    return name
+
+
+__all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
+           "attention_problems"]
