@@ -16,6 +16,10 @@ them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself i
 [b, L, h/n, d] goes back with a second all-to-all to [b, L/n, h, d]. Backward: the two inverse all-to-alls.
 Sequences n does not divide are padded at the stack entry (``shardlib.sequence``); the padding is cut off after
 the first all-to-all, so attention and the mask see exactly the true length, and restored before the second.
+Cross-attention (BERT decoders, T5's decoder): keys and values come from the replicated encoder sequence, so only
+q and the output are exchanged and each rank keeps its h/n heads of k and v; the encoder states enter the sp
+region through ``copy_to_tp`` on the sp group (backward: their gradient, from h/n heads per rank, is summed).
+T5's relative position bias is computed for the whole sequence ([1, h, L, L], each rank uses its heads' slice).
 """
 
 from __future__ import annotations
@@ -56,31 +60,56 @@ def inner_attention(module: nn.Module, implementation: str):
 
 @dataclass
 class AllToAllContext:
-    """What the all-to-all attention of one attention module needs: the sp group and the sequence stream of its
-    stack (whose ``length`` is the true, unpadded sequence length of the current forward)."""
+    """What the all-to-all attention of one attention module needs: the sp group and this rank in it, the sequence
+    stream of its stack (whose ``length`` is the true, unpadded sequence length of the current forward), the inner
+    implementation, and whether keys and values come from another, replicated sequence (cross-attention)."""
 
     group: object
+    rank: int
     stream: object  # shardlib.sequence.SequenceStream
     implementation: str
+    cross: bool = False
 
 
 def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask, **kwargs):
-    """Ulysses attention (see module docstring). q, k, v: [b, h, L/n, d] (L/n = this rank's padded chunk);
-    returns ([b, L/n, h, d], None) like HF's attention functions (attention weights are not gathered)."""
+    """Ulysses attention (see module docstring). q: [b, h, L/n, d] (L/n = this rank's padded chunk); k, v the same
+    for self-attention, [b, h, Lk, d] of a replicated sequence for cross-attention (no exchange: this rank keeps
+    its h/n heads). Returns ([b, L/n, h, d], None) like HF's attention functions (weights are not gathered)."""
     ctx: AllToAllContext = module.__dict__[CONTEXT_ATTR]
-    if key.shape != query.shape:
-        raise RuntimeError(
-            f"{type(module).__name__}: all-to-all sequence parallelism needs self-attention (q and k of one "
-            f"sequence); got query {tuple(query.shape)} and key {tuple(key.shape)}"
-        )
-    length = ctx.stream.length
-    qkv = all_to_all(torch.stack((query, key, value)), ctx.group, scatter_dim=2, gather_dim=3)
-    if qkv.shape[3] != length:
-        qkv = qkv.narrow(3, 0, length)
-    out, _ = inner_attention(module, ctx.implementation)(module, *qkv.unbind(0), attention_mask, **kwargs)
+    length, heads = ctx.stream.length, query.shape[1]
+    share = heads // ctx.stream.sp.size
+    if ctx.cross:
+        query = all_to_all(query, ctx.group, scatter_dim=1, gather_dim=2).narrow(2, 0, length)
+        key, value = (t.narrow(1, ctx.rank * share, share) for t in (key, value))
+    else:
+        if key.shape != query.shape:
+            raise RuntimeError(f"{type(module).__name__}: all-to-all self-attention got query {tuple(query.shape)} "
+                               f"and key {tuple(key.shape)} (a key/value cache is not supported)")
+        qkv = all_to_all(torch.stack((query, key, value)), ctx.group, scatter_dim=2, gather_dim=3)
+        query, key, value = qkv.narrow(3, 0, length).unbind(0)
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        # T5: the self-attention bias covers the whole sequence (``whole_sequence_bias``): keep this rank's heads;
+        # cross-attention has no relative bias (T5 passes zeros shaped by the local query chunk): drop it
+        kwargs["position_bias"] = None if ctx.cross else (
+            bias.narrow(1, ctx.rank * share, share) if bias.shape[1] == heads else bias)
+    out, _ = inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
     out = ctx.stream.sp.pad(out)  # [b, L, h/n, d] -> padded L
     return all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2), None
+
+
+def whole_sequence_bias(compute_bias, stream):
+    """Wrap a module's ``compute_bias(query_length, key_length, ...)`` (T5's relative position bias, called with the
+    local chunk's lengths) to compute the bias of the whole sequence instead: [1, h, L, L], which then travels to
+    every later layer as T5 passes it on."""
+
+    def whole(query_length, key_length, *args, past_seen_tokens=0, **kwargs):
+        if past_seen_tokens:
+            raise RuntimeError("all-to-all sequence parallelism does not support incremental decoding (KV cache)")
+        return compute_bias(stream.length, stream.length, *args, past_seen_tokens=0, **kwargs)
+
+    return whole
 
 
 def all_to_all_name(implementation: str) -> str:
@@ -94,4 +123,4 @@ def all_to_all_name(implementation: str) -> str:
 
 
 __all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
-           "attention_problems"]
+           "attention_problems", "whole_sequence_bias"]

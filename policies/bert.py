@@ -23,7 +23,7 @@ from transformers import (
     BertModel,
 )
 
-from shardlib.plan import LossSpec, Plan, Stack
+from shardlib.plan import AttentionSite, LossSpec, Plan, Stack
 from shardlib.styles import ColwiseParallel, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
@@ -54,12 +54,13 @@ def bert_plan(model, tp: int) -> Plan:
     styles = {f"{base}embeddings.word_embeddings": VocabParallel()}
     styles |= attention_styles(f"{layer}.attention", ("hidden_states",))
     heads = {f"{layer}.attention.self": ("num_attention_heads", "all_head_size")}
-    attention, cross_attention = {f"{layer}.attention.self": "num_attention_heads"}, {}
+    attention = {f"{layer}.attention.self": AttentionSite("num_attention_heads")}
     dropout = (f"{layer}.attention.output.dropout", f"{layer}.output.dropout")  # after the row-parallel exits
     if config.is_decoder and config.add_cross_attention:
         styles |= attention_styles(f"{layer}.crossattention", ("hidden_states", "encoder_hidden_states"))
         heads[f"{layer}.crossattention.self"] = ("num_attention_heads", "all_head_size")
-        cross_attention[f"{layer}.crossattention.self"] = "num_attention_heads"
+        attention[f"{layer}.crossattention.self"] = AttentionSite("num_attention_heads",
+                                                                  kv_input="encoder_hidden_states")
         dropout += (f"{layer}.crossattention.output.dropout",)
     styles[f"{layer}.intermediate.dense"] = ColwiseParallel()
     styles[f"{layer}.output.dense"] = RowwiseParallel()
@@ -68,7 +69,7 @@ def bert_plan(model, tp: int) -> Plan:
         styles[loss.head] = VocabParallel()
     trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
     return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout,
-                attention=attention, cross_attention=cross_attention)
+                attention=attention)
 
 
 POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

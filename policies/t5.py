@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import transformers
 
-from shardlib.plan import LossSpec, Plan, Stack
+from shardlib.plan import AttentionSite, LossSpec, Plan, Stack
 from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
@@ -33,7 +33,7 @@ FAMILIES = ("T5", "MT5", "UMT5")
 HEADS = ("Model", "ForConditionalGeneration", "EncoderModel", "ForSequenceClassification",
          "ForTokenClassification", "ForQuestionAnswering")
 MODEL_CLASSES = tuple(getattr(transformers, f"{family}{head}") for family in FAMILIES for head in HEADS)
-ATTENTION_INPUTS = ("hidden_states", "key_value_states", "encoder_hidden_states")  # T5/MT5 and UMT5 names
+ATTENTION_INPUTS = ("hidden_states", "key_value_states", "encoder_hidden_states")  # T5/MT5 and UMT5 kv names
 
 
 def _attention(path: str) -> dict:
@@ -46,16 +46,19 @@ def t5_plan(model, tp: int) -> Plan:
     root = model.get_submodule(base.rstrip(".")) if base else model
     stacks = ["encoder", "decoder"] if hasattr(root, "decoder") else ["encoder"]
     styles = {f"{base}shared": VocabParallel()}
-    heads = {}
+    heads, attention = {}, {}
     for stack in stacks:
         block = f"{base}{stack}.block.*"
         styles[f"{base}{stack}.embed_tokens"] = VocabParallel()
         styles |= _attention(f"{block}.layer.0.SelfAttention")
         styles[f"{base}{stack}.block.**.relative_attention_bias"] = ColwiseParallel()
         heads[f"{block}.layer.0.SelfAttention"] = ("n_heads", "inner_dim")
+        attention[f"{block}.layer.0.SelfAttention"] = AttentionSite("n_heads", bias_method="compute_bias")
         if stack == "decoder":
             styles |= _attention(f"{block}.layer.1.EncDecAttention")
             heads[f"{block}.layer.1.EncDecAttention"] = ("n_heads", "inner_dim")
+            kv_input = "encoder_hidden_states" if "umt5" in type(model).__module__ else "key_value_states"
+            attention[f"{block}.layer.1.EncDecAttention"] = AttentionSite("n_heads", kv_input=kv_input)
         ff = f"{block}.layer.{2 if stack == 'decoder' else 1}.DenseReluDense"
         styles[ff] = (CopyInputs("hidden_states"), LocalRNG())  # gated: wi_0 and wi_1 share one input copy
         for wi in ("wi_0", "wi_1") if config.is_gated_act else ("wi",):
@@ -67,7 +70,7 @@ def t5_plan(model, tp: int) -> Plan:
         styles["lm_head"] = VocabParallel()
     dropout = tuple(f"{base}{stack}.block.*.layer.*.dropout" for stack in stacks)  # each sublayer's residual dropout
     return Plan(styles=styles, divide_by_tp=heads, trunk=_trunk(model, base, stacks), loss=loss,
-                sequence_dropout=dropout)
+                sequence_dropout=dropout, attention=attention)
 
 
 def _trunk(model, base: str, stacks: list[str]) -> tuple[Stack, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
 
-from shardlib.plan import Plan, Stack
+from shardlib.plan import AttentionSite, Plan, Stack
 from shardlib.styles import ColwiseParallel, RowwiseParallel, attention_block
 
 from . import Policy, register_policy
@@ -28,7 +28,7 @@ def vit_plan(model, tp: int) -> Plan:
     styles[f"{layer}.mlp.fc2"] = RowwiseParallel()
     return Plan(styles=styles, divide_by_tp={f"{layer}.attention": ("num_attention_heads",)},
                 trunk=(Stack(layers=f"{base}layers", before=(f"{base}embeddings",)),),
-                sequence_dropout=(f"{layer}.dropout",), attention={attention: "num_attention_heads"})
+                sequence_dropout=(f"{layer}.dropout",), attention={attention: AttentionSite("num_attention_heads")})
 
 
 #: in memory (transformers 5) -> on disk (Hub checkpoints, what save_pretrained writes); ".attention.o_proj." goes

@@ -53,6 +53,18 @@ class Stack:
     output_arg: str | None = None
 
 
+@dataclass(frozen=True)
+class AttentionSite:
+    """A module that computes q, k, v and calls transformers' attention interface. ``heads``: its head-count
+    attribute. ``kv_input``: for cross-attention, the forward argument carrying the other (replicated) sequence
+    that keys and values come from. ``bias_method``: the method that computes a relative position bias from the
+    query and key lengths (T5's ``compute_bias``), which must see the whole sequence's lengths."""
+
+    heads: str
+    kv_input: str | None = None
+    bias_method: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """``styles``: pattern -> style or tuple of styles. ``divide_by_tp``: pattern -> integer attributes that become
@@ -60,17 +72,15 @@ class Plan:
     order (:class:`Stack`), for pipeline stages and sequence parallelism. ``loss``: vocab-parallel loss, if the
     model has a vocab head. ``sequence_dropout``: patterns of the dropout modules inside the layers that act on
     sequence-sharded activations under sequence parallelism (they then draw per-rank masks). ``attention``:
-    pattern -> head-count attribute of the modules that call transformers' attention interface for
-    self-attention (all-to-all sequence parallelism wraps that call and splits their heads over the sp ranks);
-    ``cross_attention``: the same for attention over another sequence (which all-to-all does not shard)."""
+    pattern -> :class:`AttentionSite` for the modules that call transformers' attention interface (all-to-all
+    sequence parallelism wraps that call and splits their heads over the sp ranks)."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
     trunk: tuple[Stack, ...] = ()
     loss: LossSpec | None = None
     sequence_dropout: tuple[str, ...] = ()
-    attention: dict[str, str] = field(default_factory=dict)
-    cross_attention: dict[str, str] = field(default_factory=dict)
+    attention: dict[str, AttentionSite] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=None)

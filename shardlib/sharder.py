@@ -7,15 +7,17 @@ problems are reported together in one :class:`PlanError`, and the model is left 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import pipeline
 from .kernels import Kernels
-from .kernels.attention import CONTEXT_ATTR, AllToAllContext, all_to_all_name, set_attention
+from .kernels.attention import CONTEXT_ATTR, AllToAllContext, all_to_all_name, set_attention, whole_sequence_bias
 from .collectives import all_reduce
 from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
 from .losses import install_vocab_parallel_loss
@@ -23,7 +25,7 @@ from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
 from .random import RNGStatesTracker, rng_streams
 from .sequence import ReplicatedGradSync, SequenceParallel
-from .styles import ColwiseParallel, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
 
 log = logging.getLogger("shardlib")
 
@@ -336,29 +338,35 @@ def _all_to_all_problems(plan: Plan, model: nn.Module, tp: int, sp: int) -> list
                 "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
     modules = dict(model.named_modules())
     problems = []
-    for pattern, attr in plan.cross_attention.items():
-        problems += [f"{path}: all-to-all sequence parallelism does not shard cross-attention (over another "
-                     "sequence); use sequence_parallel=True or a model without it" for path in
-                     match_modules(pattern, modules)]
-    for pattern, attr in plan.attention.items():
+    for pattern, site in plan.attention.items():
         matches = match_modules(pattern, modules)
         if not matches:
             problems.append(f"attention pattern {pattern!r} matches no module of {name}")
         for path in matches:
-            heads = getattr(modules[path], attr)
+            if site.kv_input and site.kv_input not in inspect.signature(modules[path].forward).parameters:
+                problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
+            heads = getattr(modules[path], site.heads)
             if heads % (tp * sp):
-                problems.append(f"{path}.{attr} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}: "
-                                "all-to-all gives each sp rank whole heads")
+                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}:"
+                                " all-to-all gives each sp rank whole heads")
     return problems
 
 
 def _install_all_to_all_attention(model: nn.Module, plan: Plan, sp: SequenceParallel, implementation: str) -> None:
-    """Each self-attention module calls all-to-all attention around ``implementation`` with its stack's stream."""
+    """Each attention module calls all-to-all attention around ``implementation`` with its stack's stream;
+    cross-attention inputs enter the sp region (backward: their gradient, from this rank's heads only, is summed);
+    relative position biases are computed for the whole sequence."""
     modules = dict(model.named_modules())
-    for pattern in plan.attention:
+    rank = dist.get_rank(sp.group)
+    for pattern, site in plan.attention.items():
         for path in match_modules(pattern, modules):
-            modules[path].__dict__[CONTEXT_ATTR] = AllToAllContext(sp.group, sp.stream(_stack_of(plan, path)),
-                                                                   implementation)
+            module, stream = modules[path], sp.stream(_stack_of(plan, path))
+            module.__dict__[CONTEXT_ATTR] = AllToAllContext(sp.group, rank, stream, implementation,
+                                                            cross=site.kv_input is not None)
+            if site.kv_input is not None:
+                CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
+            if site.bias_method is not None:
+                setattr(module, site.bias_method, whole_sequence_bias(getattr(module, site.bias_method), stream))
     set_attention(model, all_to_all_name(implementation))
 
 

@@ -25,7 +25,7 @@ def first_output_objective(value: torch.Tensor) -> torch.Tensor:
 
 
 def build(spec: dict):
-    mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"])
+    mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") == "all_to_all" else 1)
     family = cases(spec)
     ref = family.make_model(spec)
     stages_per_rank = 2 if spec["schedule"] in MULTI_STAGE else 1

@@ -30,7 +30,7 @@ def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4), all_to_all=True):
         "act": draw(st.sampled_from(["gelu", "relu"])),
         "tie": draw(st.booleans()),
         "num_labels": draw(st.integers(2, 5)),
-        "cross_attention": draw(st.booleans()) and sp["sp"] != "all_to_all",  # all-to-all: self-attention only
+        "cross_attention": draw(st.booleans()),
     }
     seq = draw(st.integers(2 if cls == "BertLMHeadModel" else 1, 9))  # causal loss needs 2 tokens
     return {
@@ -42,7 +42,7 @@ def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4), all_to_all=True):
 
 
 SPEC_COMMON = dict(padding=st.booleans(), dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**20),
-                   meta=st.booleans(), batch=st.integers(1, 3), sp=st.booleans())
+                   meta=st.booleans(), batch=st.integers(1, 3))
 
 
 @st.composite
@@ -62,15 +62,16 @@ def vit_specs(draw, tp=(1, 2, 4), all_to_all=True):
 
 
 @st.composite
-def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES):
+def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES, all_to_all=True):
     tp = draw(st.sampled_from(tp))
+    sp = sequence_parallel(draw, tp, all_to_all)
     buckets = draw(st.sampled_from([4, 8, 32]))  # HF's bucketing needs >= 4 buckets and max_distance > buckets / 2
     config = {
         "vocab": draw(st.integers(3, 60)),  # divisible by tp or not: padded
         # never split: need not divide. >= 4: an RMSNorm over 2 features maps onto a circle, and its gradient
         # amplifies float32 summation-order noise past any sane tolerance (float64 passes at 1e-9 there)
         "d_model": draw(st.integers(4, 12)),
-        "d_kv": draw(st.sampled_from([1, 2, 4])), "heads": tp * draw(st.integers(1, 2)),
+        "d_kv": draw(st.sampled_from([1, 2, 4])), "heads": tp * sp.get("sp_size", 1) * draw(st.integers(1, 2)),
         "d_ff": tp * draw(st.integers(1, 5)), "layers": draw(st.integers(1, 2)),
         "decoder_layers": draw(st.integers(1, 2)), "buckets": buckets,
         "max_distance": buckets * draw(st.sampled_from([2, 4, 16])), "ffn": draw(st.sampled_from(["relu", "gated-gelu"])),
@@ -78,7 +79,7 @@ def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES):
     }
     return {"family": "t5", "cls": draw(st.sampled_from(classes)), "tp": tp, "config": config,
             "seq": draw(st.integers(1, 9)), "dec_seq": draw(st.integers(1, 7)),
-            **{k: draw(v) for k, v in SPEC_COMMON.items()}}
+            **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp}
 
 
 PIPELINE_MESHES = ((2, 1), (2, 2), (4, 1))  # (pp, tp) on 4 ranks; dp = 4 / (pp * tp)
@@ -92,7 +93,7 @@ def pipeline_specs(draw):
     pp, tp = draw(st.sampled_from(PIPELINE_MESHES))
     family = draw(st.sampled_from(["bert", "vit", "t5"]))
     spec = draw({"bert": bert_specs(tp=(tp,), all_to_all=False), "vit": vit_specs(tp=(tp,), all_to_all=False),
-                 "t5": t5_specs(tp=(tp,))}[family])
+                 "t5": t5_specs(tp=(tp,), all_to_all=False)}[family])
     spec["family"] = family
     schedule = draw(st.sampled_from(SCHEDULES))
     stages = pp * (2 if schedule == "interleaved_1f1b" else 1)

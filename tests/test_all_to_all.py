@@ -1,19 +1,24 @@
 """All-to-all (Ulysses) sequence parallelism on the mesh's sp dimension: equality with the unsharded model (outputs,
-every gradient, weights after AdamW) for BERT and ViT, alone and with tensor parallelism, sequence lengths sp does
-and does not divide; exact collective counts per layer; per-rank dropout with identical replicas; the refusals.
-The hypothesis properties of BERT and ViT draw it too (tests/strategies.py)."""
+every gradient, weights after AdamW) for BERT (incl. the cross-attention decoder), ViT and T5 / UMT5 (relative
+position bias, cross-attention), alone and with tensor parallelism, sequence lengths sp does and does not divide;
+exact collective counts per layer; per-rank dropout with identical replicas. The hypothesis properties of all
+three families draw it too (tests/strategies.py); the refusals are in test_validation.py."""
 
 import pytest
 
 import rank_tasks
 
 BERT = {"cls": "BertForMaskedLM", "config": {"heads": 4, "head_dim": 4, "layers": 2, "intermediate": 24, "vocab": 41}}
-BERT_CAUSAL = {"cls": "BertLMHeadModel", "config": {**BERT["config"]}}
+BERT_CROSS = {"cls": "BertLMHeadModel", "enc_seq": 5, "config": {**BERT["config"], "cross_attention": True}}
 VIT = {"family": "vit", "cls": "ViTForImageClassification",
        "config": {"image": 8, "patch": 2, "heads": 4, "head_dim": 4, "layers": 2, "intermediate": 24, "num_labels": 3}}
 VIT_MIM = {"family": "vit", "cls": "ViTForMaskedImageModeling",
            "config": {"image": 8, "patch": 4, "heads": 4, "head_dim": 4, "layers": 2, "intermediate": 24}}
-CASES = [BERT, BERT_CAUSAL, VIT, VIT_MIM]
+T5 = {"family": "t5", "cls": "T5ForConditionalGeneration", "dec_seq": 6,
+      "config": {"vocab": 37, "d_model": 16, "d_kv": 4, "heads": 4, "d_ff": 16, "layers": 2, "decoder_layers": 2}}
+UMT5 = {"family": "t5", "cls": "UMT5ForConditionalGeneration", "dec_seq": 5,
+        "config": {**T5["config"], "ffn": "gated-gelu"}}
+CASES = [BERT, BERT_CROSS, VIT, VIT_MIM, T5, UMT5]
 
 
 def _spec(case, tp, sp, seq=7, **extra):
@@ -52,7 +57,8 @@ def test_all_to_all_collectives_per_layer(pool):
                                   "all_gather_into_tensor": 1}
 
 
-def test_all_to_all_dropout_keeps_replicas_identical(pool):
-    spec = _spec({**BERT, "config": {**BERT["config"], "dropout": 0.1}}, 1, 2)
+@pytest.mark.parametrize("case", [BERT, T5], ids=["bert", "t5"])
+def test_all_to_all_dropout_keeps_replicas_identical(pool, case):
+    spec = _spec({**case, "config": {**case["config"], "dropout": 0.1}}, 1, 2)
     results = pool.run(rank_tasks.dropout_training_keeps_replicas_identical, spec)
     assert all(r["replicated_checked"] > 5 for r in results)

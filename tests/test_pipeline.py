@@ -202,3 +202,13 @@ def test_convert_with_pp_writes_stage_files_any_layout_loads(pool, tmp_path, pp_
     results = pool.run(pipeline_tasks.converted_checkpoint_loads, spec, str(tmp_path))
     assert set().union(*(r["local"] for r in results)) == set(t5_cases.make_model(spec).state_dict()) - {
         "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}  # tied: named "shared.weight"
+
+
+@pytest.mark.parametrize("family,cls", [("bert", "BertForMaskedLM"), ("vit", "ViTForImageClassification"),
+                                        ("t5", "T5ForConditionalGeneration"), ("t5", "UMT5ForConditionalGeneration")])
+def test_all_to_all_sequence_parallel_pipeline(pool, family, cls):
+    """pp=2 x sp=2 with all-to-all sequence parallelism: the stages exchange sequence chunks (T5: and the whole-
+    sequence position bias), a length sp does not divide."""
+    spec = {**_spec(family, cls, 2, 1, 2, "1f1b"), "sp": "all_to_all", "sp_size": 2, "seq": 7, "dec_seq": 5}
+    spec["config"] = {**spec["config"], "layers": 3} if family != "t5" else spec["config"]
+    pool.run(pipeline_tasks.pipeline_equivalence, spec)
