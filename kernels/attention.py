@@ -11,8 +11,8 @@ Implementations (``shard(..., kernels=Kernels(attention=...))``):
 
 All-to-all sequence parallelism (``sequence_parallel="all_to_all"``, DeepSpeed-Ulysses): inside the layer stacks
 every activation is sharded along the sequence over the mesh's ``sp`` dimension (n ranks): q, k, v arrive as
-[b, h, L/n, d] for this rank's L/n positions and all h local heads. One all-to-all (q, k and v stacked) turns
-them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself is exact. The output
+[b, h, L/n, d] for this rank's L/n positions and all h local heads. One all-to-all (q, k and v in one message,
+received as three tensors) turns them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself is exact. The output
 [b, L, h/n, d] goes back with a second all-to-all to [b, L/n, h, d]. Backward: the two inverse all-to-alls.
 Sequences n does not divide are padded at the stack entry (``shardlib.sequence``); the padding is cut off after
 the first all-to-all, so attention and the mask see exactly the true length, and restored before the second.
@@ -80,14 +80,15 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     length, heads = ctx.stream.length, query.shape[1]
     share = heads // ctx.stream.sp.size
     if ctx.cross:
-        query = all_to_all(query, ctx.group, scatter_dim=1, gather_dim=2).narrow(2, 0, length)
+        (query,) = all_to_all((query,), ctx.group, scatter_dim=1, gather_dim=2)
+        query = query.narrow(2, 0, length)
         key, value = (t.narrow(1, ctx.rank * share, share) for t in (key, value))
     else:
         if key.shape != query.shape:
             raise RuntimeError(f"{type(module).__name__}: all-to-all self-attention got query {tuple(query.shape)} "
                                f"and key {tuple(key.shape)} (a key/value cache is not supported)")
-        qkv = all_to_all(torch.stack((query, key, value)), ctx.group, scatter_dim=2, gather_dim=3)
-        query, key, value = qkv.narrow(3, 0, length).unbind(0)
+        query, key, value = (t.narrow(2, 0, length) for t in
+                             all_to_all((query, key, value), ctx.group, scatter_dim=1, gather_dim=2))
     bias = kwargs.get("position_bias")
     if bias is not None:
         # T5: the self-attention bias covers the whole sequence (``whole_sequence_bias``): keep this rank's heads;
@@ -96,7 +97,7 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
             bias.narrow(1, ctx.rank * share, share) if bias.shape[1] == heads else bias)
     out, _ = inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
     out = ctx.stream.sp.pad(out)  # [b, L, h/n, d] -> padded L
-    return all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2), None
+    return all_to_all((out,), ctx.group, scatter_dim=1, gather_dim=2)[0], None
 
 
 def whole_sequence_bias(compute_bias, stream):

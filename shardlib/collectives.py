@@ -91,15 +91,18 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group))
 
 
-def all_to_all_single(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Group) -> torch.Tensor:
-    """Cut ``x`` into n chunks along ``scatter_dim``, send chunk i to rank i, and concatenate the chunks received
-    (in rank order) along ``gather_dim``: [.., S, .., G, ..] -> [.., S/n, .., n*G, ..]."""
+def all_to_all_single(xs: tuple[torch.Tensor, ...], scatter_dim: int, gather_dim: int,
+                      group: Group) -> tuple[torch.Tensor, ...]:
+    """For each of the same-shaped ``xs``: cut it into n chunks along ``scatter_dim``, send chunk i to rank i and
+    concatenate the chunks received (in rank order) along ``gather_dim``: [.., S, .., G, ..] -> [.., S/n, .., n*G, ..].
+    One message for all of them; each result is its own tensor (no result keeps another's memory alive)."""
     n = group_size(group)
-    if x.shape[scatter_dim] % n:
-        raise ValueError(f"all-to-all: size {x.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n} ranks")
-    send = torch.stack(x.chunk(n, dim=scatter_dim)).contiguous()  # [n, chunk]: row i goes to rank i
-    received = funcol.wait_tensor(funcol.all_to_all_single(send, None, None, group))
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    if xs[0].shape[scatter_dim] % n:
+        raise ValueError(f"all-to-all: size {xs[0].shape[scatter_dim]} of dim {scatter_dim} is not divisible by "
+                         f"{n} ranks")
+    send = torch.stack([torch.stack(x.chunk(n, dim=scatter_dim)) for x in xs], dim=1)  # [n, k, chunk]: row i -> i
+    received = funcol.wait_tensor(funcol.all_to_all_single(send.contiguous(), None, None, group))
+    return tuple(torch.cat(received[:, i].unbind(0), dim=gather_dim) for i in range(len(xs)))
 
 
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -165,23 +168,26 @@ _AllGatherFromTP = _dim_mapping("_AllGatherFromTP", all_gather, reduce_scatter,
 
 class _AllToAll(torch.autograd.Function):
     """forward: all-to-all (split scatter_dim, concat gather_dim), backward: all-to-all (split gather_dim, concat
-    scatter_dim)."""
+    scatter_dim); several tensors in one message."""
 
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
+    def forward(ctx, group, scatter_dim, gather_dim, *xs):
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return all_to_all_single(x, scatter_dim, gather_dim, group)
+        return all_to_all_single(xs, scatter_dim, gather_dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         scatter_dim, gather_dim = ctx.dims
-        return all_to_all_single(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+        like = next(g for g in grads if g is not None)
+        grads = tuple(torch.zeros_like(like) if g is None else g for g in grads)
+        return None, None, None, *all_to_all_single(grads, gather_dim, scatter_dim, ctx.group)
 
 
-def all_to_all(x: torch.Tensor, group: Group | None, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """forward: split ``scatter_dim`` n ways and exchange, concatenating along ``gather_dim``; backward: the
-    inverse exchange."""
-    return x if group_size(group) == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)
+def all_to_all(xs: tuple[torch.Tensor, ...], group: Group | None, scatter_dim: int,
+               gather_dim: int) -> tuple[torch.Tensor, ...]:
+    """forward: split each of ``xs`` ``scatter_dim`` n ways and exchange, concatenating along ``gather_dim`` (one
+    message for all); backward: the inverse exchange."""
+    return tuple(xs) if group_size(group) == 1 else _AllToAll.apply(group, scatter_dim, gather_dim, *xs)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
