@@ -25,6 +25,9 @@ one after another (never two at once: the machine has 2 cores):
                   (the BERT, ViT and T5 policies are found from the model class);
    ``shardlib_sp`` the same with ``sequence_parallel=True`` (norms, dropout and residuals on half the sequence;
                   all-gather / reduce-scatter instead of all-reduce, plus backward re-gathers of saved shards);
+   ``shardlib_a2a`` two processes: ``init_mesh(tp=1, sp=2)``, ``sequence_parallel="all_to_all"`` (every
+                  activation on half the sequence, two all-to-alls per attention, weights replicated and their
+                  gradients all-reduced over the two ranks);
 3. ``hf``         two processes, one thread each: transformers 5's native DTensor TP with hand-written Megatron plans
                   (``benchmarks/_hf_dtensor_tp.py``: ``build_hf_tp_bert`` / ``build_hf_tp_vit``; loads a
                   checkpoint written to a temp dir). T5 has no HF number: transformers' TP cannot split T5's
@@ -124,11 +127,11 @@ QUICK_SIZES = ("bert-tiny", "vit-tiny", "t5-tiny")
 DEFAULT_STEPS = {"bert-tiny": 5, "bert-small": 20, "bert-base": 12, "vit-tiny": 5, "vit-small": 20, "vit-base": 8,
                  "t5-tiny": 5, "t5-small": 12, "t5-base": 6}
 MODEL_CLASS = {"bert": "BertModel", "vit": "ViTModel", "t5": "T5Model"}
-MODES = ("unsharded", "shardlib", "shardlib_sp", "hf")
+MODES = ("unsharded", "shardlib", "shardlib_sp", "shardlib_a2a", "hf")
 MODE_TITLES = {"unsharded": "unsharded", "shardlib": "shardlib tp=2", "shardlib_sp": "shardlib tp=2 + SP",
-               "hf": "HF DTensor tp=2"}
-WORLD = {"unsharded": 1, "shardlib": 2, "shardlib_sp": 2, "hf": 2}
-THREADS = {"unsharded": 2, "shardlib": 1, "shardlib_sp": 1, "hf": 1}
+               "shardlib_a2a": "shardlib sp=2 all-to-all", "hf": "HF DTensor tp=2"}
+WORLD = {"unsharded": 1, "shardlib": 2, "shardlib_sp": 2, "shardlib_a2a": 2, "hf": 2}
+THREADS = {"unsharded": 2, "shardlib": 1, "shardlib_sp": 1, "shardlib_a2a": 1, "hf": 1}
 SEED = 1234
 
 
@@ -207,11 +210,13 @@ def _build_model(mode: str, size: str, config, tmpdir: str):
         return build(config, os.path.join(tmpdir, size), seed=SEED)
     torch.manual_seed(SEED)
     model = getattr(transformers, MODEL_CLASS[fam])(config)
-    if mode in ("shardlib", "shardlib_sp"):
+    if mode in ("shardlib", "shardlib_sp", "shardlib_a2a"):
         import shardlib
 
-        mesh = shardlib.init_mesh(tp=2)
-        model = shardlib.shard(model, mesh, sequence_parallel=mode == "shardlib_sp")
+        if mode == "shardlib_a2a":
+            model = shardlib.shard(model, shardlib.init_mesh(tp=1, sp=2), sequence_parallel="all_to_all")
+        else:
+            model = shardlib.shard(model, shardlib.init_mesh(tp=2), sequence_parallel=mode == "shardlib_sp")
     return model
 
 
@@ -493,13 +498,15 @@ def main(argv=None) -> int:
                 na_notes.append(f"n/a: {size} / {MODE_TITLES[mode]}: {r['reason']} (observed: {r['error']})")
 
     print()
-    print("| model | tokens/step | unsharded tok/s | shardlib tp=2 tok/s | shardlib tp=2 + SP tok/s | HF DTensor tp=2 "
-          "tok/s | shardlib/unsharded | shardlib/HF | SP/shardlib |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | tokens/step | unsharded tok/s | shardlib tp=2 tok/s | shardlib tp=2 + SP tok/s | shardlib sp=2 "
+          "all-to-all tok/s | HF DTensor tp=2 tok/s | shardlib/unsharded | shardlib/HF | SP/shardlib | "
+          "all-to-all/shardlib |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in sizes:
-        u, s, sp, h = (rate(size, m) for m in ("unsharded", "shardlib", "shardlib_sp", "hf"))
+        u, s, sp, a2a, h = (rate(size, m) for m in ("unsharded", "shardlib", "shardlib_sp", "shardlib_a2a", "hf"))
         print(f"| {size} | {step_shape(size, batch, seq, dec_seq)[0]:,} | {_fmt_rate(u)} | {_fmt_rate(s)} | "
-              f"{_fmt_rate(sp)} | {_fmt_rate(h)} | {_fmt_ratio(s, u)} | {_fmt_ratio(s, h)} | {_fmt_ratio(sp, s)} |")
+              f"{_fmt_rate(sp)} | {_fmt_rate(a2a)} | {_fmt_rate(h)} | {_fmt_ratio(s, u)} | {_fmt_ratio(s, h)} | "
+              f"{_fmt_ratio(sp, s)} | {_fmt_ratio(a2a, s)} |")
     vit_sizes = [s for s in sizes if family(s) == "vit"]
     if vit_sizes:
         print()
