@@ -32,7 +32,7 @@ from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from shardlib.collectives import all_to_all
+from shardlib.collectives import all_to_all, all_to_all_single
 
 IMPLEMENTATIONS = ("sdpa", "eager")
 ALL_TO_ALL_PREFIX = "shardlib_all_to_all_"
@@ -80,15 +80,13 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     length, heads = ctx.stream.length, query.shape[1]
     share = heads // ctx.stream.sp.size
     if ctx.cross:
-        (query,) = all_to_all((query,), ctx.group, scatter_dim=1, gather_dim=2)
-        query = query.narrow(2, 0, length)
+        query = _to_heads(query, ctx.group, length)
         key, value = (t.narrow(1, ctx.rank * share, share) for t in (key, value))
     else:
         if key.shape != query.shape:
             raise RuntimeError(f"{type(module).__name__}: all-to-all self-attention got query {tuple(query.shape)} "
                                f"and key {tuple(key.shape)} (a key/value cache is not supported)")
-        query, key, value = (t.narrow(2, 0, length) for t in
-                             all_to_all((query, key, value), ctx.group, scatter_dim=1, gather_dim=2))
+        query, key, value = _to_heads((query, key, value), ctx.group, length)
     bias = kwargs.get("position_bias")
     if bias is not None:
         # T5: the self-attention bias covers the whole sequence (``whole_sequence_bias``): keep this rank's heads;
@@ -96,8 +94,23 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         kwargs["position_bias"] = None if ctx.cross else (
             bias.narrow(1, ctx.rank * share, share) if bias.shape[1] == heads else bias)
     out, _ = inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
-    out = ctx.stream.sp.pad(out)  # [b, L, h/n, d] -> padded L
-    return all_to_all((out,), ctx.group, scatter_dim=1, gather_dim=2)[0], None
+    sp = ctx.stream.sp
+    exchanged = all_to_all((sp.pad(out),), ctx.group, scatter_dim=1, gather_dim=2)[0]  # [b, L, h/n, d] padded
+    # the output projection saves ``exchanged``; keep ``out`` (which SDPA's fused kernel saves anyway) instead
+    group = ctx.group
+    sp.recomputable(exchanged, out, lambda o: all_to_all_single((sp.pad(o),), 1, 2, group)[0])
+    return exchanged, None
+
+
+def _to_heads(xs, group, length: int):
+    """[b, h, L/n, d] views of [b, L/n, h, d] projections (as HF makes them) -> [b, h/n, L, d] views of fresh
+    [b, L, h/n, d] tensors, cut to the true length. Exchanged in HF's memory layout so that SDPA's fused kernel
+    writes its output in the [b, L, h, d] layout HF's reshape wants (no copy; the output exchange can then be
+    recomputed from what SDPA saves)."""
+    single = isinstance(xs, torch.Tensor)
+    out = all_to_all(tuple(x.transpose(1, 2) for x in ((xs,) if single else xs)), group, scatter_dim=2, gather_dim=1)
+    out = tuple(t.narrow(1, 0, length).transpose(1, 2) for t in out)
+    return out[0] if single else out
 
 
 def whole_sequence_bias(compute_bias, stream):

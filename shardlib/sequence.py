@@ -59,7 +59,8 @@ class SequenceParallel:
     def saving_shards(self):
         """While active (a stack's forward), a gathered sequence that a layer saves for backward (the input of q,
         k, v and of the first MLP linear) is saved as this rank's shard and all-gathered again when backward needs
-        it, as Megatron does: saved activations stay 1/tp of the sequence. Hooks already active (activation
+        it, as Megatron does: saved activations stay 1/tp of the sequence (likewise all-to-all attention's output,
+        exchanged again from the attention's own saved output). Hooks already active (activation
         offloading, a memory counter) still see every saved tensor: they get the shard instead of the full one."""
         outer = _active_saved_tensor_hooks()
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
@@ -78,11 +79,12 @@ class SequenceParallel:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def _register(self, full: torch.Tensor, shard: torch.Tensor, length: int) -> None:
-        """Remember that ``full`` (fresh, contiguous) is the gathered ``shard``, until ``full`` is collected (its
-        address cannot be reused before)."""
+    def recomputable(self, full: torch.Tensor, source: torch.Tensor, recompute) -> None:
+        """Remember that ``full`` (fresh, contiguous) is ``recompute(source)`` (a collective over this group), until
+        ``full`` is collected (its address cannot be reused before): a layer that saves ``full`` for backward then
+        keeps ``source`` instead (see :meth:`saving_shards`)."""
         key = full.untyped_storage().data_ptr()
-        self._gathered[key] = _Regather(shard.detach(), self.group, length)
+        self._gathered[key] = _Regather(source.detach(), recompute)
         weakref.finalize(full, self._gathered.pop, key, None)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +122,8 @@ class SequenceStream:
         full = all_gather_from_tp(x, self.sp.group, SEQ_DIM)
         if full.shape[SEQ_DIM] != self.length:
             full = full.narrow(SEQ_DIM, 0, self.length).contiguous()
-        self.sp._register(full, x, self.length)
+        group, length = self.sp.group, self.length
+        self.sp.recomputable(full, x, lambda shard: all_gather(shard, SEQ_DIM, group).narrow(SEQ_DIM, 0, length))
         return full
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
@@ -129,15 +132,16 @@ class SequenceStream:
 
 
 class _Regather:
-    """A saved gathered sequence, kept as this rank's shard; gathered again (once for all the layers that saved
-    it: q, k and v) when backward unpacks it."""
+    """A saved tensor kept as the smaller ``shard`` it was computed from by a collective (the all-gathered sequence
+    entering q, k and v; all-to-all attention's exchanged output), recomputed once for all the layers that saved it
+    when backward unpacks it."""
 
-    def __init__(self, shard: torch.Tensor, group: Group, length: int):
-        self.shard, self.group, self.length, self.full = shard, group, length, None
+    def __init__(self, shard: torch.Tensor, recompute):
+        self.shard, self.recompute, self.full = shard, recompute, None
 
     def materialize(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
-            self.full = all_gather(shard, SEQ_DIM, self.group).narrow(SEQ_DIM, 0, self.length).contiguous()
+            self.full = self.recompute(shard).contiguous()
         return self.full
 
 

@@ -402,7 +402,7 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
         seq, saving = sp.stream(k), []
 
         def enter(mod, args, kwargs, _s=seq, _saving=saving):
-            if not sp.saving_managed_outside and not all_to_all:  # all-to-all gathers nothing a layer saves
+            if not sp.saving_managed_outside:
                 _saving.append(sp.saving_shards())
                 _saving[-1].__enter__()
             return (_s.enter(args[0]), *args[1:]), kwargs
