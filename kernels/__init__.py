@@ -3,6 +3,11 @@ and a switch in :class:`Kernels`, passed as ``shard(model, mesh, kernels=Kernels
 
 * :mod:`.attention`: the attention implementation through transformers' attention interface (PyTorch SDPA or the
   model's eager reference) and the all-to-all sequence-parallel attention that wraps either.
+* :mod:`.fused_qkv`: one GEMM for the q, k and v projections (k and v of cross-attention), parameters unchanged.
+* :mod:`.epilogues`: bias + GELU after the first MLP linear, dropout + residual add (torch.compile'd).
+
+Where each kernel applies is the policy's data (``Plan.attention``, ``Plan.fused_projections``,
+``Plan.epilogues``); this package installs them.
 """
 
 from __future__ import annotations
@@ -12,19 +17,65 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class Kernels:
-    """Which kernels :func:`shardlib.shard` installs. The defaults are the fastest measured on CPU
-    (``benchmarks/kernels.py``, docs/benchmarks.md); every choice computes the same function.
+    """Which kernels :func:`shardlib.shard` installs. Every choice computes the same function (tested against its
+    reference); the defaults are the ones measured not slower on CPU (``benchmarks/kernel_*.py``,
+    docs/kernels.md).
 
     ``attention``: "sdpa" (``torch.nn.functional.scaled_dot_product_attention`` through HF's attention interface,
     T5's position bias as its additive mask) or "eager" (the model's own matmul-softmax-matmul reference).
+    ``fused_qkv``: q, k and v (cross-attention: k and v) from one GEMM.
+    ``bias_gelu``: the first MLP linear's bias added inside a compiled GELU.
+    ``dropout_add``: each residual dropout + add as one compiled op (mask stored as 1 byte per element).
     """
 
     attention: str = "sdpa"
+    fused_qkv: bool = False
+    bias_gelu: bool = False
+    dropout_add: bool = False
 
-    def problems(self) -> list[str]:
+    def _epilogues(self) -> tuple[str, ...]:
+        return tuple(kind for kind in ("bias_gelu", "dropout_add") if getattr(self, kind))
+
+    def problems(self, plan, model) -> list[str]:
+        """Everything that stops these kernels on ``model`` under ``plan``, checked before anything changes."""
+        from shardlib.plan import match_modules
+
         from .attention import attention_problems
+        from .epilogues import epilogue_problems
+        from .fused_qkv import fused_qkv_problems
 
-        return attention_problems(self.attention)
+        problems = attention_problems(self.attention)
+        modules = dict(model.named_modules())
+        if self.fused_qkv:
+            for pattern, names in plan.fused_projections.items():
+                for path in match_modules(pattern, modules):
+                    problems += fused_qkv_problems(path, {n: getattr(modules[path], n) for n in names})
+        for kind in self._epilogues():
+            for pattern in plan.epilogues.get(kind, ()):
+                for path in match_modules(pattern, modules):
+                    problems += epilogue_problems(kind, path, modules[path])
+        return problems
+
+    def install(self, plan, model) -> dict[str, list[str]]:
+        """Install the fused-QKV and epilogue kernels on the (already sharded) model; returns the paths per kernel."""
+        from shardlib.plan import match_modules
+
+        from .epilogues import INSTALLERS
+        from .fused_qkv import fuse_linears
+
+        modules = dict(model.named_modules())
+        installed: dict[str, list[str]] = {}
+        if self.fused_qkv:
+            for pattern, names in plan.fused_projections.items():
+                for path in match_modules(pattern, modules):
+                    fuse_linears([getattr(modules[path], n) for n in names], names=[f"{path}.{n}" for n in names])
+                    installed.setdefault("fused_qkv", []).append(path)
+        for kind in self._epilogues():
+            for pattern in plan.epilogues.get(kind, ()):
+                for path in match_modules(pattern, modules):
+                    INSTALLERS[kind](path, modules[path])
+                    installed.setdefault(kind, []).append(path)
+        return installed
 
 
 __all__ = ["Kernels"]

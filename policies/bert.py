@@ -68,8 +68,15 @@ def bert_plan(model, tp: int) -> Plan:
     if loss is not None:
         styles[loss.head] = VocabParallel()
     trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
+    projections = {f"{layer}.attention.self": ("query", "key", "value")}
+    if config.is_decoder and config.add_cross_attention:
+        projections[f"{layer}.crossattention.self"] = ("key", "value")
+    epilogues = {"bias_gelu": (f"{layer}.intermediate",),
+                 "dropout_add": (f"{layer}.attention.output", f"{layer}.output")}
+    if config.is_decoder and config.add_cross_attention:
+        epilogues["dropout_add"] += (f"{layer}.crossattention.output",)
     return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout,
-                attention=attention)
+                attention=attention, fused_projections=projections, epilogues=epilogues)
 
 
 POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

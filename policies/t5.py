@@ -46,7 +46,7 @@ def t5_plan(model, tp: int) -> Plan:
     root = model.get_submodule(base.rstrip(".")) if base else model
     stacks = ["encoder", "decoder"] if hasattr(root, "decoder") else ["encoder"]
     styles = {f"{base}shared": VocabParallel()}
-    heads, attention = {}, {}
+    heads, attention, projections = {}, {}, {}
     for stack in stacks:
         block = f"{base}{stack}.block.*"
         styles[f"{base}{stack}.embed_tokens"] = VocabParallel()
@@ -54,23 +54,29 @@ def t5_plan(model, tp: int) -> Plan:
         styles[f"{base}{stack}.block.**.relative_attention_bias"] = ColwiseParallel()
         heads[f"{block}.layer.0.SelfAttention"] = ("n_heads", "inner_dim")
         attention[f"{block}.layer.0.SelfAttention"] = AttentionSite("n_heads", bias_method="compute_bias")
+        projections[f"{block}.layer.0.SelfAttention"] = ("q", "k", "v")
         if stack == "decoder":
             styles |= _attention(f"{block}.layer.1.EncDecAttention")
             heads[f"{block}.layer.1.EncDecAttention"] = ("n_heads", "inner_dim")
             kv_input = "encoder_hidden_states" if "umt5" in type(model).__module__ else "key_value_states"
             attention[f"{block}.layer.1.EncDecAttention"] = AttentionSite("n_heads", kv_input=kv_input)
+            projections[f"{block}.layer.1.EncDecAttention"] = ("k", "v")
         ff = f"{block}.layer.{2 if stack == 'decoder' else 1}.DenseReluDense"
         styles[ff] = (CopyInputs("hidden_states"), LocalRNG())  # gated: wi_0 and wi_1 share one input copy
         for wi in ("wi_0", "wi_1") if config.is_gated_act else ("wi",):
             styles[f"{ff}.{wi}"] = ColwiseParallel(copy_input=False)
         styles[f"{ff}.wo"] = RowwiseParallel()
+    epilogues = {}
+    if type(model).__module__.endswith(".modeling_t5"):  # the fused forwards restate T5's (not MT5's / UMT5's)
+        epilogues["dropout_add"] = tuple(f"{base}{stack}.block.*.layer.*" for stack in stacks)
     loss = None
     if hasattr(model, "lm_head"):
         loss = LossSpec(kind="seq2seq_lm", head="lm_head")
         styles["lm_head"] = VocabParallel()
     dropout = tuple(f"{base}{stack}.block.*.layer.*.dropout" for stack in stacks)  # each sublayer's residual dropout
     return Plan(styles=styles, divide_by_tp=heads, trunk=_trunk(model, base, stacks), loss=loss,
-                sequence_dropout=dropout, attention=attention)
+                sequence_dropout=dropout, attention=attention, fused_projections=projections,
+                epilogues=epilogues)
 
 
 def _trunk(model, base: str, stacks: list[str]) -> tuple[Stack, ...]:

@@ -28,7 +28,9 @@ def vit_plan(model, tp: int) -> Plan:
     styles[f"{layer}.mlp.fc2"] = RowwiseParallel()
     return Plan(styles=styles, divide_by_tp={f"{layer}.attention": ("num_attention_heads",)},
                 trunk=(Stack(layers=f"{base}layers", before=(f"{base}embeddings",)),),
-                sequence_dropout=(f"{layer}.dropout",), attention={attention: AttentionSite("num_attention_heads")})
+                sequence_dropout=(f"{layer}.dropout",), attention={attention: AttentionSite("num_attention_heads")},
+                fused_projections={attention: ("q_proj", "k_proj", "v_proj")},
+                epilogues={"bias_gelu": (f"{layer}.mlp",), "dropout_add": (layer,)})
 
 
 #: in memory (transformers 5) -> on disk (Hub checkpoints, what save_pretrained writes); ".attention.o_proj." goes

@@ -55,6 +55,9 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
     ``copy_input``: enter the TP region here (forward identity, backward all-reduce of the input gradient). Turn it
     off when an enclosing module already copied the input once for several column linears (q, k, v).
     ``gather_output``: all-gather the output features (padding stripped), else return this rank's slice.
+    ``epilogue``: optional callable ``(y, bias) -> y`` applied to ``F.linear(x, W_r)`` instead of adding the bias
+    (e.g. ``shardlib.kernels.epilogues.BiasGELU``), before any gather; copied from the sharded linear's own
+    ``epilogue`` attribute if it has one. None: the plain ``x W_r^T + b_r``.
     """
 
     def __init__(self, linear: nn.Linear, group: Group | None, *, copy_input=True, gather_output=False, pad=False,
@@ -66,6 +69,7 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
             raise ValueError(f"out_features {out_features} is not divisible by tp={n}")
         self.copy_input, self.gather_output = copy_input, gather_output
         self.sequence = sequence  # shardlib.sequence.SequenceStream: the input arrives sequence-sharded
+        self.epilogue = getattr(linear, "epilogue", None)  # (y, bias) -> y instead of y + bias
         self.global_out_features = out_features
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=0, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
@@ -84,7 +88,10 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
         self._check_runnable()
         if self.copy_input:
             x = self.sequence.gather(x) if self.sequence is not None else copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.epilogue is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.epilogue(F.linear(x, self.weight), self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, -1)[..., : self.global_out_features]
         return y

@@ -73,7 +73,10 @@ class Plan:
     model has a vocab head. ``sequence_dropout``: patterns of the dropout modules inside the layers that act on
     sequence-sharded activations under sequence parallelism (they then draw per-rank masks). ``attention``:
     pattern -> :class:`AttentionSite` for the modules that call transformers' attention interface (all-to-all
-    sequence parallelism wraps that call and splits their heads over the sp ranks)."""
+    sequence parallelism wraps that call and splits their heads over the sp ranks). ``fused_projections``:
+    pattern -> names of the child linears of each matched module that read the same input (q, k, v), which the
+    fused-QKV kernel computes with one GEMM. ``epilogues``: kernel kind ("bias_gelu", "dropout_add") -> patterns
+    of the modules it applies to (:mod:`shardlib.kernels.epilogues`)."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -81,6 +84,8 @@ class Plan:
     loss: LossSpec | None = None
     sequence_dropout: tuple[str, ...] = ()
     attention: dict[str, AttentionSite] = field(default_factory=dict)
+    fused_projections: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    epilogues: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=None)

@@ -48,6 +48,7 @@ class ShardReport:
     mesh: str
     rows: list[ReportRow] = field(default_factory=list)
     attributes: list[tuple[str, str, int, int]] = field(default_factory=list)  # module, attr, before, after
+    kernels: list[tuple[str, int]] = field(default_factory=list)  # fused kernel, modules it was installed on
     unsharded_bytes: int = 0
     local_bytes: int = 0
 
@@ -62,6 +63,8 @@ class ShardReport:
                 lines.append(f"{mod:<56} {sty:<44} {name:<7} {_shape(glob):>14} {_shape(loc):>14}")
         for module, attr, before, after in self.attributes:
             lines.append(f"{module:<56} {'attribute ' + attr:<44} {before:>7} -> {after}")
+        for kind, count in self.kernels:
+            lines.append(f"{'kernel ' + kind:<56} installed on {count} modules")
         ratio = self.local_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0
         lines.append(
             f"parameter bytes per rank: {_mib(self.local_bytes)} (unsharded {_mib(self.unsharded_bytes)}, "
@@ -242,7 +245,7 @@ def shard(
         except PlanError as e:
             problems.append(str(e))
     kernels = kernels or Kernels()
-    problems += kernels.problems()
+    problems += kernels.problems(plan, model)
     mode = _sequence_mode(sequence_parallel, problems)
     sp_size = getattr(mesh, "sp", 1)
     if mode is not None:
@@ -285,6 +288,8 @@ def shard(
             before = getattr(module, name)
             setattr(module, name, before // tp)
             report.attributes.append((path, name, before, before // tp))
+    for kind, paths in kernels.install(plan, model).items():
+        report.kernels.append((kind, len(paths)))
     if sp is not None:
         _install_sequence_parallel(model, plan, sp, ctx)
     if mode == ALL_TO_ALL and sp_size > 1:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import shardlib
 from harness import mesh as pool_mesh
-from rank_tasks import DTYPES, TOL, _adamw, _close, cases, cast_batch
+from rank_tasks import DTYPES, TOL, _adamw, _close, cases, cast_batch, set_attention, shard_options
 from shardlib.runtime import Trainer, dp_shard
 
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs")
@@ -28,9 +28,11 @@ def build(spec: dict):
     mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") == "all_to_all" else 1)
     family = cases(spec)
     ref = family.make_model(spec)
+    options = shard_options(spec)
+    set_attention(ref, options["kernels"].attention)
     stages_per_rank = 2 if spec["schedule"] in MULTI_STAGE else 1
     model = shardlib.shard(copy.deepcopy(ref), mesh, stages_per_rank=stages_per_rank,
-                           layers_per_stage=spec.get("layers_per_stage"), sequence_parallel=spec.get("sp", False))
+                           layers_per_stage=spec.get("layers_per_stage"), **options)
     batch = cast_batch(family.make_batch(spec, ref.config), DTYPES[spec["dtype"]])
     return mesh, ref, model, batch
 

@@ -90,7 +90,17 @@ def equivalence(spec: dict) -> dict:
     batch = cast_batch(family.make_batch(spec, ref.config), dtype)
     if spec["cls"] == "BertLMHeadModel":
         dtype = torch.float32  # HF's causal-LM loss runs in float32 (logits.float()), so gradients have fp32 noise
+    check_kernels_installed(model, shard_options(spec)["kernels"])
     return compare_training_step(ref, model, batch, dtype)
+
+
+def check_kernels_installed(model, kernels) -> None:
+    """Each kernel switched on is installed wherever the policy lists a site for it (none silently skipped)."""
+    installed, plan = dict(model._shardlib.report.kernels), model._shardlib.plan
+    wanted = {"fused_qkv": kernels.fused_qkv and bool(plan.fused_projections)}
+    wanted |= {kind: getattr(kernels, kind) and bool(plan.epilogues.get(kind)) for kind in ("bias_gelu", "dropout_add")}
+    for kind, expected in wanted.items():
+        assert bool(installed.get(kind)) == expected, (kind, installed, kernels)
 
 
 def compare_training_step(ref, model, batch, dtype) -> dict:

@@ -16,6 +16,12 @@ def sequence_parallel(draw, tp: int, all_to_all: bool = True) -> dict:
     return {"sp": mode, "sp_size": draw(st.sampled_from([2, 4] if tp == 1 else [2]))}
 
 
+def kernel_choice(draw, act: str | None = None) -> dict:
+    """The kernels switches (shardlib.kernels.Kernels); bias + GELU only where the MLP activation is GELU."""
+    return {"attention": draw(st.sampled_from(["sdpa", "eager"])), "fused_qkv": draw(st.booleans()),
+            "bias_gelu": act == "gelu" and draw(st.booleans()), "dropout_add": draw(st.booleans())}
+
+
 @st.composite
 def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4), all_to_all=True):
     tp = draw(st.sampled_from(tp))
@@ -37,7 +43,7 @@ def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4), all_to_all=True):
         "cls": cls, "tp": tp, "config": config, "seq": seq, "batch": draw(st.integers(1, 3)),
         "enc_seq": draw(st.integers(1, 7)), "padding": draw(st.booleans()),
         "dtype": draw(st.sampled_from(["float32", "float64"])), "seed": draw(st.integers(0, 2**20)),
-        "meta": draw(st.booleans()), **sp,
+        "meta": draw(st.booleans()), **sp, "kernels": kernel_choice(draw, config["act"]),
     }
 
 
@@ -58,7 +64,8 @@ def vit_specs(draw, tp=(1, 2, 4), all_to_all=True):
         "qkv_bias": draw(st.booleans()),
     }
     return {"family": "vit", "cls": draw(st.sampled_from(vit_cases.CLASSES)), "tp": tp, "config": config,
-            "interpolate": draw(st.booleans()), **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp}
+            "interpolate": draw(st.booleans()), **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp,
+            "kernels": kernel_choice(draw, config["act"])}
 
 
 @st.composite
@@ -79,7 +86,7 @@ def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES, all_to_all=True):
     }
     return {"family": "t5", "cls": draw(st.sampled_from(classes)), "tp": tp, "config": config,
             "seq": draw(st.integers(1, 9)), "dec_seq": draw(st.integers(1, 7)),
-            **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp}
+            **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp, "kernels": kernel_choice(draw)}
 
 
 PIPELINE_MESHES = ((2, 1), (2, 2), (4, 1))  # (pp, tp) on 4 ranks; dp = 4 / (pp * tp)

@@ -9,16 +9,21 @@ import rank_tasks
 from test_tp_behaviour import T5_SPEC, VIT_SPEC, _spec
 
 
+ALL_KERNELS = {"attention": "sdpa", "fused_qkv": True, "bias_gelu": True, "dropout_add": True}
+
+
+@pytest.mark.parametrize("kernels", [{}, ALL_KERNELS], ids=["stock", "all-kernels"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_sp_collectives_per_bert_layer(pool, tp):
+def test_sp_collectives_per_bert_layer(pool, tp, kernels):
     """Per layer, all-gather + reduce-scatter instead of all-reduce at both region boundaries: forward 2 all-gathers
     (attention and MLP inputs) and 2 reduce-scatters (their outputs); backward the transposes, plus the 2 inputs
     all-gathered again from their saved shards (Megatron's trade: saved activations stay 1/tp), plus one
     all-reduce per replicated parameter of the layer (2 LayerNorms x 2 + 2 row-parallel biases = 6). The stack's
     entry keeps a chunk (no communication; backward all-gather), its exit all-gathers (backward keeps a chunk).
-    The vocab-parallel embedding keeps its all-reduce."""
+    The vocab-parallel embedding keeps its all-reduce. The fused kernels change no collective."""
     layers = 2
-    counts = pool.run(rank_tasks.collective_counts, {**_spec("BertModel", tp, layers, labels=False), "sp": True})[0]
+    spec = {**_spec("BertModel", tp, layers, labels=False), "sp": True, "kernels": kernels}
+    counts = pool.run(rank_tasks.collective_counts, spec)[0]
     assert counts["forward"] == {"all_reduce": 1, "all_gather_into_tensor": 2 * layers + 1,
                                  "reduce_scatter_tensor": 2 * layers}
     assert counts["backward"] == {"all_reduce": 6 * layers, "all_gather_into_tensor": 4 * layers + 1,
