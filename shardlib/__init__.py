@@ -1,4 +1,4 @@
-"""shardlib: policy-driven sharding of unmodified HuggingFace models over a dp x pp x tp mesh.
+"""shardlib: policy-driven sharding of unmodified HuggingFace models over a dp x pp x sp x tp mesh.
 
     mesh = shardlib.init_mesh(tp=2)          # under `shardlib run` / torchrun
     model = shardlib.shard(model, mesh)      # policy found from the model class
@@ -11,6 +11,7 @@ from .random import RNGStatesTracker, manual_seed
 from .sharder import ShardReport, report, shard
 from .state import full_state_dict, load_full_state_dict, materialize
 from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+from .kernels import Kernels
 from . import checkpoint, runtime  # noqa: E402  (shardlib.checkpoint.*, shardlib.runtime.Trainer after `import shardlib`)
 from .runtime import Trainer, dp_shard
 
@@ -20,5 +21,5 @@ __all__ = [
     "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "Stack", "PlanError",
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
-    "Trainer", "dp_shard", "checkpoint", "runtime",
+    "Trainer", "dp_shard", "checkpoint", "runtime", "Kernels",
 ]
