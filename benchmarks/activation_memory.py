@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,14 @@ def batch_for(name: str, config, batch: int, seq: int) -> dict:
     if name.startswith("T5"):
         return {"input_ids": ids, "labels": torch.randint(0, config.vocab_size, (batch, seq), generator=g)}
     return {"input_ids": ids, "labels": ids}
+
+
+def _malloc_trim() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise: 4 ranks x 12-layer models ran out of RAM)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 class SavedBytes:
@@ -74,7 +84,7 @@ class SavedBytes:
             if ptr not in self.params and ptr not in self.seen:
                 self.seen.add(ptr)
                 self.per_layer[self.current] += storage.nbytes()
-        return t
+        return t.detach()  # not t: a saved output would keep its own node alive (graph leak without backward)
 
     @contextlib.contextmanager
     def counting(self):
@@ -101,7 +111,9 @@ def measure(cls, config, name, mesh, sequence_parallel, batch, seq):
     counter = SavedBytes(model, trunk)
     with counter.counting():
         out = model(**batch_for(name, config, batch, seq))
-    del out
+    del out, model
+    gc.collect()  # hooks make reference cycles: free this model before the next one is built (4 ranks share RAM)
+    _malloc_trim()
     return counter.mean_per_stack()
 
 

@@ -68,7 +68,9 @@ class SequenceParallel:
         def pack(t):
             # matched by storage: the layer may save a view of the gathered tensor (linear saves a 2-D view)
             regather = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-            stored = regather.shard if regather is not None else t
+            # detached: a pack hook that returns a node's own output keeps the node alive through that output (a
+            # reference cycle through C++ that gc cannot see), leaking the graph of a forward never backpropagated
+            stored = regather.shard if regather is not None else t.detach()
             view = (tuple(t.shape), t.stride(), t.storage_offset()) if regather is not None else None
             return regather, view, outer_pack(stored) if outer_pack is not None else stored
 

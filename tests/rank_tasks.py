@@ -388,3 +388,21 @@ def training_resumes_exactly(spec: dict, workdir: str) -> dict:
     else:
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(continued), rtol=1e-5, atol=1e-6)
     return {"continued": continued, "resumed": resumed}
+
+
+def forward_without_backward_frees_graph(spec: dict) -> bool:
+    """A training-mode forward whose graph is dropped without backward (e.g. evaluation without no_grad) frees it:
+    the saved-tensor hooks of sequence parallelism must not keep a node's own saved output alive."""
+    import gc
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    model = shardlib.shard(cases(spec).make_model(spec), spec_mesh(spec), **shard_options(spec))
+    model.train()
+    batch = cases(spec).make_batch(spec, model.config)
+    before = live_tensors()
+    out = model(**batch)
+    del out
+    return live_tensors() <= before

@@ -101,3 +101,10 @@ def test_sp_on_a_meta_built_model_loaded_afterwards(pool, case):
     spec = {"tp": 2, "seq": 7, "dec_seq": 5, "enc_seq": 5, "batch": 2, "padding": True, "dtype": "float32",
             "seed": 6, "sp": True, "meta": True, **case}
     pool.run(rank_tasks.equivalence, spec)
+
+
+@pytest.mark.parametrize("sp", [True, "all_to_all"], ids=["megatron", "all-to-all"])
+def test_forward_without_backward_leaks_nothing(pool, sp):
+    spec = {"tp": 2, "seq": 7, "batch": 2, "padding": True, "dtype": "float32", "seed": 5, "sp": sp, "sp_size": 2,
+            **FIXED[0]}
+    assert all(pool.run(rank_tasks.forward_without_backward_frees_graph, spec))
