@@ -12,8 +12,10 @@ Implementations (``shard(..., kernels=Kernels(attention=...))``):
 All-to-all sequence parallelism (``sequence_parallel="all_to_all"``, DeepSpeed-Ulysses): inside the layer stacks
 every activation is sharded along the sequence over the mesh's ``sp`` dimension (n ranks): q, k, v arrive as
 [b, h, L/n, d] for this rank's L/n positions and all h local heads. One all-to-all (q, k and v in one message,
-received as three tensors) turns them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself is exact. The output
-[b, L, h/n, d] goes back with a second all-to-all to [b, L/n, h, d]. Backward: the two inverse all-to-alls.
+received as three tensors) turns them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself
+is exact. The output [b, L, h/n, d] goes back with a second all-to-all to [b, L/n, h, d]. Backward: the two
+inverse all-to-alls, and the output exchanged again for the output projection's saved input (see
+``shardlib.sequence.SequenceParallel.recomputable``).
 Sequences n does not divide are padded at the stack entry (``shardlib.sequence``); the padding is cut off after
 the first all-to-all, so attention and the mask see exactly the true length, and restored before the second.
 Cross-attention (BERT decoders, T5's decoder): keys and values come from the replicated encoder sequence, so only

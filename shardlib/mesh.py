@@ -87,7 +87,8 @@ class Mesh:
     def __str__(self) -> str:
         coord = tuple(self.device_mesh.get_coordinate() or ())
         if self.sp == 1:
-            return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; this rank at (dp, pp, tp) = {coord[:2] + coord[3:]})"
+            at = coord[:2] + coord[3:]
+            return f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; this rank at (dp, pp, tp) = {at})"
         return (f"Mesh(dp={self.dp}, pp={self.pp}, sp={self.sp}, tp={self.tp}; "
                 f"this rank at (dp, pp, sp, tp) = {coord})")
 

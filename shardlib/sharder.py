@@ -25,7 +25,9 @@ from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
 from .random import RNGStatesTracker, rng_streams
 from .sequence import ReplicatedGradSync, SequenceParallel
-from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+from .styles import (
+    ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name,
+)
 
 log = logging.getLogger("shardlib")
 
@@ -257,7 +259,8 @@ def shard(
                         "pass sequence_parallel='all_to_all'")
     if problems:
         raise PlanError(
-            f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}, pp={pp}:\n  "
+            f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={tp}, pp={pp}"
+            + (f", sp={sp_size}" if sp_size > 1 else "") + ":\n  "
             + "\n  ".join(problems)
         )
 
@@ -292,7 +295,7 @@ def shard(
         report.kernels.append((kind, len(paths)))
     if sp is not None:
         _install_sequence_parallel(model, plan, sp, ctx)
-    if mode == ALL_TO_ALL and sp_size > 1:
+    if mode == ALL_TO_ALL:
         sp = SequenceParallel(mesh.group("sp"), sp_size)
         _install_sequence_parallel(model, plan, sp, ctx, all_to_all=True)
         _install_all_to_all_attention(model, plan, sp, kernels.attention)
@@ -339,7 +342,7 @@ def _all_to_all_problems(plan: Plan, model: nn.Module, tp: int, sp: int) -> list
         return [f"sequence_parallel='{ALL_TO_ALL}' needs a mesh with sp > 1 ranks per sequence "
                 "(init_mesh(..., sp=N)); this mesh has sp=1"]
     if not plan.attention:
-        return [f"the policy of {name} lists no self-attention modules (Plan.attention) that all-to-all sequence "
+        return [f"the policy of {name} lists no attention modules (Plan.attention) that all-to-all sequence "
                 "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
     modules = dict(model.named_modules())
     problems = []
