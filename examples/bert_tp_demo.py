@@ -1,8 +1,13 @@
 """Tensor-parallel BERT in a few lines: train a sharded BertForMaskedLM and its unsharded twin side by side.
 
-Run with 2 ranks (this is what `make demo` does):
+Run with 2 ranks:
 
     shardlib run --nproc 2 examples/bert_tp_demo.py [--steps 8] [--layers 4] [--hidden 256]
+
+Long sequences: ``--sp N`` shares each sequence between N ranks with all-to-all (Ulysses) sequence parallelism
+(tensor parallelism over the other ranks), e.g. 4 ranks as tp=2 x sp=2 on 250-token sequences:
+
+    shardlib run --nproc 4 examples/bert_tp_demo.py --sp 2 --seq 250
 
 Every rank builds the same unsharded model under one seed, keeps a copy as the reference, shards the other over
 tp=2 and trains both on the same synthetic masked-LM batches with AdamW (dropout off so the two must agree).
@@ -45,23 +50,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sp", type=int, default=1, help="ranks per sequence (all-to-all sequence parallelism)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    mesh = shardlib.init_mesh(tp=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 2)
+    shardlib.mesh.init_distributed()
+    mesh = shardlib.init_mesh(tp=torch.distributed.get_world_size() // args.sp, sp=args.sp)
     rank0 = torch.distributed.get_rank() == 0
     config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(args.seed)
     reference = BertForMaskedLM(config)
-    model = shardlib.shard(copy.deepcopy(reference), mesh)
+    model = shardlib.shard(copy.deepcopy(reference), mesh, sequence_parallel="all_to_all" if args.sp > 1 else False)
     if rank0:
         r = shardlib.report(model)
         print(f"{mesh}\nparameters per rank: {r.local_bytes / 2**20:.1f} MiB sharded vs "
               f"{r.unsharded_bytes / 2**20:.1f} MiB unsharded ({r.local_bytes / r.unsharded_bytes:.2f}x)")
-        print(f"{'step':>4}  {'unsharded loss':>14}  {'tp=' + str(mesh.tp) + ' loss':>14}  {'|diff|':>9}  "
-              f"{'tp step s':>9}")
+        layout = f"tp={mesh.tp}" + (f" sp={mesh.sp}" if mesh.sp > 1 else "")
+        print(f"{'step':>4}  {'unsharded loss':>14}  {layout + ' loss':>14}  {'|diff|':>9}  {'step s':>9}")
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     worst = 0.0

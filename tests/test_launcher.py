@@ -23,6 +23,13 @@ def test_demo_losses_match_on_two_ranks():
     assert "MATCH" in result.stdout and "tp=2 loss" in result.stdout
 
 
+def test_demo_all_to_all_sequence_parallel_matches_on_two_ranks():
+    result = _run(["run", "--nproc", "2", "examples/bert_tp_demo.py", "--layers", "2", "--hidden", "64",
+                   "--heads", "4", "--vocab", "1001", "--steps", "3", "--seq", "15", "--sp", "2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MATCH" in result.stdout and "tp=1 sp=2 loss" in result.stdout
+
+
 def test_vit_digits_demo_tp2_pp2_matches_unsharded_losses():
     result = _run(["run", "--nproc", "4", "examples/vit_digits_demo.py", "--steps", "6", "--check-steps", "3"])
     assert result.returncode == 0, result.stderr[-3000:]
