@@ -334,11 +334,17 @@ def checkpoint_round_trip(spec: dict, workdir: str) -> dict:
             assert torch.equal(value, expected[name]), f"{stage}: {name} differs"
         return len(full)
 
-    model_a = ckpt.from_pretrained(cls, hf_dir, pool_mesh(tp=spec["tp_a"]))
-    n = check_bitwise(model_a, f"HF -> tp={spec['tp_a']}")
+    def layout(which: str):  # a mesh (all-to-all sequence parallel when sp_<which> > 1) and its shard options
+        sp = spec.get(f"sp_{which}", 1)
+        return pool_mesh(tp=spec[f"tp_{which}"], sp=sp), ({"sequence_parallel": "all_to_all"} if sp > 1 else {})
+
+    mesh_a, options_a = layout("a")
+    model_a = ckpt.from_pretrained(cls, hf_dir, mesh_a, **options_a)
+    n = check_bitwise(model_a, f"HF -> {mesh_a}")
     ckpt.save(model_a, sharded_dir, overwrite=True)
-    model_b = ckpt.from_sharded(cls, sharded_dir, pool_mesh(tp=spec["tp_b"]))
-    check_bitwise(model_b, f"sharded tp={spec['tp_a']} -> tp={spec['tp_b']}")
+    mesh_b, options_b = layout("b")
+    model_b = ckpt.from_sharded(cls, sharded_dir, mesh_b, **options_b)
+    check_bitwise(model_b, f"sharded {mesh_a} -> {mesh_b}")
     batch = family.make_batch({**spec, "labels": False}, original.config)
     if spec["cls"].endswith("ForConditionalGeneration"):
         batch["decoder_input_ids"] = batch["input_ids"][:, :3]
