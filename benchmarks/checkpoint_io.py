@@ -57,6 +57,7 @@ How to run
     .venv/bin/python benchmarks/checkpoint_io.py            # BERT-large, ~1.5 minutes on 2 cores
     .venv/bin/python benchmarks/checkpoint_io.py --quick    # small model, smoke run (~30 s)
     .venv/bin/python benchmarks/checkpoint_io.py --size bert-base --variants shardlib,hf
+    .venv/bin/python benchmarks/checkpoint_io.py --only convert --convert-repeats 5   # part 3 only (~20 s)
 
 Peak memory needs ~2 GB per rank at BERT-large (4 workers at most run at once) and ~6 GB of temp disk.
 
@@ -85,7 +86,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _machine import wait_idle  # noqa: E402
+from _machine import machine_busy_s, wait_idle  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -529,6 +530,76 @@ def _fmt_pair(values, scale=MiB, fmt="{:,.0f}") -> str:
     return " / ".join(fmt.format(v / scale) for v in values)
 
 
+def _convert_benchmark(checkpoint, hf_dir: Path, hf_files: list[Path], hf_bytes: int, root: Path,
+                       repeats: int) -> dict:
+    """Part 3: raw read, xxh3-128 and write references, then HF -> sharded tp=2 with and without durability; the
+    lists of seconds, the bytes written and the machine's load (cores busy, this process included) meanwhile."""
+    busy0, wall0 = machine_busy_s(), time.perf_counter()
+    buf = memoryview(bytearray(64 * MiB))  # allocated once, outside the timed reads
+    raw = _median_time(lambda: [_raw_read(f, buf) for f in hf_files], 3)
+    xxh = _median_time(lambda: [checkpoint.checksum_of(f) for f in hf_files], 1)
+    scratch = root / "durable_write.bin"
+    durable = _median_time(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB], True), 3,
+                           before=lambda: scratch.unlink(missing_ok=True))
+    cached = _median_time(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB], False), 3,
+                          before=lambda: scratch.unlink(missing_ok=True))
+    scratch.unlink(missing_ok=True)
+    out2 = root / "convert_tp2"
+    conv2 = _median_time(lambda: checkpoint.convert(hf_dir, out2, tp=2), repeats,
+                         before=lambda: shutil.rmtree(out2, ignore_errors=True))
+    conv2_bytes = _dir_bytes(out2)
+    with _no_durability(checkpoint):
+        conv2_cache = _median_time(lambda: checkpoint.convert(hf_dir, out2, tp=2), repeats,
+                                   before=lambda: shutil.rmtree(out2, ignore_errors=True))
+    shutil.rmtree(out2, ignore_errors=True)
+    busy = (machine_busy_s() - busy0) / (time.perf_counter() - wall0)
+    print(f"raw read {_fmt_s(raw)} s, xxh3-128 {_fmt_s(xxh)} s, write+fsync {_fmt_s(durable)} s, write "
+          f"{_fmt_s(cached)} s, convert HF -> "
+          f"tp=2 {_fmt_s(conv2)} s (without fsync: {_fmt_s(conv2_cache)} s); all convert runs: "
+          f"{' '.join(f'{t:.2f}' for t in conv2)} s; machine busy {busy:.2f} cores (this process included)",
+          flush=True)
+    return dict(raw=raw, xxh=xxh, durable=durable, cached=cached, conv2=conv2, conv2_cache=conv2_cache,
+                conv2_bytes=conv2_bytes, busy=busy)
+
+
+def _convert_rows(conv: dict, hf_bytes: int) -> list[tuple[str, dict, str]]:
+    """The table rows of part 3."""
+    raw, xxh, durable, cached, conv2, conv2_cache = (conv[k] for k in ("raw", "xxh", "durable", "cached", "conv2",
+                                                                        "conv2_cache"))
+    gbps_conv = hf_bytes / statistics.median(conv2) / 1e9
+    gbps_cache = hf_bytes / statistics.median(conv2_cache) / 1e9
+    gbps_raw = hf_bytes / statistics.median(raw) / 1e9
+    gbps_xxh = hf_bytes / statistics.median(xxh) / 1e9
+    gbps_durable = hf_bytes / statistics.median(durable) / 1e9
+    gbps_cached = hf_bytes / statistics.median(cached) / 1e9
+    return [
+        ("HF -> sharded tp=2: GB/s of HF bytes (fsync of every file included)",
+         {"shardlib": f"{gbps_conv:.2f} ({statistics.median(conv2):.2f} s, median of {len(conv2)})",
+          "raw": f"read {gbps_raw:.2f} ({statistics.median(raw):.2f} s, median of {len(raw)}); "
+                 f"xxh3-128 {gbps_xxh:.2f}; write+fsync {gbps_durable:.2f}"},
+         f">= 0.5x raw read: {gbps_conv / gbps_raw:.2f}x "
+         + ("MET" if gbps_conv >= 0.5 * gbps_raw else "MISSED")
+         + f"; {gbps_conv / gbps_durable:.2f}x write+fsync"),
+        ("HF -> sharded tp=2 without fsync (diagnostic: page cache only): GB/s",
+         {"shardlib": f"{gbps_cache:.2f} ({statistics.median(conv2_cache):.2f} s, median of "
+                      f"{len(conv2_cache)})",
+          "raw": f"write (no fsync) {gbps_cached:.2f}"},
+         f"{gbps_cache / gbps_raw:.2f}x raw read; {gbps_cache / gbps_cached:.2f}x write"),
+    ]
+
+
+def _print_table(title: str, cols: list[str], rows: list) -> None:
+    print()
+    print(f"### Checkpoint I/O: {title}")
+    print()
+    header = ["measurement", *(TITLES[c] for c in cols), "target / ratio"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(["---"] * len(header)) + "|")
+    for label, values, target in rows:
+        print("| " + " | ".join([label, *(values.get(c, "") for c in cols), target]) + " |")
+    print()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -541,6 +612,8 @@ def main(argv=None) -> int:
     p.add_argument("--convert-repeats", type=int, default=None, help="default 3 (quick: 2)")
     p.add_argument("--wait-idle", type=float, default=60.0, help="wait up to this long for an idle machine")
     p.add_argument("--variants", default=",".join(VARIANTS), help="load variants: shardlib,full,hf")
+    p.add_argument("--only", choices=["convert"], default=None,
+                   help="run one part only: 'convert' = part 3, HF -> sharded tp=2 against the raw I/O references")
     args = p.parse_args(argv)
     size = args.size or ("quick" if args.quick else "bert-large")
     load_repeats = args.load_repeats or (1 if args.quick else 3)
@@ -582,6 +655,17 @@ def main(argv=None) -> int:
         print(f"setup: {size} BertForMaskedLM, {n_params / 1e6:.1f} M parameters, {param_bytes / 1e9:.3f} GB fp32 "
               f"(tied decoder once); save_pretrained -> {len(hf_files)} safetensors file(s), {hf_bytes / 1e9:.3f} GB, "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
+
+        title = (f"BertForMaskedLM {size} ({n_params / 1e6:.0f} M params, {param_bytes / 1e9:.2f} GB fp32; HF "
+                 f"safetensors {hf_bytes / 1e9:.2f} GB), tp=2 on {os.cpu_count()} CPU cores, gloo, 1 thread/rank")
+        if args.only == "convert":
+            conv = _convert_benchmark(checkpoint, hf_dir, hf_files, hf_bytes, root, convert_repeats)
+            _print_table(title, ["shardlib", "raw"], _convert_rows(conv, hf_bytes))
+            load_at_end = open("/proc/loadavg").read().split()[:3]
+            print(f"- HF->tp=2 convert wrote {conv['conv2_bytes'] / 1e9:.3f} GB; machine busy {conv['busy']:.2f} "
+                  f"cores during part 3 (this process included); load average at start {' '.join(load_at_start)}, "
+                  f"at end {' '.join(load_at_end)}; total run {time.perf_counter() - run_start:.0f} s")
+            return 0
 
         # ---- 1 + 2a: loads (fresh processes per variant); saves in the shardlib processes
         loads: dict[str, list[dict] | str] = {}
@@ -629,30 +713,9 @@ def main(argv=None) -> int:
         shutil.rmtree(tp4, ignore_errors=True)
 
         # ---- 3: HF -> sharded tp=2 throughput vs raw read (raw read right before)
-        buf = memoryview(bytearray(64 * MiB))  # allocated once, outside the timed reads
-        raw = _median_time(lambda: [_raw_read(f, buf) for f in hf_files], 3)
-        xxh = _median_time(lambda: [checkpoint.checksum_of(f) for f in hf_files], 1)
-        scratch = root / "durable_write.bin"
-        durable = _median_time(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB], True), 3,
-                               before=lambda: scratch.unlink(missing_ok=True))
-        cached = _median_time(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB], False), 3,
-                              before=lambda: scratch.unlink(missing_ok=True))
-        scratch.unlink(missing_ok=True)
-        out2 = root / "convert_tp2"
-        conv2 = _median_time(lambda: checkpoint.convert(hf_dir, out2, tp=2), convert_repeats,
-                             before=lambda: shutil.rmtree(out2, ignore_errors=True))
-        conv2_bytes = _dir_bytes(out2)
-        with _no_durability(checkpoint):
-            conv2_cache = _median_time(lambda: checkpoint.convert(hf_dir, out2, tp=2), convert_repeats,
-                                       before=lambda: shutil.rmtree(out2, ignore_errors=True))
-        shutil.rmtree(out2, ignore_errors=True)
-        print(f"raw read {_fmt_s(raw)} s, xxh3-128 {_fmt_s(xxh)} s, write+fsync {_fmt_s(durable)} s, write "
-              f"{_fmt_s(cached)} s, convert HF -> "
-              f"tp=2 {_fmt_s(conv2)} s (without fsync: {_fmt_s(conv2_cache)} s)", flush=True)
+        conv = _convert_benchmark(checkpoint, hf_dir, hf_files, hf_bytes, root, convert_repeats)
 
         # ------------------------------------------------------------------------------------------ the table
-        title = (f"BertForMaskedLM {size} ({n_params / 1e6:.0f} M params, {param_bytes / 1e9:.2f} GB fp32; HF "
-                 f"safetensors {hf_bytes / 1e9:.2f} GB), tp=2 on {os.cpu_count()} CPU cores, gloo, 1 thread/rank")
         cols = ["shardlib", "full", "hf", "dcp", "raw"]
         rows: list[tuple[str, dict, str]] = []
         metrics = {v: _load_metrics(res) for v, res in loads.items() if isinstance(res, list)}
@@ -707,34 +770,9 @@ def main(argv=None) -> int:
         rows.append(("reshard tp=2 -> tp=4: wall s",
                      {"shardlib": f"{statistics.median(convert4):.2f} (offline convert, 1 proc, writes files)",
                       "dcp": dcp4_cell}, ""))
-        gbps_conv = hf_bytes / statistics.median(conv2) / 1e9
-        gbps_cache = hf_bytes / statistics.median(conv2_cache) / 1e9
-        gbps_raw = hf_bytes / statistics.median(raw) / 1e9
-        gbps_xxh = hf_bytes / statistics.median(xxh) / 1e9
-        gbps_durable = hf_bytes / statistics.median(durable) / 1e9
-        gbps_cached = hf_bytes / statistics.median(cached) / 1e9
-        rows.append(("HF -> sharded tp=2: GB/s of HF bytes (fsync of every file included)",
-                     {"shardlib": f"{gbps_conv:.2f} ({statistics.median(conv2):.2f} s, median of {len(conv2)})",
-                      "raw": f"read {gbps_raw:.2f} ({statistics.median(raw):.2f} s, median of {len(raw)}); "
-                             f"xxh3-128 {gbps_xxh:.2f}; write+fsync {gbps_durable:.2f}"},
-                     f">= 0.5x raw read: {gbps_conv / gbps_raw:.2f}x "
-                     + ("MET" if gbps_conv >= 0.5 * gbps_raw else "MISSED")
-                     + f"; {gbps_conv / gbps_durable:.2f}x write+fsync"))
-        rows.append(("HF -> sharded tp=2 without fsync (diagnostic: page cache only): GB/s",
-                     {"shardlib": f"{gbps_cache:.2f} ({statistics.median(conv2_cache):.2f} s, median of "
-                                  f"{len(conv2_cache)})",
-                      "raw": f"write (no fsync) {gbps_cached:.2f}"},
-                     f"{gbps_cache / gbps_raw:.2f}x raw read; {gbps_cache / gbps_cached:.2f}x write"))
+        rows += _convert_rows(conv, hf_bytes)
 
-        print()
-        print(f"### Checkpoint I/O: {title}")
-        print()
-        header = ["measurement", *(TITLES[c] for c in cols), "target / ratio"]
-        print("| " + " | ".join(header) + " |")
-        print("|" + "|".join(["---"] * len(header)) + "|")
-        for label, values, target in rows:
-            print("| " + " | ".join([label, *(values.get(c, "") for c in cols), target]) + " |")
-        print()
+        _print_table(title, cols, rows)
 
         # ---- notes
         for v in VARIANTS:
@@ -749,8 +787,9 @@ def main(argv=None) -> int:
             print(f"- WARNING: the forward check differs between variants: {losses}")
         if not all(r.get("peak_reset") for res in loads.values() if isinstance(res, list) for r in res):
             print("- /proc/self/clear_refs could not reset the peak: VmHWM includes the start-up peak.")
-        print(f"- HF->tp=2 convert wrote {conv2_bytes / 1e9:.3f} GB (files + metadata), xxh3-128-hashed them while "
-              "writing and fsynced every file; all reads are page-cache reads (the HF file was just written; "
+        print(f"- HF->tp=2 convert wrote {conv['conv2_bytes'] / 1e9:.3f} GB (files + metadata), xxh3-128-hashed "
+              f"them and fsynced every file (machine busy {conv['busy']:.2f} cores during part 3, this process "
+              "included); all reads are page-cache reads (the HF file was just written; "
               "nothing drops caches).")
         if dcp4 is not None:
             compared = sum(r["compared"] for r in dcp4)

@@ -35,7 +35,7 @@ from torch import nn
 from .layout import Layout, layout_of
 from .safetensors_io import (  # noqa: F401  (sha256_of, DIRECT_ROW: re-exported, part of this module's API)
     BLOCK, DIRECT_ROW, _ST_RANK, CheckpointError, SafetensorsFile, SafetensorsFiles, _dtype_name, _inside, _OutFile,
-    _Writer,
+    _scatter_read, _Writer,
     checksum_of, file_checksum, sha256_of,
 )
 from .state import materialize
@@ -246,14 +246,15 @@ def _broadcast_str(value: str) -> str:
 
 def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: bool = False) -> Path:
     """Write ``model``'s local shards (no gather, no copies: each tensor is streamed from its own memory) plus
-    ``shardlib.json``; atomic (see module docstring). Every rank of the mesh must call it; data-parallel replicas
-    other than dp rank 0 write nothing. With ``optimizer``, its per-parameter state (AdamW moments and step) is
-    saved the same way, keyed by parameter name, and its hyperparameters go into the metadata, so training resumes
-    exactly (also under another tp)."""
+    ``shardlib.json``; atomic (see module docstring). Every rank of the mesh must call it; replicas other than dp
+    rank 0 and all-to-all sp rank 0 write nothing. With ``optimizer``, its per-parameter state (AdamW moments and
+    step) is saved the same way, keyed by parameter name, and its hyperparameters go into the metadata, so training
+    resumes exactly (also under another tp)."""
     state = model._shardlib
     mesh = state.mesh
     directory = Path(directory)
-    is_writer = getattr(mesh, "dp", 1) == 1 or mesh.local_rank("dp") == 0
+    # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
+    is_writer = all(getattr(mesh, dim, 1) == 1 or mesh.local_rank(dim) == 0 for dim in ("dp", "sp"))
     if directory.exists() and not overwrite:
         raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
     tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12])}"
@@ -408,6 +409,38 @@ class ShardedCheckpoint:
                                   f"{self.tensors[name]['dtype']!r}")
         return value
 
+    def extents(self, name: str, start: int = 0,
+                stop: int | None = None) -> list[tuple[SafetensorsFile, int, int]] | None:
+        """Where global dim-0 rows ``[start, stop)`` of ``name`` lie, as ``[(file, offset, nbytes)]`` in order
+        (the whole tensor when ``stop`` is None and ``start`` 0), or None when they are not whole byte ranges of
+        the files (pieces split along another dim) or the files store another dtype. Opens (and so verifies) the
+        files."""
+        t = self.tensors[name]
+        pieces, dtype = t["pieces"], self.dtype(name)
+        shape = tuple(t["shape"])
+        whole = next((p for p in pieces if p["dim"] is None), None)
+        if whole is not None:
+            reader = self._reader(whole["file"])
+            if reader.entry(name).dtype != dtype or reader.entry(name).shape != shape:
+                return None
+            return [reader.extent(name, start, stop)]
+        if not shape or any(p["dim"] != 0 for p in pieces):
+            return None
+        stop = shape[0] if stop is None else stop
+        out, covered = [], start
+        for p in sorted(pieces, key=lambda p: p["start"]):
+            lo, hi = max(covered, p["start"]), min(stop, p["stop"])
+            if lo >= hi:
+                continue
+            if lo != covered:
+                return None  # a gap: leave the error to read_into
+            reader = self._reader(p["file"])
+            if reader.entry(name).dtype != dtype or reader.entry(name).shape[1:] != shape[1:]:
+                return None
+            out.append(reader.extent(name, lo - p["start"], hi - p["start"]))
+            covered = hi
+        return out if covered == stop else None
+
     def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
         """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), as a new
         tensor read from the pieces that overlap them."""
@@ -529,8 +562,15 @@ def from_sharded(model_class, directory: str | Path, mesh, **shard_options) -> n
 # ------------------------------------------------------------------------------------ streamed copies of tensors
 def _stream_rows(writer: _Writer, source, key: str, shape: tuple[int, ...], dtype: torch.dtype, start: int,
                  stop: int, out: _OutFile) -> None:
-    """Copy dim-0 rows ``[start, stop)`` of tensor ``key`` of ``source`` (anything with ``read_into``) to ``out``,
-    in blocks of at most 4 MiB: each block is read straight into a pool buffer, hashed and handed to the writer."""
+    """Copy dim-0 rows ``[start, stop)`` of tensor ``key`` of ``source`` (anything with ``read_into``) to ``out``.
+    When the source stores them as whole byte ranges of its files (``source.extents``), they are copied inside the
+    kernel (:meth:`_Writer.copy`: ``copy_file_range``, hashed from the source on the way); otherwise in blocks of
+    at most 4 MiB: each block is read straight into a pool buffer, hashed and handed to the writer."""
+    extents = source.extents(key, start, stop if shape else None) if hasattr(source, "extents") else None
+    if extents is not None:
+        for file, offset, nbytes in extents:
+            writer.copy(out, file, offset, nbytes)
+        return
     if not shape:  # a scalar
         block = writer.buffer()
         source.read_into(key, block[:dtype.itemsize].view(dtype).view(()))
@@ -564,6 +604,8 @@ def _stream_tensor(writer: _Writer, source, key: str, dtype: torch.dtype, layout
         for r, a, b in ranges:
             _stream_rows(writer, source, key, shape, dtype, a, b, outs[r])
         return math.prod(shape) * dtype.itemsize
+    if _stream_columns(writer, source, key, dtype, layout, ranges, outs):
+        return math.prod(shape) * dtype.itemsize
     row = math.prod(shape[1:]) * dtype.itemsize
     if row == 0:
         return 0
@@ -578,6 +620,43 @@ def _stream_tensor(writer: _Writer, source, key: str, dtype: torch.dtype, layout
         if pooled:
             writer.give_back(block)
     return math.prod(shape) * dtype.itemsize
+
+
+def _stream_columns(writer: _Writer, source, key: str, dtype: torch.dtype, layout: Layout,
+                    ranges: list[tuple[int, int, int]], outs: dict) -> bool:
+    """A tensor split along dim ``d`` > 0 whose source is one byte range of one file: seen as ``outer`` super-rows
+    of ``shape[d] * inner`` bytes (``outer``: the product of the dims before ``d``), each super-row holds every
+    rank's run of columns back to back. A block of whole super-rows is read with ``preadv`` scattering each run
+    straight into its rank's part of one pool buffer, so each rank's part comes out contiguous (no copy in this
+    process), is hashed once and written with one ``pwrite``. False (nothing done) when the source does not have
+    the tensor as one byte range or the ranks' columns do not tile the dim."""
+    shape, d = layout.global_shape, layout.shard_dim
+    extents = source.extents(key) if hasattr(source, "extents") else None
+    if extents is None or len(extents) != 1 or not ranges or ranges[0][1] != 0 or ranges[-1][2] != shape[d] or \
+            any(b != a for (_, _, b), (_, a, _) in zip(ranges, ranges[1:])):
+        return False
+    file, offset, nbytes = extents[0]
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        return False
+    inner = math.prod(shape[d + 1:]) * dtype.itemsize
+    outer, row = math.prod(shape[:d]), shape[d] * inner
+    if row == 0 or outer == 0:
+        return True
+    runs = [(outs[r], (b - a) * inner) for r, a, b in ranges]
+    step = max(1, BLOCK // row)
+    for i in range(0, outer, step):
+        k = min(step, outer - i)
+        pooled = k * row <= BLOCK
+        block = writer.buffer() if pooled else torch.empty(k * row, dtype=torch.uint8)
+        data = memoryview(block.numpy())
+        parts, position = [], 0
+        for out, run in runs:
+            parts.append((out, data[position:position + k * run], run))
+            position += k * run
+        _scatter_read(file._fd, [part[j * run:(j + 1) * run] for j in range(k) for _, part, run in parts],
+                      offset + i * row, file.path)
+        writer.emit_parts([(out, part) for out, part, _ in parts], block if pooled else None)
+    return True
 
 
 def export_hf(directory: str | Path, destination: str | Path, *, overwrite: bool = False,

@@ -73,3 +73,4 @@ def test_checkpoints_across_all_to_all_layouts(pool, tmp_path, a, b):
             "sp_b": b[1]}
     results = pool.run(rank_tasks.checkpoint_round_trip, spec, str(tmp_path))
     assert results[0]["tensors"] > 10
+    assert sum(r["wrote"] for r in results) == a[0]  # one writer per tensor-parallel rank
