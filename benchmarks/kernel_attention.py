@@ -5,7 +5,8 @@ What is measured
 ----------------
 Forward + backward time of one attention call (q, k, v -> output; the projections are not included) at the shapes
 one rank sees: BERT-base (12 heads of 64, 128 tokens, a padding mask), ViT-base (197 tokens, no mask) and T5-base
-(12 heads of 64, 128 tokens, relative position bias + padding mask, no 1/sqrt(d) scaling), with all 12 heads
+(12 heads of 64, 128 tokens, relative position bias + padding mask, no 1/sqrt(d) scaling; ``--seq`` for other
+BERT / T5 lengths), with all 12 heads
 (tp=1) and with the 6 local heads of tp=2; batch 8, float32. Two regimes: training with attention dropout 0.1
 (BERT and T5's defaults; SDPA then runs its math path) and without dropout (ViT's default, and eval: SDPA's fused
 CPU kernel). Modes run interleaved round after round; each ratio is the median over rounds of that round's
@@ -34,21 +35,21 @@ from _machine import machine_busy_s  # noqa: E402
 from shardlib.kernels.attention import inner_attention  # noqa: E402
 
 
-def cases(batch: int, heads: int):
+def cases(batch: int, heads: int, seq: int = 128):
     """(name, attention module, q/k/v shape, extra kwargs builder) per model at ``heads`` local heads."""
     g = torch.Generator().manual_seed(0)
     bert = modeling_bert.BertSelfAttention(BertConfig(), is_causal=False, layer_idx=0)
     vit = modeling_vit.ViTAttention(ViTConfig())
     t5 = modeling_t5.T5Attention(T5Config(), has_relative_attention_bias=True)
-    lengths = torch.randint(64, 129, (batch,), generator=g)
-    mask = torch.arange(128) < lengths[:, None]
-    float_mask = torch.zeros(batch, 1, 1, 128).masked_fill(~mask[:, None, None, :], torch.finfo(torch.float32).min)
-    bias = torch.randn(1, heads, 128, 128, generator=g)
+    lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
+    mask = torch.arange(seq) < lengths[:, None]
+    float_mask = torch.zeros(batch, 1, 1, seq).masked_fill(~mask[:, None, None, :], torch.finfo(torch.float32).min)
+    bias = torch.randn(1, heads, seq, seq, generator=g)
     return [
-        ("BERT-base", bert, (batch, heads, 128, 64), dict(attention_mask=mask[:, None, None, :].expand(-1, 1, 128, -1),
+        ("BERT-base", bert, (batch, heads, seq, 64), dict(attention_mask=mask[:, None, None, :].expand(-1, 1, seq, -1),
                                                          scaling=0.125)),
         ("ViT-base", vit, (batch, heads, 197, 64), dict(attention_mask=None, scaling=0.125)),
-        ("T5-base", t5, (batch, heads, 128, 64), dict(attention_mask=float_mask, scaling=1.0, position_bias=bias)),
+        ("T5-base", t5, (batch, heads, seq, 64), dict(attention_mask=float_mask, scaling=1.0, position_bias=bias)),
     ]
 
 
@@ -80,12 +81,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128, help="BERT and T5 tokens (ViT-base: 197)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"attention fwd+bwd per call, ms (median over rounds); batch {args.batch}, float32, {args.threads} threads")
+    print(f"attention fwd+bwd per call, ms (median over rounds); batch {args.batch}, {args.seq} tokens (ViT 197), "
+          f"float32, {args.threads} threads")
     print(f"{'model':<10} {'heads':>5} {'dropout':>7} {'eager':>8} {'sdpa':>8} {'sdpa/eager':>10} {'others':>6}")
     for heads, label in ((12, "12"), (6, "6 (tp=2)")):
-        for name, module, shape, kwargs in cases(args.batch, heads):
+        for name, module, shape, kwargs in cases(args.batch, heads, args.seq):
             for dropout in (0.1, 0.0):
                 module.train(dropout > 0)
                 eager, sdpa = inner_attention(module, "eager"), inner_attention(module, "sdpa")

@@ -21,14 +21,17 @@ class Kernels:
     reference); the defaults are the ones measured not slower on CPU (``benchmarks/kernel_*.py``,
     docs/kernels.md).
 
-    ``attention``: "sdpa" (``torch.nn.functional.scaled_dot_product_attention`` through HF's attention interface,
-    T5's position bias as its additive mask) or "eager" (the model's own matmul-softmax-matmul reference).
+    ``attention``: None (default): the model's own implementation, as ``from_pretrained(attn_implementation=...)``
+    or transformers' default (SDPA) set it; "sdpa" (``torch.nn.functional.scaled_dot_product_attention`` through
+    HF's attention interface, T5's position bias as its additive mask) or "eager" (the model's own
+    matmul-softmax-matmul reference). Neither is faster everywhere on CPU: SDPA wins from a few hundred tokens
+    without dropout, eager at 128 tokens and with dropout (docs/kernels.md).
     ``fused_qkv``: q, k and v (cross-attention: k and v) from one GEMM.
     ``bias_gelu``: the first MLP linear's bias added inside a compiled GELU.
     ``dropout_add``: each residual dropout + add as one compiled op (mask stored as 1 byte per element).
     """
 
-    attention: str = "sdpa"
+    attention: str | None = None
     fused_qkv: bool = False
     bias_gelu: bool = False
     dropout_add: bool = False

@@ -2,7 +2,8 @@
 sequence-parallel attention. No HF forward is copied: HF's attention modules compute q, k and v and call the
 function registered under ``config._attn_implementation``; shardlib only chooses or wraps that function.
 
-Implementations (``shard(..., kernels=Kernels(attention=...))``):
+Implementations (``shard(..., kernels=Kernels(attention=...))``; the default None keeps the model's own setting,
+which transformers makes SDPA unless ``attn_implementation`` said otherwise):
 
 * ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` (HF's ``sdpa_attention_forward``). For T5 HF
   folds the relative position bias into the additive mask, passes ``scale=1.0`` (T5 does not scale q.k) and
@@ -41,15 +42,15 @@ ALL_TO_ALL_PREFIX = "shardlib_all_to_all_"
 CONTEXT_ATTR = "_shardlib_all_to_all"
 
 
-def attention_problems(implementation: str) -> list[str]:
-    if implementation not in IMPLEMENTATIONS:
+def attention_problems(implementation: str | None) -> list[str]:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
         return [f"attention implementation {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}"]
     return []
 
 
-def set_attention(model: nn.Module, implementation: str) -> None:
-    """Make every attention module of ``model`` call ``implementation`` (HF's own switch)."""
-    if model.config._attn_implementation != implementation:
+def set_attention(model: nn.Module, implementation: str | None) -> None:
+    """Make every attention module of ``model`` call ``implementation`` (HF's own switch; None: leave it)."""
+    if implementation is not None and model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
 
 

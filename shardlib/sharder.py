@@ -298,7 +298,7 @@ def shard(
     if mode == ALL_TO_ALL:
         sp = SequenceParallel(mesh.group("sp"), sp_size)
         _install_sequence_parallel(model, plan, sp, ctx, all_to_all=True)
-        _install_all_to_all_attention(model, plan, sp, kernels.attention)
+        _install_all_to_all_attention(model, plan, sp, kernels.attention or model.config._attn_implementation)
     if plan.loss is not None:
         install_vocab_parallel_loss(model, plan.loss, gather_logits)
     if check_replicated_inputs and tp > 1:

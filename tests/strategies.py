@@ -18,7 +18,7 @@ def sequence_parallel(draw, tp: int, all_to_all: bool = True) -> dict:
 
 def kernel_choice(draw, act: str | None = None) -> dict:
     """The kernels switches (shardlib.kernels.Kernels); bias + GELU only where the MLP activation is GELU."""
-    return {"attention": draw(st.sampled_from(["sdpa", "eager"])), "fused_qkv": draw(st.booleans()),
+    return {"attention": draw(st.sampled_from([None, "sdpa", "eager"])), "fused_qkv": draw(st.booleans()),
             "bias_gelu": act == "gelu" and draw(st.booleans()), "dropout_add": draw(st.booleans())}
 
 
