@@ -265,7 +265,9 @@ class Trainer:
             raise ValueError(f"{type(self.model).__name__} computed no loss: pass labels, or Trainer(loss_fn=...)")
         if self.loss_fn is not None:
             return loss
-        return loss * float(weights.sum() / self._total)
+        # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch
+        # loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0
+        return loss * (float(weights.sum() / self._total) if self._total else 0.0)
 
     def _run_pipeline(self, batch: dict, weights: torch.Tensor) -> float:
         schedule, last = self._schedule(batch, eval=False)
