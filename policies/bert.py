@@ -55,26 +55,24 @@ def bert_plan(model, tp: int) -> Plan:
     styles |= attention_styles(f"{layer}.attention", ("hidden_states",))
     heads = {f"{layer}.attention.self": ("num_attention_heads", "all_head_size")}
     attention = {f"{layer}.attention.self": AttentionSite("num_attention_heads")}
+    projections = {f"{layer}.attention.self": ("query", "key", "value")}  # fused-QKV groups
     dropout = (f"{layer}.attention.output.dropout", f"{layer}.output.dropout")  # after the row-parallel exits
+    epilogues = {"bias_gelu": (f"{layer}.intermediate",),
+                 "dropout_add": (f"{layer}.attention.output", f"{layer}.output")}
     if config.is_decoder and config.add_cross_attention:
         styles |= attention_styles(f"{layer}.crossattention", ("hidden_states", "encoder_hidden_states"))
         heads[f"{layer}.crossattention.self"] = ("num_attention_heads", "all_head_size")
         attention[f"{layer}.crossattention.self"] = AttentionSite("num_attention_heads",
                                                                   kv_input="encoder_hidden_states")
+        projections[f"{layer}.crossattention.self"] = ("key", "value")
         dropout += (f"{layer}.crossattention.output.dropout",)
+        epilogues["dropout_add"] += (f"{layer}.crossattention.output",)
     styles[f"{layer}.intermediate.dense"] = ColwiseParallel()
     styles[f"{layer}.output.dense"] = RowwiseParallel()
     loss = next((spec for cls, spec in LOSSES.items() if isinstance(model, cls)), None)
     if loss is not None:
         styles[loss.head] = VocabParallel()
     trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
-    projections = {f"{layer}.attention.self": ("query", "key", "value")}
-    if config.is_decoder and config.add_cross_attention:
-        projections[f"{layer}.crossattention.self"] = ("key", "value")
-    epilogues = {"bias_gelu": (f"{layer}.intermediate",),
-                 "dropout_add": (f"{layer}.attention.output", f"{layer}.output")}
-    if config.is_decoder and config.add_cross_attention:
-        epilogues["dropout_add"] += (f"{layer}.crossattention.output",)
     return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout,
                 attention=attention, fused_projections=projections, epilogues=epilogues)
 
