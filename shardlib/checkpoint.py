@@ -34,8 +34,8 @@ from torch import nn
 
 from .layout import Layout, layout_of
 from .safetensors_io import (  # noqa: F401  (sha256_of, DIRECT_ROW: re-exported, part of this module's API)
-    BLOCK, DIRECT_ROW, _ST_RANK, CheckpointError, SafetensorsFile, SafetensorsFiles, _dtype_name, _inside, _OutFile,
-    _scatter_read, _Writer,
+    BLOCK, DIRECT_ROW, _ST_RANK, CheckpointError, ReaderPool, SafetensorsFile, SafetensorsFiles, _dtype_name,
+    _inside, _OutFile, _scatter_read, _Writer,
     checksum_of, file_checksum, sha256_of,
 )
 from .state import materialize
@@ -328,10 +328,11 @@ def _write_files(directory: Path, files: dict[str, dict[str, torch.Tensor]]) -> 
         return writer.finish()
 
 
-class ShardedCheckpoint:
+class ShardedCheckpoint(ReaderPool):
     """A sharded checkpoint directory: its metadata, verified files, and slice reads across pieces."""
 
     def __init__(self, directory: str | Path, *, verify: bool = True):
+        super().__init__()
         self.directory = Path(directory)
         meta_path = self.directory / METADATA
         if not meta_path.exists():
@@ -345,8 +346,6 @@ class ShardedCheckpoint:
                                   f"{', '.join(READABLE_FORMATS)}")
         self.tensors = self.meta["tensors"]
         self._verified: dict[str, Path] = {}  # file name -> checked path
-        self._readers: dict[str, SafetensorsFile] = {}
-        self._scratch: dict = {}
         self._verify = verify
         for file in {p["file"] for t in self.tensors.values() for p in t["pieces"]}:
             _inside(self.directory, file)
@@ -381,23 +380,9 @@ class ShardedCheckpoint:
 
     def _reader(self, file: str) -> SafetensorsFile:
         """One open reader per file (verified once) for every tensor stored in it."""
-        if file not in self._readers:
-            if file not in self.meta["files"]:
-                raise CheckpointError(f"{self.directory / file}: named by tensors but not listed in {METADATA}")
-            self._readers[file] = SafetensorsFile(self._check_file(file, self.meta["files"][file]), self._scratch)
-        return self._readers[file]
-
-    def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
-        self._scratch.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        if file not in self._readers and file not in self.meta["files"]:
+            raise CheckpointError(f"{self.directory / file}: named by tensors but not listed in {METADATA}")
+        return self._reader_for(file, lambda: self._check_file(file, self.meta["files"][file]))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])

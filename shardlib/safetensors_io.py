@@ -354,15 +354,41 @@ class SafetensorsFile:
                 dest[i:i + k].copy_(scratch.as_strided((k, run), (stride, 1)))
 
 
-class SafetensorsFiles:
+class ReaderPool:
+    """Open :class:`SafetensorsFile` readers kept by key (each file opened once, sharing one block buffer), all
+    closed by :meth:`close` or at the end of a ``with`` block."""
+
+    def __init__(self):
+        self._readers: dict = {}
+        self._scratch: dict = {}
+
+    def _reader_for(self, key, open_path) -> SafetensorsFile:
+        """The reader of ``key``, opening ``open_path()`` the first time."""
+        if key not in self._readers:
+            self._readers[key] = SafetensorsFile(open_path(), self._scratch)
+        return self._readers[key]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._scratch.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SafetensorsFiles(ReaderPool):
     """The tensors of a directory of safetensors files (a single ``model.safetensors``, an HF index + shards, or
     explicit key -> file map), read slice by slice without mmap. Files open lazily (once each); a corrupt or
     truncated file is an error naming it."""
 
     def __init__(self, directory: str | Path, weight_map: dict[str, str] | None = None):
+        super().__init__()
         self.directory = Path(directory)
-        self._open: dict[Path, SafetensorsFile] = {}
-        self._scratch: dict = {}
         if weight_map is None:
             weight_map = self._hf_weight_map()
         paths = {name: _inside(self.directory, name) for name in set(weight_map.values())}  # each file once
@@ -381,24 +407,10 @@ class SafetensorsFiles:
         return {key: single.name for key in self._handle(single).keys()}
 
     def _handle(self, path: Path) -> SafetensorsFile:
-        if path not in self._open:
-            self._open[path] = SafetensorsFile(path, self._scratch)
-        return self._open[path]
+        return self._reader_for(path, lambda: path)
 
     def _entry(self, key: str) -> _Entry:
         return self._handle(self.weight_map[key]).entry(key)
-
-    def close(self) -> None:
-        for f in self._open.values():
-            f.close()
-        self._open.clear()
-        self._scratch.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __contains__(self, key: str) -> bool:
         return key in self.weight_map
