@@ -43,8 +43,9 @@ SEQ_DIM = 1
 
 @dataclass
 class SequenceParallel:
-    """The sequence-parallel state of one sharded model: its TP group and the true length of each stack's
-    sequence in the current forward (recorded at the stack's entry, read by every all-gather inside it)."""
+    """The sequence-parallel state of one sharded model: the group that shares each sequence (TP for Megatron, sp
+    for all-to-all) and the true length of each stack's sequence in the current forward (recorded at the stack's
+    entry, read by every all-gather / all-to-all inside it)."""
 
     group: Group
     size: int  # ranks sharing one sequence
