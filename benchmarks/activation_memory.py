@@ -102,7 +102,7 @@ def measure(cls, config, name, mesh, sequence_parallel, batch, seq):
     model = cls(config)
     if mesh is not None:
         shardlib.shard(model, mesh, sequence_parallel=sequence_parallel)
-        trunk = model._shardlib.plan.trunk
+        trunk = shardlib.shard_state(model).plan.trunk
     else:
         from shardlib.policies import policy_for
 

@@ -233,8 +233,8 @@ def _dcp_state_dict(model) -> dict:
 
     import shardlib
 
-    tp_mesh = model._shardlib.mesh.device_mesh["tp"]
-    rank = model._shardlib.mesh.tp_rank
+    tp_mesh = shardlib.shard_state(model).mesh.device_mesh["tp"]
+    rank = shardlib.shard_state(model).mesh.tp_rank
     out, seen = {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:

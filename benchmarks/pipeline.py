@@ -344,7 +344,7 @@ def time_stages(model, split, captured: dict, args, log) -> dict:
 def bench_split(name, config, batch, spr, schedules, microbatches, args, log) -> dict:
     """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
     model = shardlib.shard(build_model(name, config), MESH, stages_per_rank=spr)
-    split = model._shardlib.pipeline
+    split = shardlib.shard_state(model).pipeline
     out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stages": {}, "mem": {}}
     trainers: dict = {}
 

@@ -77,7 +77,7 @@ def main() -> int:
     trainer = Trainer(model, lambda params: torch.optim.AdamW(params, lr=args.lr), microbatches=args.microbatches,
                       schedule=args.schedule, max_grad_norm=1.0)
     if rank == 0:
-        print(f"{mesh}; stages: {model._shardlib.pipeline.plan.layers if model._shardlib.pipeline else 'one'}")
+        print(f"{mesh}; stages: {shardlib.shard_state(model).pipeline.plan.layers if shardlib.shard_state(model).pipeline else 'one'}")
     g = torch.Generator().manual_seed(args.seed + 1)
     start, losses = time.perf_counter(), []
     for step in range(args.steps):

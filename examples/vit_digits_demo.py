@@ -103,7 +103,7 @@ def main() -> int:
     model = make_model(args)
     expected = reference_losses(model, args, train) if rank == 0 else None
     model = shardlib.shard(model, mesh)
-    stages = model._shardlib.pipeline.plan.layers if model._shardlib.pipeline else None
+    stages = shardlib.shard_state(model).pipeline.plan.layers if shardlib.shard_state(model).pipeline else None
     trainer = Trainer(model, optimizer(args), microbatches=args.microbatches, schedule=args.schedule,
                       max_grad_norm=MAX_GRAD_NORM)
     if rank == 0:

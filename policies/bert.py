@@ -23,7 +23,7 @@ from transformers import (
     BertModel,
 )
 
-from shardlib.plan import AttentionSite, LossSpec, Plan, Stack
+from shardlib.plan import EXAMPLES, TOKENS, AttentionSite, LossItems, LossSpec, Plan, Stack
 from shardlib.styles import ColwiseParallel, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
@@ -39,6 +39,10 @@ LOSSES = {
     BertForPreTraining: LossSpec(kind="pretraining", head="cls.predictions.decoder", logits="prediction_logits",
                                  labels=("labels", "next_sentence_label")),
 }
+
+#: what each head's loss averages over (the rest: one item per example; BertForPreTraining sums two means)
+LOSS_ITEMS = {BertForMaskedLM: TOKENS, BertForTokenClassification: TOKENS,
+              BertLMHeadModel: LossItems(key="labels", shift=1)}
 
 
 def attention_styles(prefix: str, inputs: tuple[str, ...]) -> dict:
@@ -73,8 +77,9 @@ def bert_plan(model, tp: int) -> Plan:
     if loss is not None:
         styles[loss.head] = VocabParallel()
     trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
+    items = next((spec for cls, spec in LOSS_ITEMS.items() if isinstance(model, cls)), EXAMPLES)
     return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout,
-                attention=attention, fused_projections=projections, epilogues=epilogues)
+                attention=attention, fused_projections=projections, epilogues=epilogues, loss_items=items)
 
 
 POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

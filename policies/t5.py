@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import transformers
 
-from shardlib.plan import AttentionSite, LossSpec, Plan, Stack
+from shardlib.plan import EXAMPLES, TOKENS, AttentionSite, LossSpec, Plan, Stack
 from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, attention_block
 
 from . import Policy, register_policy
@@ -74,9 +74,10 @@ def t5_plan(model, tp: int) -> Plan:
         loss = LossSpec(kind="seq2seq_lm", head="lm_head")
         styles["lm_head"] = VocabParallel()
     dropout = tuple(f"{base}{stack}.block.*.layer.*.dropout" for stack in stacks)  # each sublayer's residual dropout
+    token_loss = loss is not None or type(model).__name__.endswith("ForTokenClassification")
     return Plan(styles=styles, divide_by_tp=heads, trunk=_trunk(model, base, stacks), loss=loss,
                 sequence_dropout=dropout, attention=attention, fused_projections=projections,
-                epilogues=epilogues)
+                epilogues=epilogues, loss_items=TOKENS if token_loss else EXAMPLES)
 
 
 def _trunk(model, base: str, stacks: list[str]) -> tuple[Stack, ...]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
 
-from shardlib.plan import AttentionSite, Plan, Stack
+from shardlib.plan import EXAMPLES, AttentionSite, LossItems, Plan, Stack
 from shardlib.styles import ColwiseParallel, RowwiseParallel, attention_block
 
 from . import Policy, register_policy
@@ -30,7 +30,9 @@ def vit_plan(model, tp: int) -> Plan:
                 trunk=(Stack(layers=f"{base}layers", before=(f"{base}embeddings",)),),
                 sequence_dropout=(f"{layer}.dropout",), attention={attention: AttentionSite("num_attention_heads")},
                 fused_projections={attention: ("q_proj", "k_proj", "v_proj")},
-                epilogues={"bias_gelu": (f"{layer}.mlp",), "dropout_add": (layer,)})
+                epilogues={"bias_gelu": (f"{layer}.mlp",), "dropout_add": (layer,)},
+                loss_items=(LossItems(key="bool_masked_pos", count="true")
+                            if isinstance(model, ViTForMaskedImageModeling) else EXAMPLES))
 
 
 #: in memory (transformers 5) -> on disk (Hub checkpoints, what save_pretrained writes); ".attention.o_proj." goes

@@ -8,12 +8,13 @@ from .layout import Layout, layout_of, named_layouts
 from .mesh import Mesh, MeshError, init_mesh
 from .plan import LossSpec, Plan, PlanError, Stack
 from .random import RNGStatesTracker, manual_seed
+from .sharded import ShardState, shard_state
 from .sharder import ShardReport, report, shard
 from .state import full_state_dict, load_full_state_dict, materialize
 from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
 from .kernels import Kernels
-from . import checkpoint, runtime  # noqa: E402  (shardlib.checkpoint.*, shardlib.runtime.Trainer after `import shardlib`)
-from .runtime import Trainer, dp_shard
+from . import checkpoint, runtime, train  # noqa: E402  (shardlib.checkpoint.*, shardlib.train.* after `import shardlib`)
+from .train import Trainer, TrainingArguments, dp_shard
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,6 @@ __all__ = [
     "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "Stack", "PlanError",
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
-    "Trainer", "dp_shard", "checkpoint", "runtime", "Kernels",
+    "Trainer", "TrainingArguments", "dp_shard", "checkpoint", "runtime", "train", "Kernels", "shard_state",
+    "ShardState",
 ]

@@ -38,7 +38,8 @@ from .safetensors_io import (  # noqa: F401  (sha256_of, DIRECT_ROW: re-exported
     _inside, _OutFile, _scatter_read, _Writer,
     checksum_of, file_checksum, sha256_of,
 )
-from .state import materialize
+from .sharded import shard_state
+from .state import _pipeline, materialize
 
 FORMAT = "shardlib-sharded-v2"
 READABLE_FORMATS = ("shardlib-sharded-v1", FORMAT)  # v1: the same layout with SHA-256 file checksums
@@ -78,7 +79,7 @@ def _tensors_to_load(model: nn.Module):
 
 def _local_tensors(model: nn.Module):
     """:func:`_tensors_to_load` without the parameters of other ranks' pipeline stages (meta tensors here)."""
-    split = getattr(getattr(model, "_shardlib", None), "pipeline", None)
+    split = _pipeline(model)
     if split is None:
         return _tensors_to_load(model)
     local = {id(p) for p in split.local_parameters()}
@@ -87,14 +88,16 @@ def _local_tensors(model: nn.Module):
 
 
 def _tp_rank(model: nn.Module) -> int:
-    return model._shardlib.mesh.tp_rank if hasattr(model, "_shardlib") else 0
+    state = shard_state(model, required=False)
+    return state.mesh.tp_rank if state is not None else 0
 
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
     """Fill a sharded model (materialized) with its slices of an HF checkpoint, read straight into the parameters;
     return the names loaded."""
-    policy = model._shardlib.policy if hasattr(model, "_shardlib") else None
+    state = shard_state(model, required=False)
+    policy = state.policy if state is not None else None
     to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
     rank, loaded, missing = _tp_rank(model), [], []
     for tensor, names in _local_tensors(model):
@@ -213,7 +216,7 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None) -> tuple[dic
     """This rank's file contents: {file: {key: tensor view}} (real rows only, no copies), and the metadata of the
     tensors this rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is
     written by the lowest pipeline rank using it)."""
-    split = getattr(model._shardlib, "pipeline", None) if hasattr(model, "_shardlib") else None
+    split = _pipeline(model)
     stage = split.pp_rank if split is not None else None
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
@@ -237,11 +240,73 @@ def _parameter_names(names: list[str]) -> list[str]:
     return [n[len(OPTIMIZER_PREFIX):].partition(".")[2] if n.startswith(OPTIMIZER_PREFIX) else n for n in names]
 
 
-def _broadcast_str(value: str) -> str:
+def _broadcast_str(value: str, group=None) -> str:
     holder = [value]
     if dist.is_initialized():
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
     return holder[0]
+
+
+@dataclass
+class StagedSave:
+    """One rank's part of a checkpoint, ready to be written: ``files`` ({file: {key: tensor}}, views of the live
+    tensors or, staged with ``copy=True``, private copies), the metadata of the tensors this rank describes, and
+    the document fields only rank 0 writes."""
+
+    files: dict
+    meta: dict
+    is_writer: bool
+    document: dict
+
+
+def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: dict | None = None) -> StagedSave:
+    """Collect what :func:`save` writes from this rank. ``copy``: clone every tensor into fresh memory (the model
+    may train on while the copies are written, see :func:`commit`). ``extra_files``: {file: {key: tensor}} this
+    rank writes whatever its mesh position (per-rank state), listed and checksummed like the model files. Local
+    work only, no collective."""
+    state = shard_state(model)
+    mesh = state.mesh
+    # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
+    is_writer = all(getattr(mesh, dim, 1) == 1 or mesh.local_rank(dim) == 0 for dim in ("dp", "sp"))
+    files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer)
+    if not is_writer:
+        files = {}
+    files |= extra_files or {}
+    if copy:
+        files = {f: {k: t.detach().clone() for k, t in tensors.items()} for f, tensors in files.items()}
+    document = {"model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp,
+                "optimizer": _optimizer_hyperparameters(optimizer)}
+    if state.pipeline is not None:
+        document["pp"] = mesh.pp
+        document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]
+    return StagedSave(files=files, meta=meta, is_writer=is_writer, document=document)
+
+
+def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False, group=None,
+           metadata: dict | None = None) -> Path:
+    """Write a :func:`stage`-d checkpoint atomically (module docstring). Every rank of ``group`` (default: the
+    world) calls it; collectives run on ``group`` only, so a background thread can commit on a group of its own
+    while training goes on. ``metadata``: extra top-level fields of ``shardlib.json`` (rank 0's are written)."""
+    directory = Path(directory)
+    if directory.exists() and not overwrite:
+        raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
+    tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12], group)}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    written = _write_files(tmp, staged.files)  # fsynced before rank 0 writes the metadata
+    gathered = [(written, staged.meta)]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size(group)
+        # small dicts between our own ranks: file names, checksums and (under a pipeline) each stage's tensors
+        dist.all_gather_object(gathered, (written, staged.meta), group=group)
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
+        all_files = {k: v for files_of_rank, _ in gathered for k, v in files_of_rank.items()}
+        all_meta = {k: v for _, meta_of_rank in gathered for k, v in meta_of_rank.items()}
+        document = {"format": FORMAT, **staged.document, "tensors": all_meta, "files": all_files, **(metadata or {})}
+        _finish(tmp, directory, document)
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    return directory
 
 
 def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: bool = False) -> Path:
@@ -250,34 +315,9 @@ def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: 
     rank 0 and all-to-all sp rank 0 write nothing. With ``optimizer``, its per-parameter state (AdamW moments and
     step) is saved the same way, keyed by parameter name, and its hyperparameters go into the metadata, so training
     resumes exactly (also under another tp)."""
-    state = model._shardlib
-    mesh = state.mesh
-    directory = Path(directory)
-    # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
-    is_writer = all(getattr(mesh, dim, 1) == 1 or mesh.local_rank(dim) == 0 for dim in ("dp", "sp"))
-    if directory.exists() and not overwrite:
+    if Path(directory).exists() and not overwrite:
         raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
-    tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12])}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer)
-    written = _write_files(tmp, files) if is_writer else {}  # fsynced before rank 0 writes the metadata
-    gathered = [(written, meta)]
-    if dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        # small dicts between our own ranks: file names, checksums and (under a pipeline) each stage's tensors
-        dist.all_gather_object(gathered, (written, meta))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        all_files = {k: v for files_of_rank, _ in gathered for k, v in files_of_rank.items()}
-        all_meta = {k: v for _, meta_of_rank in gathered for k, v in meta_of_rank.items()}
-        document = _document(hf_class_name(model), model.config.to_dict(), mesh.tp, all_meta, all_files)
-        if state.pipeline is not None:
-            document["pp"] = mesh.pp
-            document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]
-        document["optimizer"] = _optimizer_hyperparameters(optimizer)
-        _finish(tmp, directory, document)
-    if dist.is_initialized():
-        dist.barrier()
-    return directory
+    return commit(stage(model, optimizer=optimizer), directory, overwrite=overwrite)
 
 
 def _document(model_class: str, config: dict, tp: int, tensors: dict, files: dict) -> dict:
@@ -362,6 +402,12 @@ class ShardedCheckpoint(ReaderPool):
             except CheckpointError as exc:
                 out.append(str(exc))
         return out
+
+    def verified_file(self, name: str) -> Path:
+        """The path of file ``name`` listed in the metadata, after checking its size and checksum."""
+        if name not in self.meta["files"]:
+            raise CheckpointError(f"{self.directory / name}: not listed in {METADATA}")
+        return self._check_file(name, self.meta["files"][name])
 
     def _check_file(self, name: str, info: dict) -> Path:
         if name in self._verified:

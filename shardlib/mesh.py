@@ -46,6 +46,11 @@ def _resolve_sizes(world_size: int, dp: int | None, pp: int, tp: int, sp: int = 
     return dp, pp, sp, tp
 
 
+def _hint(world_size: int) -> str:
+    return (" (this process is a world of one: start the ranks with `shardlib run --nproc N`, torchrun, or "
+            "--nproc N with shardlib.train.parse_args)") if world_size == 1 else ""
+
+
 @dataclass(frozen=True)
 class Mesh:
     """A validated dp x pp x sp x tp mesh. ``device_mesh`` is torch's DeviceMesh with dims ("dp", "pp", "sp", "tp")."""
@@ -93,12 +98,22 @@ class Mesh:
                 f"this rank at (dp, pp, sp, tp) = {coord})")
 
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched() -> bool:
+    """Whether a launcher (``shardlib run``, torchrun, a rank pool) started this process: any of its variables."""
+    return dist.is_initialized() or any(v in os.environ for v in LAUNCHER_ENV)
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Initialize the default process group from torchrun's environment unless it already is initialized."""
+    """Initialize the default process group from torchrun's environment unless it already is initialized. A
+    process that no launcher started (none of its variables set) becomes a world of one on an in-process store,
+    so ``python train.py`` runs on a CPU or one GPU with the same code."""
     if dist.is_initialized():
         return
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
+    missing = [v for v in LAUNCHER_ENV if v not in os.environ]
+    if missing and len(missing) < len(LAUNCHER_ENV):
         raise MeshError(
             "torch.distributed is not initialized and the launcher environment is incomplete "
             f"(missing {', '.join(missing)}); start the script with `shardlib run --nproc N script.py` or torchrun"
@@ -107,7 +122,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # pragma: no cover - no GPU in CI
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if missing:  # a world of one: nothing to rendezvous with
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_mesh(
@@ -126,7 +145,10 @@ def init_mesh(
     """
     init_distributed(backend, timeout_s)
     world = dist.get_world_size()
-    dp, pp, sp, tp = _resolve_sizes(world, dp, pp, tp, sp)
+    try:
+        dp, pp, sp, tp = _resolve_sizes(world, dp, pp, tp, sp)
+    except MeshError as exc:
+        raise MeshError(f"{exc}{_hint(world)}") from None
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
     mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp)

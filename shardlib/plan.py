@@ -33,6 +33,42 @@ class LossSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LossItems:
+    """What the model's loss is a mean over, counted per example of a batch. The Trainer weighs each microbatch's
+    loss by its share of the items of the whole global batch, so that a step's gradient is the unsharded model's on
+    the global batch whatever the microbatch and data-parallel split.
+
+    ``key``: the batch entry counted; when it is None or absent from a batch, every example is one item.
+    ``count``: ``"targets"`` counts the entries that are not -100 (token labels; ``shift`` leading positions of the
+    last dim are not targets, as in a causal LM's shifted labels), ``"true"`` counts True entries (a mask)."""
+
+    key: str | None = None
+    count: str = "targets"
+    shift: int = 0
+
+    def __post_init__(self):
+        if self.count not in ("targets", "true"):
+            raise PlanError(f"LossItems.count must be 'targets' or 'true', got {self.count!r}")
+
+    def per_example(self, batch: dict):
+        """Items per example of ``batch`` (float64, shape [batch size])."""
+        import torch
+
+        n = next(v for v in batch.values() if torch.is_tensor(v)).shape[0]
+        value = batch.get(self.key) if self.key is not None else None
+        if not torch.is_tensor(value) or value.dim() < 2:  # absent, or one label per example
+            return torch.ones(n, dtype=torch.float64)
+        if self.count == "true":
+            return value.reshape(n, -1).sum(1).double()
+        value = value[..., self.shift:]
+        return (value != -100).reshape(n, -1).sum(1).double()
+
+
+EXAMPLES = LossItems()
+TOKENS = LossItems(key="labels")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stack:
     """One repeated layer stack of the model, in the terms pipeline stages are cut in (``shardlib.pipeline``).
 
@@ -76,7 +112,8 @@ class Plan:
     sequence parallelism wraps that call and splits their heads over the sp ranks). ``fused_projections``:
     pattern -> names of the child linears of each matched module that read the same input (q, k, v), which the
     fused-QKV kernel computes with one GEMM. ``epilogues``: kernel kind ("bias_gelu", "dropout_add") -> patterns
-    of the modules it applies to (:mod:`shardlib.kernels.epilogues`)."""
+    of the modules it applies to (:mod:`shardlib.kernels.epilogues`). ``loss_items``: what the model's own loss
+    averages over (:class:`LossItems`; every example by default)."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -86,6 +123,7 @@ class Plan:
     attention: dict[str, AttentionSite] = field(default_factory=dict)
     fused_projections: dict[str, tuple[str, ...]] = field(default_factory=dict)
     epilogues: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    loss_items: LossItems = EXAMPLES
 
 
 @lru_cache(maxsize=None)

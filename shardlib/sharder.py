@@ -25,6 +25,7 @@ from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
 from .random import RNGStatesTracker, rng_streams
 from .sequence import ReplicatedGradSync, SequenceParallel
+from .sharded import ShardState, shard_state
 from .styles import (
     ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name,
 )
@@ -81,18 +82,6 @@ def _shape(shape) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-@dataclass
-class ShardState:
-    """Attached to a sharded model as ``model._shardlib``."""
-
-    mesh: Mesh
-    policy: object
-    plan: Plan
-    report: ShardReport
-    rng_tracker: RNGStatesTracker | None
-    pipeline: object = None  # shardlib.pipeline.PipelineSplit when mesh.pp > 1
 
 
 def _param_bytes(params) -> int:
@@ -222,14 +211,14 @@ def shard(
 
     Pipeline (``mesh.pp > 1``): the model is cut into ``mesh.pp * stages_per_rank`` stages from the policy's trunk
     (:mod:`shardlib.pipeline`; balanced by a cost model unless ``layers_per_stage`` gives the layer counts), this
-    rank keeps its stages (``model._shardlib.pipeline``) and frees the rest; run it with
+    rank keeps its stages (``shard_state(model).pipeline``) and frees the rest; run it with
     :class:`shardlib.runtime.Trainer`.
 
-    The report of every rewrite is ``model._shardlib.report`` (also ``shardlib.report(model)``).
+    The report of every rewrite is ``shard_state(model).report`` (also ``shardlib.report(model)``).
     """
     from shardlib.policies import policy_for
 
-    if hasattr(model, "_shardlib"):
+    if shard_state(model, required=False) is not None:
         raise PlanError(f"{type(model).__name__} is already sharded")
     policy = policy or policy_for(model)
     tp, group = mesh.tp, mesh.tp_group if mesh.tp > 1 else None
@@ -309,8 +298,8 @@ def shard(
         if sp is not None:
             split.sequence, sp.saving_managed_outside = sp, True
     report.local_bytes = _param_bytes(split.local_parameters() if split else model.parameters())
-    model._shardlib = ShardState(mesh=mesh, policy=policy, plan=plan, report=report, rng_tracker=rng_tracker,
-                                 pipeline=split)
+    ShardState(mesh=mesh, policy=policy, plan=plan, report=report, rng_tracker=rng_tracker,
+               pipeline=split).attach(model)
     log.info("%s", report)
     return model
 
@@ -448,9 +437,7 @@ def _replicated_input_check(group):
 
 def report(model: nn.Module) -> ShardReport:
     """The :class:`ShardReport` of a sharded model."""
-    if not hasattr(model, "_shardlib"):
-        raise ValueError(f"{type(model).__name__} is not sharded")
-    return model._shardlib.report
+    return shard_state(model).report
 
 
 __all__ = ["shard", "report", "ShardReport", "ShardState", "PlanError", "Layout"]

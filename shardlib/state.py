@@ -11,11 +11,17 @@ from torch import nn
 
 from .collectives import all_gather
 from .layout import layout_of
+from .sharded import shard_state
 
 
 def _tp_group(model: nn.Module):
-    state = getattr(model, "_shardlib", None)
+    state = shard_state(model, required=False)
     return state.mesh.tp_group if state is not None and state.mesh.tp > 1 else None
+
+
+def _pipeline(model: nn.Module):
+    state = shard_state(model, required=False)
+    return state.pipeline if state is not None else None
 
 
 def _gather(tensor: torch.Tensor, layout, group) -> torch.Tensor:
@@ -32,7 +38,7 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     gradient are left out when ``grads=True``. A pipelined model gives the parameters of this rank's stages.
     """
     group = _tp_group(model)
-    split = getattr(getattr(model, "_shardlib", None), "pipeline", None)
+    split = _pipeline(model)
     local = {id(p) for p in split.local_parameters()} if split is not None else None
     out = {}
     for name, p in model.named_parameters():
@@ -59,7 +65,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu", *, init: s
     HF weight initializer: on everything (``init="all"``), or only on the modules that own non-persistent buffers
     (``init="buffers"``: position ids and the like, when a checkpoint supplies every parameter). Local shapes
     only: no rank allocates a full sharded tensor; a pipelined model materializes its own stages' parameters."""
-    split = getattr(getattr(model, "_shardlib", None), "pipeline", None)
+    split = _pipeline(model)
     local = {id(p) for p in split.local_parameters()} if split is not None else None
     for tensor, holders in _unique_tensors(model):
         if tensor.device.type != "meta":

@@ -74,7 +74,7 @@ def pipeline_equivalence(spec: dict) -> dict:
         _close(f"weight after AdamW {name}", w, ref_params[name].detach(), dtype)
     return {"grads": len(grads), "weights": len(weights), "names": sorted(local_names),
             "all_names": sorted(n for n, _ in ref.named_parameters()),
-            "stages": [list(s) for s in model._shardlib.pipeline.plan.layers]}
+            "stages": [list(s) for s in shardlib.shard_state(model).pipeline.plan.layers]}
 
 
 def losses_over_steps(spec: dict, steps: int = 3) -> list[float]:
@@ -184,7 +184,7 @@ def pipelined_checkpoint_resumes(spec: dict, workdir: str) -> dict:
     dist.barrier()
 
     def steps(model, trainer, first, count):
-        mesh = model._shardlib.mesh
+        mesh = shardlib.shard_state(model).mesh
         return [trainer.train_step(dp_shard(family.make_batch({**spec, "seed": spec["seed"] + s}, original.config),
                                             mesh)) for s in range(first, first + count)]
 

@@ -96,7 +96,7 @@ def equivalence(spec: dict) -> dict:
 
 def check_kernels_installed(model, kernels) -> None:
     """Each kernel switched on is installed wherever the policy lists a site for it (none silently skipped)."""
-    installed, plan = dict(model._shardlib.report.kernels), model._shardlib.plan
+    installed, plan = dict(shardlib.shard_state(model).report.kernels), shardlib.shard_state(model).plan
     wanted = {"fused_qkv": kernels.fused_qkv and bool(plan.fused_projections)}
     wanted |= {kind: getattr(kernels, kind) and bool(plan.epilogues.get(kind)) for kind in ("bias_gelu", "dropout_add")}
     for kind, expected in wanted.items():
@@ -248,7 +248,7 @@ def sharded_logits_with_labels(spec: dict) -> dict:
     batch = cases(spec).make_batch(spec, ref.config)
     out, out_ref = model(**batch), ref(**batch)
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=2e-5, atol=2e-6)
-    head = model.get_submodule(model._shardlib.plan.loss.head)
+    head = model.get_submodule(shardlib.shard_state(model).plan.loss.head)
     local = out.logits[..., : head.valid_out_features]
     expected = out_ref.logits[..., head.vocab_start : head.vocab_start + head.valid_out_features]
     torch.testing.assert_close(local, expected, rtol=2e-5, atol=2e-6)

@@ -1,0 +1,154 @@
+"""One dataclass of training arguments, parsed with ``transformers.HfArgumentParser``, and the launch.
+
+    @dataclass
+    class MyArgs:
+        hidden: int = 64
+
+    args, mine = shardlib.train.parse_args(MyArgs)     # --help lists both; `--nproc 4` starts 4 local ranks
+    mesh = shardlib.train.mesh_from_args(args)
+
+The same script runs as ``python train.py`` (a world of one), ``python train.py --nproc 4 --tp 2`` (it starts its
+own 4 ranks through torch's elastic launcher, as FlagAI's Trainer does), ``shardlib run --nproc 4 train.py --tp 2``
+or torchrun, on one node or several. Mesh sizes default to the environment (``SHARDLIB_TP``, ``SHARDLIB_PP``,
+``SHARDLIB_SP``, ``SHARDLIB_DP``); dp is inferred from the world size when not given.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Optional
+
+import torch
+
+from ..mesh import MeshError, init_mesh, launched
+
+
+def _env_int(name: str, default: int | None):
+    def read():
+        value = os.environ.get(name)
+        return int(value) if value else default
+
+    return read
+
+
+@dataclass
+class TrainingArguments:
+    """Mesh, launch, schedule, optimization, data, evaluation, logging and checkpoint options of ``fit``."""
+
+    tp: int = field(default_factory=_env_int("SHARDLIB_TP", 1), metadata={"help": "tensor-parallel ranks"})
+    pp: int = field(default_factory=_env_int("SHARDLIB_PP", 1), metadata={"help": "pipeline stages"})
+    sp: int = field(default_factory=_env_int("SHARDLIB_SP", 1),
+                    metadata={"help": "all-to-all sequence-parallel ranks per sequence"})
+    dp: Optional[int] = field(default_factory=_env_int("SHARDLIB_DP", None),
+                              metadata={"help": "data-parallel replicas (default: inferred from the world size)"})
+    sequence_parallel: Optional[Literal["megatron", "all_to_all"]] = field(
+        default=None, metadata={"help": "Megatron SP on the tp group, or all-to-all over --sp ranks"})
+    nproc: Optional[int] = field(default=None, metadata={
+        "help": "start this many local ranks when the script was not started by a launcher"})
+    microbatches: int = field(default=1, metadata={"help": "microbatches per step (pipeline / accumulation)"})
+    schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, "
+                                                            "looped_bfs"})
+    batch_size: int = field(default=32, metadata={"help": "global batch size"})
+    eval_batch_size: Optional[int] = field(default=None, metadata={"help": "global eval batch (default: "
+                                                                             "--batch-size)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    weight_decay: float = 0.0
+    warmup_ratio: float = field(default=0.0, metadata={"help": "linear warmup share of the steps, then cosine"})
+    max_grad_norm: Optional[float] = field(default=1.0, metadata={"help": "clip the global gradient norm"})
+    epochs: Optional[int] = None
+    max_steps: Optional[int] = None
+    eval_interval: Optional[str] = field(default=None, metadata={"help": "evaluate every N steps, or 'epoch'"})
+    log_interval: int = 10
+    save_dir: Optional[str] = field(default=None, metadata={"help": "logs and checkpoints go here"})
+    save_interval: Optional[int] = field(default=None, metadata={"help": "checkpoint every N steps"})
+    keep_last: int = 2
+    resume: Optional[str] = field(default=None, metadata={"help": "'auto' or a checkpoint directory"})
+    seed: int = 0
+    num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
+    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata={"help": "bf16: autocast"})
+    activation_checkpointing: bool = False
+    progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.sp > 1 and self.sequence_parallel is None:
+            self.sequence_parallel = "all_to_all"
+        if self.eval_interval is not None and self.eval_interval != "epoch":
+            if not self.eval_interval.isdigit() or int(self.eval_interval) < 1:
+                raise ValueError(f"--eval-interval must be a positive integer or 'epoch', got {self.eval_interval!r}")
+
+    def mesh_sizes(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp}
+
+    def trainer_options(self) -> dict:
+        """Keyword arguments of :class:`shardlib.train.Trainer` (after the model and the optimizer)."""
+        return {"microbatches": self.microbatches, "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
+                "autocast_dtype": torch.bfloat16 if self.precision == "bf16" else None,
+                "activation_checkpointing": self.activation_checkpointing}
+
+    def fit_options(self) -> dict:
+        """Keyword arguments of :meth:`Trainer.fit` (after the training data)."""
+        from .fit import warmup_cosine
+
+        interval = self.eval_interval
+        return {"batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "epochs": self.epochs,
+                "max_steps": self.max_steps, "eval_interval": int(interval) if interval and interval.isdigit()
+                else interval, "log_interval": self.log_interval, "save_dir": self.save_dir,
+                "save_interval": self.save_interval, "keep_last": self.keep_last, "resume": self.resume,
+                "seed": self.seed, "num_workers": self.num_workers, "progress": self.progress,
+                "lr_scheduler": warmup_cosine(self.warmup_ratio) if self.warmup_ratio else None}
+
+    def shard_options(self) -> dict:
+        return {"sequence_parallel": self.sequence_parallel} if self.sequence_parallel else {}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_nproc(nproc: int, args: TrainingArguments) -> None:
+    """``nproc`` ranks must fill the mesh: a multiple of pp x sp x tp, and exactly dp x pp x sp x tp when dp is
+    given."""
+    if nproc < 1:
+        raise MeshError(f"--nproc must be >= 1, got {nproc}")
+    model = args.pp * args.sp * args.tp
+    named = f"pp({args.pp}) x sp({args.sp}) x tp({args.tp}) = {model}"
+    if nproc % model:
+        raise MeshError(f"--nproc {nproc} is not a multiple of {named}")
+    if args.dp is not None and nproc != args.dp * model:
+        word = "more" if nproc > args.dp * model else "fewer"
+        raise MeshError(f"--nproc {nproc} is {word} ranks than the mesh needs: dp({args.dp}) x {named} = "
+                        f"{args.dp * model}")
+
+
+def launch_if_requested(args: TrainingArguments, argv: list[str] | None = None) -> None:
+    """With ``--nproc N`` in a process no launcher started: start N local ranks of this script (same arguments)
+    through torch's elastic launcher (:func:`shardlib.cli.run`), wait for them and exit with their status. Under
+    a launcher, or without ``--nproc``, return at once."""
+    if args.nproc is None or launched():
+        return
+    check_nproc(args.nproc, args)
+    from ..cli import run
+
+    argv = list(sys.argv if argv is None else argv)
+    sys.exit(run(args.nproc, argv[0], argv[1:]))
+
+
+def parse_args(*extra, args: list[str] | None = None, launch: bool = True):
+    """Parse the command line into a :class:`TrainingArguments` and the script's own dataclasses ``extra`` (with
+    ``transformers.HfArgumentParser``; ``--help`` lists every field). With ``launch`` and ``--nproc``, start the
+    ranks first (:func:`launch_if_requested`): the call returns only in the ranks."""
+    from transformers import HfArgumentParser
+
+    parsed = HfArgumentParser((TrainingArguments, *extra)).parse_args_into_dataclasses(args=args)
+    if launch:
+        launch_if_requested(parsed[0])
+    return parsed[0] if not extra else tuple(parsed)
+
+
+def mesh_from_args(args: TrainingArguments, **options):
+    """:func:`shardlib.init_mesh` with the argument's sizes (a world of one without a launcher)."""
+    return init_mesh(args.dp, args.pp, args.tp, sp=args.sp, **options)

@@ -1,0 +1,244 @@
+"""``Trainer.fit``: the training loop over the dp x pp x sp x tp mesh, with evaluation, logging, checkpoints and
+exact resume. See docs/training.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..sharded import shard_state
+from .batches import first_tensor, split_batch
+from .checkpoints import TrainCheckpoints
+from .data import EpochData
+from .logs import TrainLog
+
+
+@dataclass
+class FitResult:
+    """What a ``fit`` call did: the last step and epoch, every step's global-batch loss (``losses[i]`` is step
+    ``first_step + i + 1``), every evaluation record, and the checkpoints it committed."""
+
+    step: int
+    epoch: int
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    checkpoints: list[Path] = field(default_factory=list)
+    save_blocked_s: list[float] = field(default_factory=list)
+    resumed_from: Path | None = None
+
+
+def warmup_cosine(warmup_ratio: float = 0.1):
+    """Linear warmup over ``warmup_ratio`` of the steps, then cosine decay to 0 (transformers' ``get_scheduler``
+    "cosine", the seeds' ``CosineAnnealingWarmupLR``): ``fit(..., lr_scheduler=warmup_cosine(0.1))``."""
+    if not 0 <= warmup_ratio < 1:
+        raise ValueError(f"warmup_ratio must be in [0, 1), got {warmup_ratio}")
+
+    def build(optimizer, total_steps: int):
+        from transformers import get_scheduler
+
+        return get_scheduler("cosine", optimizer, num_warmup_steps=round(warmup_ratio * total_steps),
+                             num_training_steps=total_steps)
+
+    return build
+
+
+def build_scheduler(lr_scheduler, optimizer, total_steps: int | None):
+    """A scheduler from ``lr_scheduler``: an instance built on ``optimizer``, or a function of ``(optimizer)`` or
+    ``(optimizer, total_steps)``; TypeError when it is not a torch LR scheduler."""
+    if lr_scheduler is None:
+        return None
+    scheduler = lr_scheduler
+    if not hasattr(lr_scheduler, "state_dict"):
+        if not callable(lr_scheduler):
+            raise TypeError(f"lr_scheduler must be a scheduler or a function of the optimizer, got "
+                            f"{type(lr_scheduler).__name__}")
+        positional = [p for p in inspect.signature(lr_scheduler).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) >= 2:
+            if total_steps is None:
+                raise ValueError("lr_scheduler needs the number of steps, which an iterable dataset without a "
+                                 "length does not give: pass max_steps")
+            scheduler = lr_scheduler(optimizer, total_steps)
+        else:
+            scheduler = lr_scheduler(optimizer)
+    if not all(hasattr(scheduler, a) for a in ("step", "state_dict", "load_state_dict", "get_last_lr")):
+        raise TypeError(f"lr_scheduler gave a {type(scheduler).__name__}, not a torch.optim.lr_scheduler.LRScheduler")
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("lr_scheduler was built on another optimizer than this Trainer's (trainer.optimizer)")
+    return scheduler
+
+
+def _check_global_batch(batch_size, mesh, microbatches: int, what: str) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{what} must be a positive integer, got {batch_size!r}")
+    if batch_size % (mesh.dp * microbatches):
+        raise ValueError(f"global {what} {batch_size} is not divisible by dp({mesh.dp}) x "
+                         f"microbatches({microbatches}) = {mesh.dp * microbatches}")
+
+
+def _tokens(model, batch: dict) -> int | None:
+    """Token positions in ``batch``'s main model input when it holds token ids (padding included), else None."""
+    value = batch.get(getattr(model, "main_input_name", None))
+    return value.numel() if torch.is_tensor(value) and not value.is_floating_point() else None
+
+
+def evaluate(trainer, data: EpochData, metrics: dict[str, Callable] | None = None) -> dict:
+    """Loss and metrics over every sample of ``data`` exactly once, summed over the whole mesh: the loss weighted
+    by each microbatch's loss items, each metric ``fn(output, microbatch) -> [n]`` per-example values averaged over
+    examples. Identical at any dp, pp, tp."""
+    metrics = metrics or {}
+    state = shard_state(trainer.model)
+    mesh = state.mesh
+    counts_here = all(mesh.size(d) == 1 or mesh.local_rank(d) == 0 for d in ("tp", "sp"))
+    names = ["examples", "loss_items", "loss", *metrics]
+    sums = torch.zeros(len(names), dtype=torch.float64)
+    for batch in data.batches(0):
+        outputs = trainer.eval_step(batch)
+        if not outputs or not counts_here:
+            continue
+        for out, mb in zip(outputs, split_batch(batch, len(outputs))):
+            items = trainer.loss_items(mb).sum()
+            sums[0] += first_tensor(mb).shape[0]
+            if torch.is_tensor(out.get("loss")):
+                sums[1] += items
+                sums[2] += float(out["loss"]) * items
+            for i, fn in enumerate(metrics.values()):
+                sums[3 + i] += torch.as_tensor(fn(out, mb)).double().sum()
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    result = {"samples": int(sums[0]), "loss": float(sums[2] / sums[1]) if sums[1] else None}
+    result |= {name: float(sums[3 + i] / sums[0]) if sums[0] else None for i, name in enumerate(metrics)}
+    return result
+
+
+def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_steps: int | None = None,
+        eval_data=None, eval_batch_size: int | None = None, collate_fn: Callable | None = None, lr_scheduler=None,
+        eval_interval: int | str | None = None, log_interval: int = 10, save_dir: str | Path | None = None,
+        save_interval: int | None = None, keep_last: int = 2, resume: str | Path | None = None,
+        metrics: dict[str, Callable] | None = None, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
+        prefetch_factor: int | None = None, progress: bool = True) -> FitResult:
+    """Train ``trainer``'s model on ``train_data`` (a map-style dataset or an iterable of dict samples).
+
+    ``batch_size``: the global batch (dp x microbatches must divide it). Stops after ``epochs`` epochs or
+    ``max_steps`` optimizer steps, whichever comes first (one is required). ``eval_data`` is evaluated every
+    ``eval_interval`` steps (``"epoch"``: after each epoch) and at the end; ``metrics``: name ->
+    ``fn(output, microbatch)`` giving per-example values (accuracy: ``(out["logits"].argmax(-1) ==
+    mb["labels"]).float()``). ``lr_scheduler``: a scheduler on ``trainer.optimizer`` or a function of
+    ``(optimizer)`` / ``(optimizer, total_steps)`` (:func:`warmup_cosine`), stepped after every optimizer step.
+    ``save_dir``: logs (``log.jsonl``, TensorBoard) and, every ``save_interval`` steps and at the end,
+    checkpoints in ``save_dir/checkpoints`` (the newest ``keep_last`` kept). ``resume``: ``"auto"`` (the newest
+    complete checkpoint in ``save_dir``, if any) or a checkpoint directory. ``seed`` fixes the sample order.
+    """
+    mesh = shard_state(trainer.model).mesh
+    if epochs is None and max_steps is None:
+        raise ValueError("fit needs epochs or max_steps (both are missing)")
+    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("log_interval", log_interval),
+                        ("save_interval", save_interval)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if eval_interval is not None and eval_interval != "epoch" and not (isinstance(eval_interval, int)
+                                                                      and eval_interval >= 1):
+        raise ValueError(f"eval_interval must be a positive integer or 'epoch', got {eval_interval!r}")
+    if save_dir is None and (save_interval is not None or resume == "auto"):
+        raise ValueError(f"{'save_interval' if save_interval is not None else 'resume=auto'} needs a save_dir")
+    if trainer.optimizer is None:
+        raise ValueError("fit needs a Trainer with an optimizer: Trainer(model, optimizer=lambda params: ...)")
+    _check_global_batch(batch_size, mesh, trainer.microbatches, "batch_size")
+    eval_batch_size = eval_batch_size or batch_size
+    loader = dict(collate_fn=collate_fn, num_workers=num_workers, prefetch_factor=prefetch_factor)
+    data = EpochData(train_data, batch_size, mesh, seed=seed, shuffle=shuffle, **loader)
+    evals = EpochData(eval_data, eval_batch_size, mesh, shuffle=False, drop_last=False, what="eval_data",
+                      **loader) if eval_data is not None else None
+    per_epoch = data.steps_per_epoch()
+    total = min(x for x in (max_steps, epochs * per_epoch if epochs and per_epoch else None) if x is not None) \
+        if max_steps or per_epoch else None
+    scheduler = build_scheduler(lr_scheduler, trainer.optimizer, total)
+    save_dir = Path(save_dir) if save_dir is not None else None
+    checkpoints = TrainCheckpoints(save_dir / "checkpoints" if save_dir else None, trainer, keep_last=keep_last)
+    resume_from = checkpoints.find(resume)  # validates; writes nothing
+
+    step = epoch = position = 0
+    if resume_from is not None:
+        train = checkpoints.load(resume_from)
+        for key, value in (("batch_size", batch_size), ("seed", seed)):
+            if train[key] != value:
+                raise ValueError(f"resume: {resume_from} was trained with {key}={train[key]}, this run has "
+                                 f"{key}={value}; the sample order would not continue")
+        step, epoch, position = train["step"], train["epoch"], train["batch_in_epoch"]
+        if scheduler is not None and train["scheduler"] is not None:
+            scheduler.load_state_dict(train["scheduler"])
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if save_dir is not None and rank0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints.remove_unfinished()
+    trainer.track_grad_norm = True
+    result = FitResult(step=step, epoch=epoch, first_step=step, resumed_from=resume_from)
+    log = TrainLog(save_dir, enabled=rank0, total_steps=total, start_step=step, progress=progress)
+
+    def run_eval():
+        record = {"step": step, "epoch": epoch, "eval": True, **evaluate(trainer, evals, metrics)}
+        result.evals.append(record)
+        log.record(record)
+
+    last_saved = None
+
+    def save():
+        nonlocal last_saved
+        last_saved = step
+        sched = scheduler.state_dict() if scheduler is not None else None
+        json.dumps(sched)  # a scheduler state that JSON cannot hold fails here, before anything is written
+        checkpoints.save(step, {"step": step, "epoch": epoch, "batch_in_epoch": position, "seed": seed,
+                                "batch_size": batch_size, "scheduler": sched, "scaler": None})
+
+    window, window_start, window_tokens = [], time.perf_counter(), 0
+    try:
+        while epochs is None or epoch < epochs:
+            stepped = False
+            for batch in data.batches(epoch, position):
+                loss = trainer.train_step(batch)
+                if scheduler is not None:
+                    scheduler.step()
+                step, position, stepped = step + 1, position + 1, True
+                result.losses.append(loss)
+                window.append(loss)
+                window_tokens += (_tokens(trainer.model, batch) or 0) * mesh.dp
+                log.step()
+                if step % log_interval == 0:
+                    elapsed = time.perf_counter() - window_start
+                    log.record({"step": step, "epoch": epoch, "loss": sum(window) / len(window),
+                                "lr": trainer.optimizer.param_groups[0]["lr"], "grad_norm": trainer.last_grad_norm,
+                                "samples_per_s": len(window) * batch_size / elapsed,
+                                "tokens_per_s": window_tokens / elapsed if window_tokens else None})
+                    window, window_start, window_tokens = [], time.perf_counter(), 0
+                if evals is not None and isinstance(eval_interval, int) and step % eval_interval == 0:
+                    run_eval()
+                if save_dir is not None and save_interval and step % save_interval == 0:
+                    save()
+                if max_steps is not None and step >= max_steps:
+                    break
+            if max_steps is not None and step >= max_steps:
+                break
+            if not stepped and position == 0:
+                raise ValueError("train_data gave no batch in an epoch (an empty iterable?)")
+            epoch, position = epoch + 1, 0
+            if evals is not None and eval_interval == "epoch":
+                run_eval()
+        if evals is not None and (not result.evals or result.evals[-1]["step"] != step):
+            run_eval()
+        if save_dir is not None and save_interval and last_saved != step and step > result.first_step:
+            save()
+        checkpoints.wait()
+    finally:
+        log.close()
+    result.step, result.epoch = step, epoch
+    result.checkpoints, result.save_blocked_s = list(checkpoints.saved), list(checkpoints.blocked_s)
+    return result

@@ -1,0 +1,308 @@
+"""The Trainer: one training step over the dp x pp x sp x tp mesh.
+
+    trainer = Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4), microbatches=4, schedule="1f1b")
+    loss = trainer.train_step(batch)      # batch: this data-parallel rank's share, identical across its pp x tp ranks
+
+A step's loss is the model's own loss over the whole global batch: each microbatch's loss is weighted by its share
+of the loss items (what the policy's :class:`shardlib.plan.LossItems` says the loss averages over: targets that are
+not -100, masked patches, examples), counted over every data-parallel rank, so the gradient equals the unsharded
+model's gradient on the global batch whatever the microbatch and data-parallel split. Gradients are then summed over
+dp, clipped by the norm of the whole model and the optimizer steps.
+
+The pipeline schedule belongs to :class:`shardlib.pipeline.PipelineRunner`; the data loop, evaluation, logging and
+checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.fit`). Each layer can be used alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives import all_reduce_flat
+from ..layout import named_layouts
+from ..pipeline import PipelineRunner, check_schedule
+from ..sharded import shard_state
+from .batches import first_tensor, microbatch_count, split_batch
+
+
+def rng_safe_checkpointing(model: nn.Module) -> None:
+    """HF activation checkpointing per layer (non-reentrant) whose recomputation replays the per-rank dropout
+    stream too: the tracker's state at the forward is restored for the recompute, then put back."""
+    tracker = shard_state(model).rng_tracker
+
+    def context_fn():
+        snapshot = tracker.get_states()
+
+        @contextlib.contextmanager
+        def recompute():
+            current = tracker.get_states()
+            tracker.set_states(snapshot)
+            try:
+                yield
+            finally:
+                tracker.set_states(current)
+
+        return contextlib.nullcontext(), recompute()
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": context_fn})
+
+
+def as_loss(result, where: str) -> torch.Tensor:
+    """The scalar loss in ``result`` (a tensor, or a mapping / model output with ``"loss"``); a clear error else."""
+    loss = result.get("loss") if hasattr(result, "get") and not torch.is_tensor(result) else result
+    if not torch.is_tensor(loss):
+        raise TypeError(f"{where} returned {type(result).__name__}"
+                        f"{' without a loss' if hasattr(result, 'get') else ''}; expected a scalar loss tensor "
+                        "or a dict with 'loss' (pass labels, or give forward_step=... / loss_fn=...)")
+    if loss.dim() != 0:
+        raise ValueError(f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar (a model without "
+                         "a loss needs forward_step=... or loss_fn=...)")
+    return loss
+
+
+class Trainer:
+    """Runs training steps of a model sharded by :func:`shardlib.shard` over its mesh.
+
+    ``optimizer``: a function from this rank's parameters to an optimizer. ``microbatches``: per step (the
+    pipeline schedule's microbatches; without a pipeline, gradient accumulation over that many slices).
+    ``schedule``: one of :data:`shardlib.pipeline.SCHEDULES` (the interleaved ones need
+    ``shard(..., stages_per_rank > 1)``). ``max_grad_norm``: clip by the norm over every parameter of the whole
+    model (each counted once across the mesh). ``autocast_dtype``: e.g. ``torch.bfloat16``.
+    ``activation_checkpointing``: recompute each layer in backward.
+
+    Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
+    subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
+    a pipeline it runs on every stage and must pass every batch entry to the model (see
+    :class:`shardlib.pipeline.StageModule`). ``loss_fn`` maps the model's first output of a microbatch (e.g.
+    ``last_hidden_state``) to an objective that is *summed* over microbatches.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Callable | None = None, *, microbatches: int = 1,
+                 schedule: str = "1f1b", max_grad_norm: float | None = None,
+                 autocast_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+                 loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 forward_step: Callable | None = None):
+        state = shard_state(model)
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+        if optimizer is not None and not callable(optimizer):
+            raise TypeError(f"optimizer must be a function from parameters to an optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if forward_step is not None and loss_fn is not None:
+            raise ValueError("give forward_step or loss_fn, not both")
+        self.model, self.mesh, self.split = model, state.mesh, state.pipeline
+        check_schedule(schedule, self.split)
+        self.microbatches, self.schedule_name = microbatches, schedule
+        self.max_grad_norm, self.autocast_dtype, self.loss_fn = max_grad_norm, autocast_dtype, loss_fn
+        if forward_step is not None:
+            self.forward_step = forward_step  # the instance attribute shadows the method
+        self.custom_forward = forward_step is not None or type(self).forward_step is not Trainer.forward_step
+        if activation_checkpointing:
+            rng_safe_checkpointing(model)
+        self.params = self.split.local_parameters() if self.split else list(model.parameters())
+        self.optimizer = optimizer(self.params) if optimizer is not None else None
+        self.runner = None
+        if self.split is not None:
+            self.runner = PipelineRunner(self.split, schedule, autocast_dtype=autocast_dtype,
+                                         forward_step=self._stage_forward_step if self.custom_forward else None)
+        self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
+        self.last_grad_norm: float | None = None
+        self._total = 1.0
+
+    # -- overridable ------------------------------------------------------------------------------------------
+    def forward_step(self, model: nn.Module, batch: dict):
+        """One microbatch's forward: the model's output (with ``loss``), or a loss tensor. Override it (or pass
+        ``forward_step=``) for models whose outputs carry no loss."""
+        return model(**batch)
+
+    def loss_items(self, batch: dict) -> torch.Tensor:
+        """Per example of ``batch``, how many items the loss averages over (float64 [batch])."""
+        if self.custom_forward or self.loss_fn is not None:
+            return torch.ones(first_tensor(batch).shape[0], dtype=torch.float64)
+        return shard_state(self.model).plan.loss_items.per_example(batch)
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def train_step(self, batch: dict | list[dict]) -> float:
+        """zero grads, forward + backward over all microbatches, reduce and clip gradients, optimizer step.
+
+        A list of batches accumulates gradients over all of them before the one optimizer step (gradient
+        accumulation): the loss is normalized over the items of every batch together, so the step equals one
+        step on their concatenation."""
+        if self.optimizer is None:
+            raise ValueError("this Trainer has no optimizer: pass Trainer(model, optimizer=lambda params: ...)")
+        batches = batch if isinstance(batch, list) else [batch]
+        self.zero_grad()
+        total = self._global_items(batches)
+        loss = sum(self.forward_backward(b, total_items=total) for b in batches)
+        self.reduce_gradients()
+        self.last_grad_norm = None
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm(self.max_grad_norm)
+        elif self.track_grad_norm:
+            self.last_grad_norm = self.grad_norm()
+        self.optimizer_step()
+        return loss
+
+    def optimizer_step(self) -> None:
+        """The optimizer's step (the place a loss scaler or a partitioned optimizer plugs in)."""
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def forward_backward(self, batch: dict, *, total_items: float | None = None) -> float:
+        """Accumulate the gradients of ``batch`` (call again before :meth:`reduce_gradients` to accumulate more,
+        passing the ``total_items`` of all of them, see :meth:`train_step`). Returns the loss of ``batch`` over
+        every data-parallel rank (same value on every rank)."""
+        self.model.train()
+        self._total = total_items if total_items is not None else self._global_items([batch])
+        weights = self.loss_items(batch)
+        if self.split is None:
+            loss = self._run_plain(batch, weights)
+        else:
+            loss = self.runner.step(batch, self.microbatches, self._pipeline_loss, weights)
+        loss = torch.tensor([loss], dtype=torch.float64)
+        for dim in ("dp", "pp"):
+            if self.mesh.size(dim) > 1:
+                dist.all_reduce(loss, group=self.mesh.group(dim))
+        return float(loss)
+
+    def _global_items(self, batches: list[dict]) -> float:
+        """The loss items of ``batches`` summed over data-parallel ranks (1 with a user ``loss_fn``: summed)."""
+        if self.loss_fn is not None:
+            return 1.0
+        total = sum(self.loss_items(b).sum() for b in batches)
+        if self.mesh.dp > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+        return float(total)
+
+    def reduce_gradients(self) -> None:
+        """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
+        summed over data-parallel replicas (one flat all-reduce per dtype)."""
+        if self.split is not None:
+            self.split.sync_tied_grads()
+        if self.mesh.dp > 1:
+            group = self.mesh.group("dp")
+            # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
+            used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+            params = [p for p, u in zip(self.params, used.tolist()) if u]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_flat([p.grad for p in params], group)
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradient of the whole (unsharded) model: tensor-parallel shards summed,
+        replicated parameters and parameters tied across stages counted once."""
+        layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
+        tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
+        first_holder = self._first_pp_holder()
+        total = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            layout = layouts.get(id(p))
+            if (layout is None or not layout.is_sharded) and tp_rank != 0:
+                continue
+            if not first_holder.get(id(p), True):
+                continue
+            total += p.grad.detach().double().square().sum()
+        for dim in ("tp", "pp"):
+            if self.mesh.size(dim) > 1:
+                dist.all_reduce(total, group=self.mesh.group(dim))
+        return math.sqrt(float(total))
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale every gradient so that the global norm is at most ``max_norm``; returns the norm before. A
+        non-finite norm is an error (clipping could not bound it)."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"the gradient norm is {norm}: a loss or gradient overflowed (lower the "
+                                     "learning rate, or train in another precision)")
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def eval_step(self, batch: dict) -> list[dict]:
+        """Forward only. On the rank holding the last stage (or every rank without a pipeline) returns each
+        microbatch's output (detached; ``microbatch_count(len, microbatches)`` microbatches, so any batch size
+        runs); elsewhere an empty list."""
+        self.model.eval()
+        parts = microbatch_count(first_tensor(batch).shape[0], self.microbatches)
+        with torch.no_grad():
+            if self.split is not None:
+                return self.runner.eval(batch, parts)
+            outputs = []
+            for mb in split_batch(batch, parts):
+                with self._autocast(mb):
+                    out = self.forward_step(self.model, mb)
+                outputs.append({"loss": out} if torch.is_tensor(out) else dict(out.items()))
+            return outputs
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _autocast(self, batch):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=first_tensor(batch).device.type, dtype=self.autocast_dtype)
+
+    def _run_plain(self, batch: dict, weights: torch.Tensor) -> float:
+        loss_sum = 0.0
+        for mb, w in zip(split_batch(batch, self.microbatches), weights.chunk(self.microbatches)):
+            with self._autocast(mb):
+                out = self.forward_step(self.model, mb)
+                if self.loss_fn is not None:
+                    loss = self.loss_fn(out[next(iter(out.keys()))])
+                else:
+                    loss = as_loss(out, "forward_step" if self.custom_forward else type(self.model).__name__)
+            scaled = self._scale(loss, w)
+            scaled.backward()
+            loss_sum += float(scaled.detach())
+        return loss_sum
+
+    def _stage_forward_step(self, model, batch):
+        result = self.forward_step(model, batch)
+        as_loss(result, "forward_step")  # checked on the last stage, where the model's forward returns
+        return result
+
+    def _scale(self, loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is not None:
+            return loss
+        # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch
+        # loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0
+        return loss * (float(weights.sum() / self._total) if self._total else 0.0)
+
+    def _pipeline_loss(self, output, weights):
+        loss = output[0] if isinstance(output, (tuple, list)) else output
+        if self.loss_fn is not None:
+            return self.loss_fn(loss)
+        return self._scale(as_loss(loss, type(self.model).__name__), weights)
+
+    def _first_pp_holder(self) -> dict[int, bool]:
+        """id(param) -> whether this pp rank is the lowest one holding it (tied parameters count once)."""
+        if self.split is None:
+            return {}
+        result = {}
+        for name, _, _, ranks in self.split.tied:
+            if self.split.pp_rank in ranks:
+                result[id(self.model.get_parameter(name))] = self.split.pp_rank == min(ranks)
+        return result
+
+    def fit(self, train_data, **options):
+        """The training loop: data, evaluation, logging, checkpoints and exact resume
+        (:func:`shardlib.train.fit.fit`, which documents every option)."""
+        from .fit import fit
+
+        return fit(self, train_data, **options)
