@@ -293,7 +293,7 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
         raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
     tmp = directory.parent / f".{directory.name}.tmp-{_broadcast_str(uuid.uuid4().hex[:12], group)}"
     tmp.mkdir(parents=True, exist_ok=True)
-    written = _write_files(tmp, staged.files)  # fsynced before rank 0 writes the metadata
+    written = _write_files(tmp, staged.files) if staged.files else {}  # fsynced before rank 0 writes the metadata
     gathered = [(written, staged.meta)]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size(group)

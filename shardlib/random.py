@@ -79,6 +79,20 @@ def _set_state(state) -> None:
 
 
 @contextlib.contextmanager
+def preserved_rng(tracker: RNGStatesTracker | None = None):
+    """Run the block without advancing any random stream: torch's default generator (CPU and CUDA) and every
+    stream of ``tracker`` are put back afterwards."""
+    state = _get_state()
+    streams = tracker.get_states() if tracker is not None else None
+    try:
+        yield
+    finally:
+        _set_state(state)
+        if tracker is not None:
+            tracker.set_states(streams)
+
+
+@contextlib.contextmanager
 def _preserve_default_rng():
     state = _get_state()
     try:

@@ -136,7 +136,9 @@ class RankPool:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
                     self.stop(graceful=False)
-                    raise RankTimeout(f"{fn.__qualname__}: rank(s) {missing} did not finish within {timeout_s}s")
+                    detail = "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items()))
+                    raise RankTimeout(f"{fn.__qualname__}: rank(s) {missing} did not finish within {timeout_s}s"
+                                      + detail)
                 continue
             if task_id != self._task_id:
                 continue  # a stale answer from an earlier, failed task

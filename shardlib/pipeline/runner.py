@@ -41,10 +41,11 @@ class PipelineRunner:
 
     ``forward_step(model, batch)``, when given, replaces ``model(**batch)`` on every stage (see
     :class:`shardlib.pipeline.split.StageModule`). ``autocast_dtype``: autocast around every stage's forward.
+    ``rng_tracker``: the model's dropout streams, left untouched by torch's shape-inference forward.
     """
 
     def __init__(self, split: PipelineSplit, schedule: str = "1f1b", *, autocast_dtype: torch.dtype | None = None,
-                 forward_step: Callable | None = None):
+                 forward_step: Callable | None = None, rng_tracker=None):
         check_schedule(schedule, split)
         self.split, self.schedule_name = split, schedule
         self._schedules: dict = {}
@@ -52,6 +53,7 @@ class PipelineRunner:
         for stage in split.stage_modules:
             stage.autocast_dtype = autocast_dtype
             stage.forward_step = forward_step
+            stage.rng_tracker = rng_tracker
 
     @property
     def holds_last_stage(self) -> bool:
@@ -78,7 +80,9 @@ class PipelineRunner:
         schedule = self._schedule(batch, microbatches, training=False)
         last = self.last_stage
         self._clear_outputs()
-        schedule.eval(*self._first_stage_args(batch), **self._stage_kwargs(batch))
+        # return_outputs=False: torch would merge the last stage's outputs over microbatches, and a loss is a 0-dim
+        # tensor that cannot be concatenated; the outputs come from the stage module's record instead
+        schedule.eval(*self._first_stage_args(batch), return_outputs=False, **self._stage_kwargs(batch))
         if last is None:
             return []
         # the schedule's first run on a new input shape adds one metadata-inference forward: keep the real ones
@@ -122,6 +126,7 @@ class PipelineRunner:
         for module in self.split.stage_modules:
             module.input_name = name if module.index == 0 else None
             module.static_kwargs = static
+            module.shape_inference_pending = True
             stages.append(PipelineStage(module, module.index, self.split.num_stages, device, group=self.split.group))
         # forward-only: every single-stage schedule runs the same forwards, and GPipe takes any microbatch count
         name = self.schedule_name if training or self.schedule_name in MULTI_STAGE else "gpipe"

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..collectives import all_reduce_flat
 from ..plan import PlanError, Stack
+from ..random import preserved_rng
 from .stages import StagePlan, _exists, tensor_owners
 
 
@@ -276,6 +277,11 @@ class StageModule(nn.Module):
         self.autocast_dtype: torch.dtype | None = None
         self.forward_step = None
         self.outputs: list = []
+        # torch's schedules run one extra forward of the first microbatch when they meet a new input signature, to
+        # infer the boundary shapes; the runner marks it so that it draws no dropout mask (a resumed run, whose
+        # first step is such a step, then draws the masks the uninterrupted run drew)
+        self.shape_inference_pending = False
+        self.rng_tracker = None
 
     def forward(self, *received, **batch):
         split = self.split
@@ -284,7 +290,12 @@ class StageModule(nn.Module):
         autocast = (torch.autocast(device_type=_device_type(received, batch), dtype=self.autocast_dtype)
                     if self.autocast_dtype is not None else contextlib.nullcontext())
         saving = split.sequence.saving_shards() if split.sequence is not None else contextlib.nullcontext()
-        with split.running(self.route, received, {**batch, **self.static_kwargs}) as kwargs, autocast, saving:
+        neutral = contextlib.nullcontext()
+        if self.shape_inference_pending:
+            self.shape_inference_pending = False
+            neutral = preserved_rng(self.rng_tracker)
+        with split.running(self.route, received, {**batch, **self.static_kwargs}) as kwargs, autocast, saving, \
+                neutral:
             try:
                 out = split.model(**kwargs) if self.forward_step is None else self.forward_step(split.model, kwargs)
             except StageExit as stop:

@@ -134,7 +134,21 @@ def launch_if_requested(args: TrainingArguments, argv: list[str] | None = None) 
     from ..cli import run
 
     argv = list(sys.argv if argv is None else argv)
-    sys.exit(run(args.nproc, argv[0], argv[1:]))
+    sys.exit(run(args.nproc, argv[0], _without_nproc(argv[1:])))
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The ranks' arguments: the parent's without ``--nproc N`` (they are launched; torchrun's parser would also
+    read ``--nproc`` as an abbreviation of its own ``--nproc-per-node``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def parse_args(*extra, args: list[str] | None = None, launch: bool = True):

@@ -177,8 +177,6 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
         if scheduler is not None and train["scheduler"] is not None:
             scheduler.load_state_dict(train["scheduler"])
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if save_dir is not None and rank0:
-        save_dir.mkdir(parents=True, exist_ok=True)
     checkpoints.remove_unfinished()
     trainer.track_grad_norm = True
     result = FitResult(step=step, epoch=epoch, first_step=step, resumed_from=resume_from)

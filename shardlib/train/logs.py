@@ -32,12 +32,8 @@ class TrainLog:
         self.enabled = enabled
         self.path = save_dir / LOG_FILE if save_dir is not None and enabled else None
         self.bar = self.tensorboard = None
-        if not enabled:
-            return
-        if self.path is not None:
-            self._truncate_after(start_step)
-            self.tensorboard = _tensorboard(save_dir / "tensorboard")
-        if progress:
+        self._start_step, self._opened = start_step, False  # files are touched at the first record, not before
+        if enabled and progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
@@ -59,6 +55,11 @@ class TrainLog:
         if not self.enabled:
             return
         values = {k: _clean(v) for k, v in values.items() if v is not None}
+        if self.path is not None and not self._opened:
+            self._opened = True
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._truncate_after(self._start_step)
+            self.tensorboard = _tensorboard(self.path.parent / "tensorboard")
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(values) + "\n")

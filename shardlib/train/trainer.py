@@ -112,7 +112,8 @@ class Trainer:
         self.runner = None
         if self.split is not None:
             self.runner = PipelineRunner(self.split, schedule, autocast_dtype=autocast_dtype,
-                                         forward_step=self._stage_forward_step if self.custom_forward else None)
+                                         forward_step=self._stage_forward_step if self.custom_forward else None,
+                                         rng_tracker=state.rng_tracker)
         self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
         self.last_grad_norm: float | None = None
         self._total = 1.0
