@@ -6,11 +6,11 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: demo test bench install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	# torch first, pinned exactly: this pin resolves to the CPU wheel kept on disk
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[test,bench,demo]"
+	$(VPY) -m pip install -q -c constraints.txt -e ".[test,bench,demo]"
 	touch $(STAMP)
 
 install: $(STAMP)

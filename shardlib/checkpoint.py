@@ -261,8 +261,8 @@ class StagedSave:
 
 
 def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: dict | None = None) -> StagedSave:
-    """Collect what :func:`save` writes from this rank. ``copy``: clone every tensor into fresh memory (the model
-    may train on while the copies are written, see :func:`commit`). ``extra_files``: {file: {key: tensor}} this
+    """Collect what :func:`save` writes from this rank. ``copy``: copy every tensor into fresh host memory (the
+    model may train on while the copies are written, see :func:`commit`). ``extra_files``: {file: {key: tensor}} this
     rank writes whatever its mesh position (per-rank state), listed and checksummed like the model files. Local
     work only, no collective."""
     state = shard_state(model)
@@ -274,7 +274,7 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
         files = {}
     files |= extra_files or {}
     if copy:
-        files = {f: {k: t.detach().clone() for k, t in tensors.items()} for f, tensors in files.items()}
+        files = {f: {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()} for f, tensors in files.items()}
     document = {"model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp,
                 "optimizer": _optimizer_hyperparameters(optimizer)}
     if state.pipeline is not None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,13 +42,17 @@ def kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_mid_step(trainer, step: int) -> None:
-    """SIGKILL inside the forward of the first layer during optimizer step ``step`` of this run."""
+def kill_mid_step(trainer, step: int, save_dir: str) -> None:
+    """SIGKILL inside the forward of the first layer during optimizer step ``step`` of this run, once a checkpoint
+    is complete (saves are committed in the background: a kill before that would leave none to resume from)."""
     original, calls = trainer.train_step, [0]
 
     def train_step(batch):
         calls[0] += 1
         if calls[0] == step:
+            deadline = time.monotonic() + 60
+            while not list(Path(save_dir).glob("checkpoints/step-*/shardlib.json")) and time.monotonic() < deadline:
+                time.sleep(0.05)
             for module in trainer.model.modules():
                 if isinstance(module, torch.nn.ModuleList) and len(module):
                     next(iter(module._modules.values())).register_forward_hook(lambda *_: kill_self())
@@ -82,7 +88,10 @@ def main():
     model = shardlib.shard(BertForSequenceClassification(config), mesh, **args.shard_options())
     trainer = shardlib.Trainer(model, lambda p: torch.optim.AdamW(p, lr=args.lr), **args.trainer_options())
     if mine.kill_at_step and dist.get_rank() == mine.kill_rank:
-        (kill_mid_step if mine.kill_in == "step" else kill_mid_save)(trainer, mine.kill_at_step)
+        if mine.kill_in == "step":
+            kill_mid_step(trainer, mine.kill_at_step, args.save_dir)
+        else:
+            kill_mid_save(trainer, mine.kill_at_step)
     result = trainer.fit(dataset(mine.samples), eval_data=dataset(mine.samples)[:30], **args.fit_options())
     if dist.get_rank() == 0:
         first = result.first_step

@@ -36,6 +36,13 @@ def microbatch_count(size: int, microbatches: int) -> int:
     return max(d for d in range(1, min(size, microbatches) + 1) if size % d == 0)
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Every tensor of ``batch`` on ``device`` (asynchronously from pinned memory); others unchanged."""
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def dp_shard(batch: dict, mesh) -> dict:
     """This data-parallel rank's contiguous share of a global batch (the same on its pp x sp x tp ranks)."""
     if mesh.dp == 1:

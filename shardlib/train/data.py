@@ -23,6 +23,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
+from .batches import to_device
+
 
 def epoch_order(length: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The global sample order of ``epoch``: a permutation drawn from ``(seed, epoch)`` alone."""
@@ -103,13 +105,14 @@ class EpochData:
 
     def __init__(self, dataset, batch_size: int, mesh, *, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
-                 prefetch_factor: int | None = None, what: str = "train_data"):
+                 prefetch_factor: int | None = None, what: str = "train_data", device: str = "cpu"):
         self.dataset, self.batch_size, self.what = dataset, batch_size, what
+        self.device = torch.device(device)
         self.collate_fn = collate_fn or default_collate
         self.iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
         dp, dp_rank = mesh.dp, (mesh.local_rank("dp") if mesh.dp > 1 else 0)
         self.dp, self.dp_rank, self.drop_last = dp, dp_rank, drop_last
-        self.loader_options = dict(num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+        self.loader_options = dict(num_workers=num_workers, pin_memory=self.device.type == "cuda",
                                    prefetch_factor=prefetch_factor if num_workers else None)
         self.sampler = None
         if not self.iterable:
@@ -135,10 +138,13 @@ class EpochData:
         return batch
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        """This rank's batches of ``epoch`` from global batch ``start`` on, on ``self.device``."""
         if self.sampler is not None:
             self.sampler.set_epoch(epoch, start)
-            return iter(self.loader)
-        shares = _IterableShares(self.dataset, self.batch_size, self.dp, self.dp_rank, start, self.drop_last,
-                                 self._collate)
-        return iter(DataLoader(shares, batch_size=None, generator=torch.Generator().manual_seed(epoch),
-                               **self.loader_options))
+            loader = self.loader
+        else:
+            shares = _IterableShares(self.dataset, self.batch_size, self.dp, self.dp_rank, start, self.drop_last,
+                                     self._collate)
+            loader = DataLoader(shares, batch_size=None, generator=torch.Generator().manual_seed(epoch),
+                                **self.loader_options)
+        return (to_device(batch, self.device) for batch in loader)

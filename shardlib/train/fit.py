@@ -120,6 +120,23 @@ def evaluate(trainer, data: EpochData, metrics: dict[str, Callable] | None = Non
     return result
 
 
+def _check_options(trainer, mesh, batch_size, epochs, max_steps, eval_interval, log_interval, save_dir,
+                   save_interval, resume) -> None:
+    if epochs is None and max_steps is None:
+        raise ValueError("fit needs epochs or max_steps (both are missing)")
+    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("log_interval", log_interval),
+                        ("save_interval", save_interval)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if eval_interval not in (None, "epoch") and not (isinstance(eval_interval, int) and eval_interval >= 1):
+        raise ValueError(f"eval_interval must be a positive integer or 'epoch', got {eval_interval!r}")
+    if save_dir is None and (save_interval is not None or resume == "auto"):
+        raise ValueError(f"{'save_interval' if save_interval is not None else 'resume=auto'} needs a save_dir")
+    if trainer.optimizer is None:
+        raise ValueError("fit needs a Trainer with an optimizer: Trainer(model, optimizer=lambda params: ...)")
+    _check_global_batch(batch_size, mesh, trainer.microbatches, "batch_size")
+
+
 def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_steps: int | None = None,
         eval_data=None, eval_batch_size: int | None = None, collate_fn: Callable | None = None, lr_scheduler=None,
         eval_interval: int | str | None = None, log_interval: int = 10, save_dir: str | Path | None = None,
@@ -137,106 +154,132 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     ``save_dir``: logs (``log.jsonl``, TensorBoard) and, every ``save_interval`` steps and at the end,
     checkpoints in ``save_dir/checkpoints`` (the newest ``keep_last`` kept). ``resume``: ``"auto"`` (the newest
     complete checkpoint in ``save_dir``, if any) or a checkpoint directory. ``seed`` fixes the sample order.
+    Everything is checked before anything is written; see docs/training.md.
     """
     mesh = shard_state(trainer.model).mesh
-    if epochs is None and max_steps is None:
-        raise ValueError("fit needs epochs or max_steps (both are missing)")
-    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("log_interval", log_interval),
-                        ("save_interval", save_interval)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if eval_interval is not None and eval_interval != "epoch" and not (isinstance(eval_interval, int)
-                                                                      and eval_interval >= 1):
-        raise ValueError(f"eval_interval must be a positive integer or 'epoch', got {eval_interval!r}")
-    if save_dir is None and (save_interval is not None or resume == "auto"):
-        raise ValueError(f"{'save_interval' if save_interval is not None else 'resume=auto'} needs a save_dir")
-    if trainer.optimizer is None:
-        raise ValueError("fit needs a Trainer with an optimizer: Trainer(model, optimizer=lambda params: ...)")
-    _check_global_batch(batch_size, mesh, trainer.microbatches, "batch_size")
-    eval_batch_size = eval_batch_size or batch_size
-    loader = dict(collate_fn=collate_fn, num_workers=num_workers, prefetch_factor=prefetch_factor)
+    _check_options(trainer, mesh, batch_size, epochs, max_steps, eval_interval, log_interval, save_dir,
+                   save_interval, resume)
+    device = next((p.device for p in trainer.params if p.device.type != "meta"), torch.device("cpu"))
+    loader = dict(collate_fn=collate_fn, num_workers=num_workers, prefetch_factor=prefetch_factor, device=device)
     data = EpochData(train_data, batch_size, mesh, seed=seed, shuffle=shuffle, **loader)
-    evals = EpochData(eval_data, eval_batch_size, mesh, shuffle=False, drop_last=False, what="eval_data",
-                      **loader) if eval_data is not None else None
+    evals = None
+    if eval_data is not None:
+        evals = EpochData(eval_data, eval_batch_size or batch_size, mesh, shuffle=False, drop_last=False,
+                          what="eval_data", **loader)
     per_epoch = data.steps_per_epoch()
-    total = min(x for x in (max_steps, epochs * per_epoch if epochs and per_epoch else None) if x is not None) \
-        if max_steps or per_epoch else None
+    totals = [x for x in (max_steps, epochs * per_epoch if epochs and per_epoch else None) if x is not None]
+    total = min(totals) if totals else None
     scheduler = build_scheduler(lr_scheduler, trainer.optimizer, total)
     save_dir = Path(save_dir) if save_dir is not None else None
     checkpoints = TrainCheckpoints(save_dir / "checkpoints" if save_dir else None, trainer, keep_last=keep_last)
+    loop = FitLoop(trainer, data, evals, scheduler, checkpoints, metrics=metrics, epochs=epochs,
+                   max_steps=max_steps, eval_interval=eval_interval, log_interval=log_interval,
+                   save_interval=save_interval if save_dir is not None else None, seed=seed, batch_size=batch_size)
     resume_from = checkpoints.find(resume)  # validates; writes nothing
-
-    step = epoch = position = 0
     if resume_from is not None:
-        train = checkpoints.load(resume_from)
-        for key, value in (("batch_size", batch_size), ("seed", seed)):
-            if train[key] != value:
-                raise ValueError(f"resume: {resume_from} was trained with {key}={train[key]}, this run has "
-                                 f"{key}={value}; the sample order would not continue")
-        step, epoch, position = train["step"], train["epoch"], train["batch_in_epoch"]
-        if scheduler is not None and train["scheduler"] is not None:
-            scheduler.load_state_dict(train["scheduler"])
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        loop.resume(resume_from)
     checkpoints.remove_unfinished()
-    trainer.track_grad_norm = True
-    result = FitResult(step=step, epoch=epoch, first_step=step, resumed_from=resume_from)
-    log = TrainLog(save_dir, enabled=rank0, total_steps=total, start_step=step, progress=progress)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    log = TrainLog(save_dir, enabled=rank0, total_steps=total, start_step=loop.step, progress=progress)
+    return loop.run(log)
 
-    def run_eval():
-        record = {"step": step, "epoch": epoch, "eval": True, **evaluate(trainer, evals, metrics)}
-        result.evals.append(record)
-        log.record(record)
 
-    last_saved = None
+class FitLoop:
+    """Where one ``fit`` call is (step, epoch, global batch within the epoch) and what it drives each step: the
+    Trainer, the LR scheduler, logs, evaluation and checkpoints."""
 
-    def save():
-        nonlocal last_saved
-        last_saved = step
-        sched = scheduler.state_dict() if scheduler is not None else None
-        json.dumps(sched)  # a scheduler state that JSON cannot hold fails here, before anything is written
-        checkpoints.save(step, {"step": step, "epoch": epoch, "batch_in_epoch": position, "seed": seed,
-                                "batch_size": batch_size, "scheduler": sched, "scaler": None})
+    def __init__(self, trainer, data: EpochData, evals: EpochData | None, scheduler, checkpoints: TrainCheckpoints,
+                 *, metrics, epochs, max_steps, eval_interval, log_interval, save_interval, seed, batch_size):
+        self.trainer, self.data, self.evals, self.scheduler = trainer, data, evals, scheduler
+        self.checkpoints, self.metrics = checkpoints, metrics
+        self.epochs, self.max_steps, self.eval_interval = epochs, max_steps, eval_interval
+        self.log_interval, self.save_interval, self.seed, self.batch_size = log_interval, save_interval, seed, batch_size
+        self.step = self.epoch = self.position = 0
+        self.result = FitResult(step=0, epoch=0, first_step=0)
+        self.last_saved: int | None = None
+        self.log: TrainLog | None = None
+        self._window: list[float] = []
+        self._window_start, self._window_tokens = time.perf_counter(), 0
 
-    window, window_start, window_tokens = [], time.perf_counter(), 0
-    try:
-        while epochs is None or epoch < epochs:
-            stepped = False
-            for batch in data.batches(epoch, position):
-                loss = trainer.train_step(batch)
-                if scheduler is not None:
-                    scheduler.step()
-                step, position, stepped = step + 1, position + 1, True
-                result.losses.append(loss)
-                window.append(loss)
-                window_tokens += (_tokens(trainer.model, batch) or 0) * mesh.dp
-                log.step()
-                if step % log_interval == 0:
-                    elapsed = time.perf_counter() - window_start
-                    log.record({"step": step, "epoch": epoch, "loss": sum(window) / len(window),
-                                "lr": trainer.optimizer.param_groups[0]["lr"], "grad_norm": trainer.last_grad_norm,
-                                "samples_per_s": len(window) * batch_size / elapsed,
-                                "tokens_per_s": window_tokens / elapsed if window_tokens else None})
-                    window, window_start, window_tokens = [], time.perf_counter(), 0
-                if evals is not None and isinstance(eval_interval, int) and step % eval_interval == 0:
-                    run_eval()
-                if save_dir is not None and save_interval and step % save_interval == 0:
-                    save()
-                if max_steps is not None and step >= max_steps:
-                    break
-            if max_steps is not None and step >= max_steps:
-                break
-            if not stepped and position == 0:
-                raise ValueError("train_data gave no batch in an epoch (an empty iterable?)")
-            epoch, position = epoch + 1, 0
-            if evals is not None and eval_interval == "epoch":
-                run_eval()
-        if evals is not None and (not result.evals or result.evals[-1]["step"] != step):
-            run_eval()
-        if save_dir is not None and save_interval and last_saved != step and step > result.first_step:
-            save()
-        checkpoints.wait()
-    finally:
-        log.close()
-    result.step, result.epoch = step, epoch
-    result.checkpoints, result.save_blocked_s = list(checkpoints.saved), list(checkpoints.blocked_s)
-    return result
+    def resume(self, directory: Path) -> None:
+        train = self.checkpoints.load(directory)
+        for key, value in (("batch_size", self.batch_size), ("seed", self.seed)):
+            if train[key] != value:
+                raise ValueError(f"resume: {directory} was trained with {key}={train[key]}, this run has "
+                                 f"{key}={value}; the sample order would not continue")
+        self.step, self.epoch, self.position = train["step"], train["epoch"], train["batch_in_epoch"]
+        if self.scheduler is not None and train["scheduler"] is not None:
+            self.scheduler.load_state_dict(train["scheduler"])
+        self.result = FitResult(step=self.step, epoch=self.epoch, first_step=self.step, resumed_from=directory)
+
+    def run(self, log: TrainLog) -> FitResult:
+        self.log, self.trainer.track_grad_norm = log, True
+        try:
+            while (self.epochs is None or self.epoch < self.epochs) and not self._train_epoch():
+                if self.evals is not None and self.eval_interval == "epoch":
+                    self._evaluate()
+            if self.evals is not None and (not self.result.evals or self.result.evals[-1]["step"] != self.step):
+                self._evaluate()
+            if self.save_interval and self.last_saved != self.step and self.step > self.result.first_step:
+                self._save()
+            self.checkpoints.wait()
+        finally:
+            log.close()
+        self.result.step, self.result.epoch = self.step, self.epoch
+        self.result.checkpoints = list(self.checkpoints.saved)
+        self.result.save_blocked_s = list(self.checkpoints.blocked_s)
+        return self.result
+
+    def _done(self) -> bool:
+        return self.max_steps is not None and self.step >= self.max_steps
+
+    def _train_epoch(self) -> bool:
+        """Train the rest of the current epoch; True when ``max_steps`` was reached (the epoch may go on later)."""
+        stepped = False
+        for batch in self.data.batches(self.epoch, self.position):
+            loss = self.trainer.train_step(batch)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.step, self.position, stepped = self.step + 1, self.position + 1, True
+            self._after_step(loss, batch)
+            if self._done():
+                return True
+        if not stepped and self.position == 0:
+            raise ValueError("train_data gave no batch in an epoch (an empty iterable?)")
+        self.epoch, self.position = self.epoch + 1, 0
+        return self._done()
+
+    def _after_step(self, loss: float, batch: dict) -> None:
+        self.result.losses.append(loss)
+        self._window.append(loss)
+        self._window_tokens += (_tokens(self.trainer.model, batch) or 0) * self.data.dp
+        self.log.step()
+        if self.step % self.log_interval == 0:
+            self._log_window()
+        if self.evals is not None and isinstance(self.eval_interval, int) and self.step % self.eval_interval == 0:
+            self._evaluate()
+        if self.save_interval and self.step % self.save_interval == 0:
+            self._save()
+
+    def _log_window(self) -> None:
+        elapsed = time.perf_counter() - self._window_start
+        window, tokens = self._window, self._window_tokens
+        self.log.record({"step": self.step, "epoch": self.epoch, "loss": sum(window) / len(window),
+                         "lr": self.trainer.optimizer.param_groups[0]["lr"], "grad_norm": self.trainer.last_grad_norm,
+                         "samples_per_s": len(window) * self.batch_size / elapsed,
+                         "tokens_per_s": tokens / elapsed if tokens else None})
+        self._window, self._window_start, self._window_tokens = [], time.perf_counter(), 0
+
+    def _evaluate(self) -> None:
+        record = {"step": self.step, "epoch": self.epoch, "eval": True,
+                  **evaluate(self.trainer, self.evals, self.metrics)}
+        self.result.evals.append(record)
+        self.log.record(record)
+
+    def _save(self) -> None:
+        scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
+        json.dumps(scheduler)  # a scheduler state that JSON cannot hold fails here, before anything is written
+        self.last_saved = self.step
+        self.checkpoints.save(self.step, {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.position,
+                                          "seed": self.seed, "batch_size": self.batch_size, "scheduler": scheduler,
+                                          "scaler": None})
