@@ -90,6 +90,7 @@ BAD_INPUT = [
     ("forward_step_type", "TypeError: forward_step returned int; expected a scalar loss tensor"),
     ("loss_not_scalar", "ValueError: forward_step returned a loss of shape (1, 3); expected a scalar"),
     ("resume:nowhere", "resume: {workdir}/nowhere is not a directory"),
+    ("resume:incomplete", "incomplete: no shardlib.json (not a shardlib checkpoint, or an unfinished save)"),
     ("resume:torn/checkpoints/step-00000002", "is damaged: missing checkpoint file"),
     ("resume:foreign/checkpoints/step-00000002", "is not a checkpoint of this run: its config differs"),
 ]
@@ -100,6 +101,8 @@ def test_bad_input_is_refused_with_nothing_written(pool, tmp_path):
     pool.run(train_tasks.fit_run, {**spec, "save_dir": "torn", "save_interval": 2}, str(tmp_path))
     torn = tmp_path / "torn/checkpoints/step-00000002"
     next(torn.glob("rng-rank*.safetensors")).unlink()
+    (tmp_path / "incomplete").mkdir()
+    (tmp_path / "incomplete" / "model-tp0-of-1.safetensors").write_bytes(b"partial")
     foreign = {**spec, "config": {**BERT["config"], "intermediate": 20}}
     pool.run(train_tasks.fit_run, {**foreign, "save_dir": "foreign", "save_interval": 2}, str(tmp_path))
     for case, message in BAD_INPUT:
@@ -126,3 +129,25 @@ def test_shape_inference_forward_is_the_first_of_a_new_schedule(pool):
     for first, second in pool.run(train_tasks.first_step_stage_forwards, spec):
         assert first == [True] + [False] * RUN["microbatches"], first
         assert second == [False] * RUN["microbatches"], second
+
+
+def test_trainer_arguments_are_checked():
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import shardlib
+    from shardlib.mesh import OfflineMesh
+
+    model = shardlib.shard(BertForSequenceClassification(BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)),
+        OfflineMesh())
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    for kwargs, message in [({"microbatches": 0}, "microbatches must be a positive integer, got 0"),
+                            ({"max_grad_norm": -1.0}, "max_grad_norm must be a positive finite number"),
+                            ({"schedule": "zb"}, "unknown schedule 'zb'")]:
+        with pytest.raises(ValueError, match=message):
+            shardlib.Trainer(model, sgd, **kwargs)
+    with pytest.raises(ValueError, match="this Trainer has no optimizer"):
+        shardlib.Trainer(model).train_step({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="BertModel is not sharded"):
+        shardlib.Trainer(BertForSequenceClassification(model.config).bert, sgd)
