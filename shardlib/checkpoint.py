@@ -567,13 +567,20 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
         if stored.startswith(OPTIMIZER_PREFIX):
             key, _, param = stored[len(OPTIMIZER_PREFIX):].partition(".")  # state keys have no dots
             stored_state.setdefault(param, {})[key] = stored
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for tensor, names in _local_tensors(model):
         state = {}
         param_layout = layout_of(model, names[0])
         for key, stored in stored_state.get(names[0], {}).items():
             shape = tuple(ckpt.tensors[stored]["shape"])
             layout = param_layout if shape == param_layout.global_shape else Layout.replicated(shape)
-            state[key] = _read_local(ckpt, stored, layout, rank, ckpt.dtype(stored))
+            value = _read_local(ckpt, stored, layout, rank, ckpt.dtype(stored))
+            # on the parameter's device, as torch's Optimizer.load_state_dict places it (a step that is neither
+            # capturable nor fused stays a CPU scalar)
+            group = group_of.get(id(tensor), {})
+            if key != "step" or group.get("capturable") or group.get("fused"):
+                value = value.to(tensor.device)
+            state[key] = value
         if state:
             optimizer.state[tensor] = state
 

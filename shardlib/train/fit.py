@@ -112,9 +112,11 @@ def evaluate(trainer, data: EpochData, metrics: dict[str, Callable] | None = Non
                 sums[1] += items
                 sums[2] += float(out["loss"]) * items
             for i, fn in enumerate(metrics.values()):
-                sums[3 + i] += torch.as_tensor(fn(out, mb)).double().sum()
+                sums[3 + i] += float(torch.as_tensor(fn(out, mb)).double().sum())  # a CUDA metric too
     if dist.is_initialized():
-        dist.all_reduce(sums)
+        reduced = sums.to(mesh.device_type)  # NCCL reduces CUDA tensors only
+        dist.all_reduce(reduced)
+        sums = reduced.cpu()
     result = {"samples": int(sums[0]), "loss": float(sums[2] / sums[1]) if sums[1] else None}
     result |= {name: float(sums[3 + i] / sums[0]) if sums[0] else None for i, name in enumerate(metrics)}
     return result
@@ -213,7 +215,7 @@ class FitLoop:
         self.result = FitResult(step=self.step, epoch=self.epoch, first_step=self.step, resumed_from=directory)
 
     def run(self, log: TrainLog) -> FitResult:
-        self.log, self.trainer.track_grad_norm = log, True
+        self.log = log
         try:
             while (self.epochs is None or self.epoch < self.epochs) and not self._train_epoch():
                 if self.evals is not None and self.eval_interval == "epoch":
@@ -237,6 +239,7 @@ class FitLoop:
         """Train the rest of the current epoch; True when ``max_steps`` was reached (the epoch may go on later)."""
         stepped = False
         for batch in self.data.batches(self.epoch, self.position):
+            self.trainer.track_grad_norm = (self.step + 1) % self.log_interval == 0  # logged: compute it
             loss = self.trainer.train_step(batch)
             if self.scheduler is not None:
                 self.scheduler.step()

@@ -43,8 +43,7 @@ class TrainLog:
         """A resumed run continues the log of the run it resumes: records after its checkpoint are dropped."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def step(self) -> None:
@@ -82,6 +81,14 @@ class TrainLog:
             self.bar.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of a JSONL record; a torn last line (a killed writer) counts as after every step."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
 
 
 def _short(value):

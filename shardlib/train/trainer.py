@@ -171,7 +171,7 @@ class Trainer:
             loss = self._run_plain(batch, weights)
         else:
             loss = self.runner.step(batch, self.microbatches, self._pipeline_loss, weights)
-        loss = torch.tensor([loss], dtype=torch.float64)
+        loss = torch.tensor([loss], dtype=torch.float64, device=self.mesh.device_type)  # NCCL: CUDA tensors only
         for dim in ("dp", "pp"):
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(loss, group=self.mesh.group(dim))
@@ -183,6 +183,7 @@ class Trainer:
             return 1.0
         total = sum(self.loss_items(b).sum() for b in batches)
         if self.mesh.dp > 1:
+            total = total.to(self.mesh.device_type)
             dist.all_reduce(total, group=self.mesh.group("dp"))
         return float(total)
 
@@ -194,7 +195,8 @@ class Trainer:
         if self.mesh.dp > 1:
             group = self.mesh.group("dp")
             # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
-            used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8)
+            used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8,
+                                device=self.mesh.device_type)
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
             params = [p for p, u in zip(self.params, used.tolist()) if u]
             for p in params:
@@ -208,7 +210,8 @@ class Trainer:
         layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
         tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
         first_holder = self._first_pp_holder()
-        total = torch.zeros(1, dtype=torch.float64)
+        # summed on the parameters' device (one host sync at the end; a CUDA gradient cannot add into a CPU tensor)
+        total = torch.zeros(1, dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
         for p in self.params:
             if p.grad is None:
                 continue
