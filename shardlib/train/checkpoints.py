@@ -240,9 +240,10 @@ class TrainCheckpoints:
                 reader.close()
         tracker = shard_state(model).rng_tracker
         restore_rng(tensors, tracker, tracker_too=same_layout)
-        if not same_layout:
+        if not same_layout and _rank() == 0:
             log.warning("resuming at another layout (%s, saved at %s): model and optimizer resharded, the per-rank "
                         "dropout streams restart", layout_of_mesh(shard_state(model).mesh), train["layout"])
+        if not same_layout:
             if tracker is not None:
                 tracker.set_states({})
                 rng_streams(tracker, train["seed"], shard_state(model).mesh)
