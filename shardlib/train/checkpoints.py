@@ -133,9 +133,9 @@ class TrainCheckpoints:
 
     # -- saving ---------------------------------------------------------------------------------------------
     def _commit_group(self):
-        if self._group is None and dist.is_initialized() and _world() > 1:
-            # a gloo group of its own for the background commit: collectives of one group from two threads could
-            # interleave; on GPUs too, the commit moves only small objects
+        if self._group is None and dist.is_initialized():
+            # a gloo group of its own for the background commit (in a world of one too): collectives of one group
+            # from two threads could interleave; on GPUs too, the commit moves only small objects
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._group
 
