@@ -175,11 +175,12 @@ class PipelineSplit:
         """Sum the gradients of parameters used on several pipeline ranks over the pp group (flattened per dtype;
         ranks that do not hold a parameter contribute zeros)."""
         grads = []
+        device = next((p.device for p in self.local_parameters()), torch.device("cpu"))
         for name, shape, dtype, ranks in self.tied:
             p = self.model.get_parameter(name) if self.pp_rank in ranks else None
             if p is not None and p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad if p is not None else torch.zeros(shape, dtype=dtype))
+            grads.append(p.grad if p is not None else torch.zeros(shape, dtype=dtype, device=device))
         all_reduce_flat(grads, self.group)
 
     # -- one stage's forward ----------------------------------------------------------------------------

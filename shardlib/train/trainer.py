@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from ..collectives import all_reduce_flat
 from ..layout import named_layouts
@@ -117,6 +118,7 @@ class Trainer:
         self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
         self.last_grad_norm: float | None = None
         self._total = 1.0
+        self._counted: list | None = None
 
     # -- overridable ------------------------------------------------------------------------------------------
     def forward_step(self, model: nn.Module, batch: dict):
@@ -148,7 +150,7 @@ class Trainer:
         if self.max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm(self.max_grad_norm)
         elif self.track_grad_norm:
-            self.last_grad_norm = self.grad_norm()
+            self.last_grad_norm = float(self.grad_norm())
         self.optimizer_step()
         return loss
 
@@ -204,41 +206,45 @@ class Trainer:
                     p.grad = torch.zeros_like(p)
             all_reduce_flat([p.grad for p in params], group)
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of the gradient of the whole (unsharded) model: tensor-parallel shards summed,
-        replicated parameters and parameters tied across stages counted once."""
-        layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
-        tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
-        first_holder = self._first_pp_holder()
-        # summed on the parameters' device (one host sync at the end; a CUDA gradient cannot add into a CPU tensor)
-        total = torch.zeros(1, dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
-        for p in self.params:
-            if p.grad is None:
-                continue
-            layout = layouts.get(id(p))
-            if (layout is None or not layout.is_sharded) and tp_rank != 0:
-                continue
-            if not first_holder.get(id(p), True):
-                continue
-            total += p.grad.detach().double().square().sum()
+    def _norm_params(self) -> list[nn.Parameter]:
+        """This rank's parameters that count toward the global gradient norm (fixed by the layouts, computed once):
+        tensor-parallel shards on every tp rank, replicated parameters on tp rank 0, tied ones on the first pp rank
+        holding them."""
+        if self._counted is None:
+            layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
+            tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
+            first_holder = self._first_pp_holder()
+            self._counted = [p for p in self.params
+                             if (tp_rank == 0 or (id(p) in layouts and layouts[id(p)].is_sharded))
+                             and first_holder.get(id(p), True)]
+        return self._counted
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradient of the whole (unsharded) model (a float64 scalar tensor on the
+        parameters' device): tensor-parallel shards summed, replicated and tied parameters counted once. The local
+        part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp."""
+        grads = [p.grad for p in self._norm_params() if p.grad is not None]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        local = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
+        total = local.double().square().reshape(1)
         for dim in ("tp", "pp"):
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(total, group=self.mesh.group(dim))
-        return math.sqrt(float(total))
+        return total.sqrt()[0]
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale every gradient so that the global norm is at most ``max_norm``; returns the norm before. A
-        non-finite norm is an error (clipping could not bound it)."""
+        """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``:
+        by ``max_norm / (norm + 1e-6)`` when that is below 1); returns the norm before. A non-finite norm is an
+        error (clipping could not bound it)."""
         norm = self.grad_norm()
-        if not math.isfinite(norm):
-            raise FloatingPointError(f"the gradient norm is {norm}: a loss or gradient overflowed (lower the "
+        value = float(norm)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the gradient norm is {value}: a loss or gradient overflowed (lower the "
                                      "learning rate, or train in another precision)")
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        grads = [p for p in self.params if p.grad is not None]
+        if grads:
+            clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        return value
 
     def eval_step(self, batch: dict) -> list[dict]:
         """Forward only. On the rank holding the last stage (or every rank without a pipeline) returns each
