@@ -260,9 +260,24 @@ class StagedSave:
     document: dict
 
 
-def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: dict | None = None) -> StagedSave:
-    """Collect what :func:`save` writes from this rank. ``copy``: copy every tensor into fresh host memory (the
-    model may train on while the copies are written, see :func:`commit`). ``extra_files``: {file: {key: tensor}} this
+def _host_copy(tensor: torch.Tensor, buffers: dict | None, key) -> torch.Tensor:
+    """``tensor`` copied to host memory, into ``buffers[key]`` when it fits (reused across saves: no fresh
+    allocation to fault in; pinned for CUDA tensors, so the copy runs asynchronously)."""
+    tensor = tensor.detach()
+    out = buffers.get(key) if buffers is not None else None
+    if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        if buffers is not None:
+            buffers[key] = out
+    out.copy_(tensor, non_blocking=tensor.is_cuda)
+    return out
+
+
+def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: dict | None = None,
+          buffers: dict | None = None) -> StagedSave:
+    """Collect what :func:`save` writes from this rank. ``copy``: copy every tensor to host memory (the model may
+    train on while the copies are written, see :func:`commit`), into ``buffers`` (a dict kept by the caller and
+    reused by its next save, once this one is committed). ``extra_files``: {file: {key: tensor}} this
     rank writes whatever its mesh position (per-rank state), listed and checksummed like the model files. Local
     work only, no collective."""
     state = shard_state(model)
@@ -274,7 +289,9 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
         files = {}
     files |= extra_files or {}
     if copy:
-        files = {f: {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()} for f, tensors in files.items()}
+        files = {f: {k: _host_copy(t, buffers, (f, k)) for k, t in tensors.items()} for f, tensors in files.items()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the asynchronous copies are complete before anything reads them
     document = {"model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp,
                 "optimizer": _optimizer_hyperparameters(optimizer)}
     if state.pipeline is not None:

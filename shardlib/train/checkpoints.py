@@ -129,6 +129,7 @@ class TrainCheckpoints:
         self._error: BaseException | None = None
         self._group = None
         self.blocked_s: list[float] = []  # time the loop waited per save (copying shards), for benchmarks
+        self._buffers: dict = {}  # host copies, reused by every save (each waits for the previous commit)
         self.saved: list[Path] = []
 
     # -- saving ---------------------------------------------------------------------------------------------
@@ -147,7 +148,8 @@ class TrainCheckpoints:
         model, trainer = self.trainer.model, self.trainer
         state = shard_state(model)
         rank_file = {rng_file(_rank()): rng_state_tensors(state.rng_tracker)}
-        staged = checkpoint.stage(model, optimizer=trainer.optimizer, copy=True, extra_files=rank_file)
+        staged = checkpoint.stage(model, optimizer=trainer.optimizer, copy=True, extra_files=rank_file,
+                                  buffers=self._buffers)
         train = {"format": TRAIN_STATE_FORMAT, **train_state, "layout": layout_of_mesh(state.mesh)}
         self.blocked_s.append(time.perf_counter() - start)
         directory = self.root / f"step-{step:08d}"
