@@ -1,19 +1,24 @@
 """The main job (`make demo`): train a ViT classifier on scikit-learn's handwritten digits with tensor x pipeline
-parallelism (tp=2 x pp=2 on 4 local gloo ranks by default), then report test accuracy.
+parallelism (tp=2 x pp=2 on 4 local gloo ranks), evaluating test accuracy after every epoch.
 
-    shardlib run --nproc 4 examples/vit_digits_demo.py [--tp 2 --pp 2 --steps 150 --schedule 1f1b]
+    shardlib run --nproc 4 examples/vit_digits_demo.py            # or: python examples/vit_digits_demo.py
 
-Before training, rank 0 trains an unsharded copy of the same model (same seed, same batches) for the first
-``--check-steps`` steps in this process; the sharded run's losses for those steps must match it (float32
-rounding), and the script fails if they do not.
+Every ``TrainingArguments`` option works (``--help`` lists them); this script's defaults differ from the library's:
+
+    --nproc 4 --tp 2 --pp 2 --microbatches 4 --schedule 1f1b --batch-size 64 --lr 3e-3 --weight-decay 0.01
+    --epochs 12 --warmup-ratio 0.1 --eval-interval epoch --eval-batch-size 120
+
+(``--nproc`` only matters for a plain ``python`` start: the script then launches its own ranks.)
+
+Check: rank 0 also runs the unsharded model (same seed, same initial weights) on the first global batch of the run;
+the sharded run's first loss must match it to float32 rounding, or the script prints MISMATCH and exits with 1.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,134 +26,83 @@ from sklearn.datasets import load_digits
 from transformers import ViTConfig, ViTForImageClassification
 
 import shardlib
-from shardlib.runtime import Trainer
+from shardlib.train import epoch_order, mesh_from_args, parse_args
+
+DEFAULTS = {"nproc": 4, "tp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b", "batch_size": 64, "lr": 3e-3,
+            "weight_decay": 0.01, "epochs": 12, "warmup_ratio": 0.1, "eval_interval": "epoch", "eval_batch_size": 120}
 
 
-MAX_GRAD_NORM = 1.0
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--check-steps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args()
+@dataclass
+class ModelArgs:
+    hidden: int = 64
+    layers: int = 4
+    heads: int = 4
 
 
 def digits(seed: int):
-    """scikit-learn's 1797 8x8 digits (shipped with the package), scaled to [-1, 1], 1 channel; 80/20 split."""
+    """scikit-learn's 1797 8x8 digits (shipped with the package), scaled to [-1, 1], 1 channel; 80/20 split into
+    lists of samples {"pixel_values": [1, 8, 8], "labels": []}."""
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
     labels = torch.tensor(data.target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    cut = int(0.8 * len(labels))
-    return (images[order[:cut]], labels[order[:cut]]), (images[order[cut:]], labels[order[cut:]])
+    samples = [{"pixel_values": images[i], "labels": labels[i]} for i in order.tolist()]
+    cut = int(0.8 * len(samples))
+    return samples[:cut], samples[cut:]
 
 
-def batches(train, batch: int, seed: int):
-    """An endless stream of shuffled training batches, identical on every rank."""
-    images, labels = train
-    g = torch.Generator().manual_seed(seed + 1)
-    while True:
-        order = torch.randperm(len(labels), generator=g)
-        for i in range(0, len(order) - batch + 1, batch):
-            idx = order[i:i + batch]
-            yield {"pixel_values": images[idx], "labels": labels[idx]}
-
-
-def make_model(args) -> ViTForImageClassification:
-    torch.manual_seed(args.seed)
-    config = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=args.hidden,
-                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       intermediate_size=2 * args.hidden, num_labels=10, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)
+def vit(m: ModelArgs) -> ViTForImageClassification:
+    config = ViTConfig(image_size=8, patch_size=2, num_channels=1, hidden_size=m.hidden, num_hidden_layers=m.layers,
+                       num_attention_heads=m.heads, intermediate_size=2 * m.hidden, num_labels=10,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return ViTForImageClassification(config)
 
 
-def optimizer(args):
-    return lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+def first_batch_loss(model, train, batch_size: int, seed: int) -> float:
+    """The unsharded model's loss on the run's first global batch (fit's order depends only on seed and epoch)."""
+    batch = torch.utils.data.default_collate([train[i] for i in epoch_order(len(train), seed, 0)[:batch_size]])
+    with torch.no_grad():
+        return model(**batch).loss.item()
 
 
-def reference_losses(model, args, train) -> list[float]:
-    """The unsharded model's losses for the first steps (one process, same seed and batches)."""
-    reference = copy.deepcopy(model)
-    opt = optimizer(args)(reference.parameters())
-    losses = []
-    stream = batches(train, args.batch, args.seed)
-    for _ in range(args.check_steps):
-        batch = next(stream)
-        opt.zero_grad()
-        loss = reference(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
-        opt.step()
-        losses.append(loss.item())
-    return losses
+def accuracy(out, mb):
+    return (out["logits"].argmax(-1) == mb["labels"]).float()
 
 
 def main() -> int:
-    args = parse_args()
-    mesh = shardlib.init_mesh(pp=args.pp, tp=args.tp)
+    args, m = parse_args(ModelArgs, defaults=DEFAULTS)
+    mesh = mesh_from_args(args)
     rank = dist.get_rank()
     train, test = digits(args.seed)
-    model = make_model(args)
-    expected = reference_losses(model, args, train) if rank == 0 else None
-    model = shardlib.shard(model, mesh)
-    stages = shardlib.shard_state(model).pipeline.plan.layers if shardlib.shard_state(model).pipeline else None
-    trainer = Trainer(model, optimizer(args), microbatches=args.microbatches, schedule=args.schedule,
-                      max_grad_norm=MAX_GRAD_NORM)
-    if rank == 0:
-        print(f"{mesh}; stages: {stages}", flush=True)
-        print(f"train {len(train[1])} / test {len(test[1])} digit images; "
-              f"{sum(p.numel() for p in make_model(args).parameters()) / 1e3:.0f}k parameters", flush=True)
 
-    bar = None
+    torch.manual_seed(args.seed)  # the same initial weights on every rank, and in the unsharded check
+    model = vit(m)
+    expected = first_batch_loss(model, train, args.batch_size, args.seed) if rank == 0 else None
+    parameters = sum(p.numel() for p in model.parameters())
+    model = shardlib.shard(model, mesh, **args.shard_options())
+    trainer = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=args.lr,
+                                                                       weight_decay=args.weight_decay),
+                               **args.trainer_options())
     if rank == 0:
-        from tqdm import tqdm
+        pipeline = shardlib.shard_state(model).pipeline
+        print(f"{mesh}; stages: {pipeline.plan.layers if pipeline else 'one'}")
+        print(f"train {len(train)} / test {len(test)} digit images; {parameters / 1e3:.0f}k parameters", flush=True)
 
-        bar = tqdm(total=args.steps, desc="train", file=sys.stdout, dynamic_ncols=True, mininterval=1.0)
-    losses, stream, start = [], batches(train, args.batch, args.seed), time.perf_counter()
-    for step in range(args.steps):
-        losses.append(trainer.train_step(next(stream)))
-        if bar is not None:
-            rate = (step + 1) * args.batch / (time.perf_counter() - start)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", img_s=f"{rate:.0f}")
-            bar.update()
-    if bar is not None:
-        bar.close()
+    start = time.perf_counter()
+    result = trainer.fit(train, eval_data=test, metrics={"accuracy": accuracy}, **args.fit_options())
     elapsed = time.perf_counter() - start
-
-    correct = torch.zeros(2, dtype=torch.float64)
-    images, labels = test
-    for i in range(0, len(labels) - args.microbatches + 1, 120):
-        chunk = slice(i, min(i + 120, len(labels)))
-        n = (chunk.stop - chunk.start) // args.microbatches * args.microbatches
-        chunk = slice(chunk.start, chunk.start + n)
-        outputs = trainer.eval_step({"pixel_values": images[chunk]})
-        if outputs:  # the ranks holding the last stage
-            predicted = torch.cat([o["logits"].argmax(-1) for o in outputs])
-            correct += torch.tensor([(predicted == labels[chunk]).sum().item(), n], dtype=torch.float64)
-    dist.all_reduce(correct)  # each last-stage rank counted the same: divide by their number below
-    accuracy = correct[0] / correct[1]
 
     status = 0
     if rank == 0:
-        print(f"trained {args.steps} steps in {elapsed:.1f} s ({args.steps * args.batch / elapsed:.0f} images/s); "
-              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; test accuracy {accuracy:.1%}")
-        got = losses[: args.check_steps]
-        ok = all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(got, expected))
-        print(f"first {args.check_steps} losses, tp={args.tp} x pp={args.pp}: {[f'{x:.6f}' for x in got]}")
-        print(f"first {args.check_steps} losses, unsharded:  {[f'{x:.6f}' for x in expected]}")
-        print("MATCH: sharded training follows the unsharded model" if ok else "MISMATCH")
+        curve = " ".join(f"{e['accuracy']:.0%}" for e in result.evals)
+        print(f"test accuracy after each epoch: {curve}")
+        print(f"trained {result.step} steps ({result.epoch} epochs) in {elapsed:.1f} s "
+              f"({result.step * args.batch_size / elapsed:.0f} images/s); loss {result.losses[0]:.3f} -> "
+              f"{result.losses[-1]:.3f}; final test accuracy {result.evals[-1]['accuracy']:.1%}")
+        got = result.losses[0]
+        ok = abs(got - expected) <= 1e-4 * abs(expected)
+        print(f"first loss: tp={mesh.tp} x pp={mesh.pp} x dp={mesh.dp} {got:.6f}, unsharded {expected:.6f}")
+        print("MATCH: the sharded model follows the unsharded one" if ok else "MISMATCH")
         status = 0 if ok else 1
     flag = torch.tensor([status])
     dist.broadcast(flag, src=0)

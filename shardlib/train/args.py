@@ -151,13 +151,21 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def parse_args(*extra, args: list[str] | None = None, launch: bool = True):
+def parse_args(*extra, args: list[str] | None = None, defaults: dict | None = None, launch: bool = True):
     """Parse the command line into a :class:`TrainingArguments` and the script's own dataclasses ``extra`` (with
-    ``transformers.HfArgumentParser``; ``--help`` lists every field). With ``launch`` and ``--nproc``, start the
-    ranks first (:func:`launch_if_requested`): the call returns only in the ranks."""
+    ``transformers.HfArgumentParser``; ``--help`` lists every field). ``defaults``: the script's own defaults for
+    any field (``{"tp": 2, "epochs": 12}``; shown by ``--help``, overridden by the command line). With ``launch``
+    and ``--nproc``, start the ranks first (:func:`launch_if_requested`): the call returns only in the ranks."""
     from transformers import HfArgumentParser
 
-    parsed = HfArgumentParser((TrainingArguments, *extra)).parse_args_into_dataclasses(args=args)
+    parser = HfArgumentParser((TrainingArguments, *extra))
+    if defaults:
+        known = {action.dest for action in parser._actions}
+        unknown = sorted(set(defaults) - known)
+        if unknown:
+            raise ValueError(f"parse_args(defaults=...) names no argument: {', '.join(unknown)}")
+        parser.set_defaults(**defaults)  # --help shows them (HfArgumentParser prints defaults)
+    parsed = parser.parse_args_into_dataclasses(args=args)
     if launch:
         launch_if_requested(parsed[0])
     return parsed[0] if not extra else tuple(parsed)

@@ -66,6 +66,8 @@ class TrainLog:
         shown = {k: v for k, v in values.items() if k not in ("step", "epoch", "eval")}
         log.info("%s step %d: %s", "eval" if is_eval else "train", values["step"],
                  ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
+        if self.bar is not None and is_eval:  # evaluations stay visible above the bar
+            self.bar.write(f"eval step {values['step']}: " + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()))
         if self.bar is not None:
             postfix = {("eval_" if is_eval else "") + k: _short(v) for k, v in shown.items()
                        if k in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s") or is_eval}

@@ -80,7 +80,8 @@ class Trainer:
     Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
     subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
     a pipeline it runs on every stage and must pass every batch entry to the model (see
-    :class:`shardlib.pipeline.StageModule`). ``loss_fn`` maps the model's first output of a microbatch (e.g.
+    :class:`shardlib.pipeline.StageModule`). A loss of its own on a vocab-parallel head's logits needs
+    ``shard(..., gather_logits=True)``: with labels in the batch the logits are otherwise this rank's vocab slice. ``loss_fn`` maps the model's first output of a microbatch (e.g.
     ``last_hidden_state``) to an objective that is *summed* over microbatches.
     """
 
