@@ -61,8 +61,8 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
     train, _ = dataset(spec, spec["samples"])
     evals = dataset(spec, spec["eval_samples"], offset=100)[0] if spec.get("eval_samples") else None
     metrics = {"accuracy": accuracy} if spec.get("metrics") else None
-    options = {k: spec[k] for k in ("save_interval", "keep_last", "eval_interval", "eval_batch_size", "epochs")
-               if k in spec}
+    options = {k: spec[k] for k in ("save_interval", "keep_last", "eval_interval", "eval_batch_size", "epochs",
+                                    "async_save") if k in spec}
     save_dir = str(Path(workdir) / spec["save_dir"]) if spec.get("save_dir") else None
     resume = spec.get("resume")
     if resume not in (None, "auto"):

@@ -64,6 +64,7 @@ class TrainingArguments:
     save_dir: Optional[str] = field(default=None, metadata={"help": "logs and checkpoints go here"})
     save_interval: Optional[int] = field(default=None, metadata={"help": "checkpoint every N steps"})
     keep_last: int = 2
+    async_save: bool = field(default=True, metadata={"help": "write checkpoints in a background thread"})
     resume: Optional[str] = field(default=None, metadata={"help": "'auto' or a checkpoint directory"})
     seed: int = 0
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
@@ -100,6 +101,7 @@ class TrainingArguments:
                 else interval, "log_interval": self.log_interval, "save_dir": self.save_dir,
                 "save_interval": self.save_interval, "keep_last": self.keep_last, "resume": self.resume,
                 "seed": self.seed, "num_workers": self.num_workers, "progress": self.progress,
+                "async_save": self.async_save,
                 "lr_scheduler": warmup_cosine(self.warmup_ratio) if self.warmup_ratio else None}
 
     def shard_options(self) -> dict:

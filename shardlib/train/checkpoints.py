@@ -120,11 +120,12 @@ class TrainCheckpoints:
     """The checkpoints of one run under ``root`` (``save_dir/checkpoints``): background saves, rotation to the
     newest ``keep_last``, and finding and loading the newest complete one."""
 
-    def __init__(self, root: str | Path | None, trainer, *, keep_last: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, root: str | Path | None, trainer, *, keep_last: int = 2, async_save: bool = True,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(root) if root is not None else None
-        self.trainer, self.keep_last, self.timeout_s = trainer, keep_last, timeout_s
+        self.trainer, self.keep_last, self.async_save, self.timeout_s = trainer, keep_last, async_save, timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group = None
@@ -141,17 +142,17 @@ class TrainCheckpoints:
         return self._group
 
     def save(self, step: int, train_state: dict) -> None:
-        """Stage this rank's shards (the only blocking part) and write them in the background."""
+        """Stage this rank's shards (the only blocking part) and write them in the background; with
+        ``async_save=False``, write them from the live tensors before returning (no copy, no thread)."""
+        start = time.perf_counter()  # blocked time: waiting for the previous write counts too
         self.wait()
         group = self._commit_group()
-        start = time.perf_counter()
         model, trainer = self.trainer.model, self.trainer
         state = shard_state(model)
         rank_file = {rng_file(_rank()): rng_state_tensors(state.rng_tracker)}
-        staged = checkpoint.stage(model, optimizer=trainer.optimizer, copy=True, extra_files=rank_file,
+        staged = checkpoint.stage(model, optimizer=trainer.optimizer, copy=self.async_save, extra_files=rank_file,
                                   buffers=self._buffers)
         train = {"format": TRAIN_STATE_FORMAT, **train_state, "layout": layout_of_mesh(state.mesh)}
-        self.blocked_s.append(time.perf_counter() - start)
         directory = self.root / f"step-{step:08d}"
 
         def write():
@@ -163,6 +164,12 @@ class TrainCheckpoints:
             except BaseException as exc:  # noqa: BLE001 - re-raised in the training thread by wait()
                 self._error = exc
 
+        if not self.async_save:
+            write()
+            self.blocked_s.append(time.perf_counter() - start)
+            self.wait()
+            return
+        self.blocked_s.append(time.perf_counter() - start)
         self._thread = threading.Thread(target=write, name=f"shardlib-save-step-{step}", daemon=True)
         self._thread.start()
 

@@ -144,7 +144,7 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
         eval_interval: int | str | None = None, log_interval: int = 10, save_dir: str | Path | None = None,
         save_interval: int | None = None, keep_last: int = 2, resume: str | Path | None = None,
         metrics: dict[str, Callable] | None = None, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
-        prefetch_factor: int | None = None, progress: bool = True) -> FitResult:
+        prefetch_factor: int | None = None, progress: bool = True, async_save: bool = True) -> FitResult:
     """Train ``trainer``'s model on ``train_data`` (a map-style dataset or an iterable of dict samples).
 
     ``batch_size``: the global batch (dp x microbatches must divide it). Stops after ``epochs`` epochs or
@@ -156,6 +156,8 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     ``save_dir``: logs (``log.jsonl``, TensorBoard) and, every ``save_interval`` steps and at the end,
     checkpoints in ``save_dir/checkpoints`` (the newest ``keep_last`` kept). ``resume``: ``"auto"`` (the newest
     complete checkpoint in ``save_dir``, if any) or a checkpoint directory. ``seed`` fixes the sample order.
+    ``async_save``: write checkpoints in a background thread (the loop blocks only to copy the shards); False
+    writes them in the loop, which costs less where training already uses every CPU core (docs/training.md).
     Everything is checked before anything is written; see docs/training.md.
     """
     mesh = shard_state(trainer.model).mesh
@@ -173,7 +175,8 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     total = min(totals) if totals else None
     scheduler = build_scheduler(lr_scheduler, trainer.optimizer, total)
     save_dir = Path(save_dir) if save_dir is not None else None
-    checkpoints = TrainCheckpoints(save_dir / "checkpoints" if save_dir else None, trainer, keep_last=keep_last)
+    checkpoints = TrainCheckpoints(save_dir / "checkpoints" if save_dir else None, trainer, keep_last=keep_last,
+                                   async_save=async_save)
     loop = FitLoop(trainer, data, evals, scheduler, checkpoints, metrics=metrics, epochs=epochs,
                    max_steps=max_steps, eval_interval=eval_interval, log_interval=log_interval,
                    save_interval=save_interval if save_dir is not None else None, seed=seed, batch_size=batch_size)
@@ -227,6 +230,7 @@ class FitLoop:
             self.checkpoints.wait()
         finally:
             log.close()
+            self.trainer.track_grad_norm = False  # fit's setting, not the caller's
         self.result.step, self.result.epoch = self.step, self.epoch
         self.result.checkpoints = list(self.checkpoints.saved)
         self.result.save_blocked_s = list(self.checkpoints.blocked_s)
