@@ -1,10 +1,13 @@
-"""Machine-load helpers shared by the benchmarks: how busy the whole machine is, and waiting for it to go quiet
-(2 cores: one busy neighbour process halves a mode's speed)."""
+"""Helpers shared by the benchmarks: how busy the whole machine is, waiting for it to go quiet (2 cores: one busy
+neighbour process halves a mode's speed), and starting gloo ranks on loopback."""
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import time
+import traceback
 
 
 def machine_busy_s() -> float:
@@ -32,3 +35,31 @@ def wait_idle(timeout_s: float, threshold_cores: float) -> float:
                 print(f"  (waited {waited:.0f} s for other processes to go quiet; now {load:.2f} cores busy)",
                       flush=True)
             return load
+
+
+def loopback_ifname() -> str:
+    """The loopback interface's name (for GLOO_SOCKET_IFNAME: ranks talk over loopback only)."""
+    try:
+        for name in sorted(os.listdir("/sys/class/net")):
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+    except OSError:
+        pass
+    return "lo"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def print_traceback(worker, rank: int, *args) -> None:
+    """Run ``worker(rank, *args)`` in a spawned rank, printing its traceback before the failure propagates."""
+    try:
+        worker(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise

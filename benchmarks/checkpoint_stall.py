@@ -49,13 +49,11 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,7 +63,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _machine import machine_busy_s, wait_idle  # noqa: E402
+from _machine import (  # noqa: E402
+    free_port, loopback_ifname, machine_busy_s, print_traceback, wait_idle,
+)
 
 FULL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
@@ -73,21 +73,6 @@ IDLE_CORES = 0.1
 SYNC_SAVES = 3
 
 
-def _loopback_ifname() -> str:
-    try:
-        for name in sorted(os.listdir("/sys/class/net")):
-            with open(f"/sys/class/net/{name}/flags") as f:
-                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
-                    return name
-    except OSError:
-        pass
-    return "lo"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -240,12 +225,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, work: str) -> None:
 
 
 def _entry(rank: int, *args) -> None:
-    try:
-        _worker(rank, *args)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
+    print_traceback(_worker, rank, *args)
 
 
 # ------------------------------------------------------------------------------------------------------- parent
@@ -288,7 +268,7 @@ def main(argv=None) -> int:
                 save_interval=args.save_interval or (4 if args.small else 20),
                 bare_steps=args.bare_steps or (4 if args.small else 8), batch=args.batch,
                 seq=args.seq or (32 if args.small else 128), threads=1 if args.world == 2 else 2)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
     m, interval = opts["model"], opts["save_interval"]
     print(f"# checkpoint stall in Trainer.fit: BertForSequenceClassification {m['num_hidden_layers']} layers, "
           f"hidden {m['hidden_size']}, vocab {m['vocab_size']}, AdamW; tp={args.world} on {args.world} gloo rank(s) "
@@ -301,7 +281,7 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     work = tempfile.mkdtemp(prefix="checkpoint_stall_")
     try:
-        mp.start_processes(_entry, args=(args.world, _free_port(), opts, work), nprocs=args.world, join=True,
+        mp.start_processes(_entry, args=(args.world, free_port(), opts, work), nprocs=args.world, join=True,
                            start_method="spawn")
         with open(os.path.join(work, "result.json")) as f:
             r = json.load(f)

@@ -57,12 +57,10 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -71,7 +69,9 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _machine import machine_busy_s, wait_idle  # noqa: E402
+from _machine import (  # noqa: E402
+    free_port, loopback_ifname, machine_busy_s, print_traceback, wait_idle,
+)
 
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2)}
 VARIANTS = ("fit", "bare", "bare_norm")
@@ -81,21 +81,6 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, interme
 IDLE_CORES = 0.1
 
 
-def _loopback_ifname() -> str:
-    try:
-        for name in sorted(os.listdir("/sys/class/net")):
-            with open(f"/sys/class/net/{name}/flags") as f:
-                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
-                    return name
-    except OSError:
-        pass
-    return "lo"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------------- worker
@@ -190,12 +175,7 @@ def _worker(rank: int, world: int, port: int, layout: str, opts: dict, out: str)
 
 
 def _entry(rank: int, *args) -> None:
-    try:
-        _worker(rank, *args)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
+    print_traceback(_worker, rank, *args)
 
 
 # ------------------------------------------------------------------------------------------------------- parent
@@ -228,7 +208,7 @@ def main(argv=None) -> int:
     opts = dict(model=SMALL if args.small else FULL, rounds=args.rounds, variants=variants,
                 steps=args.steps or (10 if args.small else 30), batch=args.batch or (8 if args.small else 16),
                 seq=args.seq or (32 if args.small else 128))
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
     m = opts["model"]
     print(f"# Trainer.fit vs bare train_step loop: BertForSequenceClassification {m['num_hidden_layers']} layers, "
           f"hidden {m['hidden_size']}, vocab {m['vocab_size']}; global batch {opts['batch']} x {opts['seq']} tokens; "
@@ -243,7 +223,7 @@ def main(argv=None) -> int:
         tmp = tempfile.mkdtemp(prefix="fit_overhead_")
         try:
             out = os.path.join(tmp, "result.json")
-            mp.start_processes(_entry, args=(2, _free_port(), layout, opts, out), nprocs=2, join=True,
+            mp.start_processes(_entry, args=(2, free_port(), layout, opts, out), nprocs=2, join=True,
                                start_method="spawn")
             with open(out) as f:
                 results[layout] = json.load(f)

@@ -98,7 +98,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
-from _machine import machine_busy_s, wait_idle  # noqa: E402
+from _machine import loopback_ifname, machine_busy_s, wait_idle  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -138,17 +138,6 @@ SEED = 1234
 def family(size: str) -> str:
     return size.split("-")[0]
 
-
-def _loopback_ifname() -> str:
-    """Name of the loopback interface (for GLOO_SOCKET_IFNAME); 'lo' on Linux."""
-    try:
-        for name in sorted(os.listdir("/sys/class/net")):
-            with open(f"/sys/class/net/{name}/flags") as f:
-                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
-                    return name
-    except OSError:
-        pass
-    return "lo"
 
 
 
@@ -439,7 +428,7 @@ def main(argv=None) -> int:
     steps = {s: args.steps or (3 if args.quick else DEFAULT_STEPS[s]) for s in sizes}
 
     # Children inherit this: gloo binds to loopback only.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_ifname())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())
     os.environ.setdefault("SHARDLIB_TIMEOUT", "300")
 
     print(f"# fwd+bwd throughput, batch {batch}, fp32, dropout 0, torch {torch.__version__}, {os.cpu_count()} CPUs",

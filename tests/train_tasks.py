@@ -8,7 +8,6 @@ forms (``shardlib.train.epoch_order``) can be rebuilt by the reference.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
