@@ -141,7 +141,6 @@ def family(size: str) -> str:
 
 
 
-
 def model_config(size: str):
     import transformers
 
