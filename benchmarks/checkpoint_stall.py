@@ -63,6 +63,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from _workloads import classification_samples  # noqa: E402
 from _machine import (  # noqa: E402
     free_port, loopback_ifname, machine_busy_s, print_traceback, wait_idle,
 )
@@ -80,14 +81,6 @@ def _dir_bytes(path: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- worker
-def _samples(n: int, seq: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, vocab, (n, seq), generator=g)
-    labels = torch.randint(0, 2, (n,), generator=g)
-    mask = torch.ones(seq, dtype=torch.long)
-    return [{"input_ids": ids[i], "attention_mask": mask, "labels": labels[i]} for i in range(n)]
-
-
 def _writing() -> bool:
     return any(t.name.startswith("shardlib-save-step-") and t.is_alive() for t in threading.enumerate())
 
@@ -112,7 +105,7 @@ def _worker(rank: int, world: int, port: int, opts: dict, work: str) -> None:
     local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
     steps, batch, seq, interval = opts["steps"], opts["batch"], opts["seq"], opts["save_interval"]
-    samples = _samples(steps * batch, seq, config.vocab_size)
+    samples = classification_samples(steps * batch, seq, config.vocab_size)
     bare_batches = [dp_shard(default_collate(samples[i * batch:(i + 1) * batch]), mesh)
                     for i in range(2 + opts["bare_steps"])]
 

@@ -69,6 +69,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from _workloads import classification_samples  # noqa: E402
 from _machine import (  # noqa: E402
     free_port, loopback_ifname, machine_busy_s, print_traceback, wait_idle,
 )
@@ -84,14 +85,6 @@ IDLE_CORES = 0.1
 
 
 # ------------------------------------------------------------------------------------------------------- worker
-def _samples(n: int, seq: int, vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, vocab, (n, seq), generator=g)
-    labels = torch.randint(0, 2, (n,), generator=g)
-    mask = torch.ones(seq, dtype=torch.long)
-    return [{"input_ids": ids[i], "attention_mask": mask, "labels": labels[i]} for i in range(n)]
-
-
 def _worker(rank: int, world: int, port: int, layout: str, opts: dict, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -109,7 +102,7 @@ def _worker(rank: int, world: int, port: int, layout: str, opts: dict, out: str)
     trainer = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4))
 
     steps, batch, seq = opts["steps"], opts["batch"], opts["seq"]
-    samples = _samples(steps * batch, seq, config.vocab_size)
+    samples = classification_samples(steps * batch, seq, config.vocab_size)
     batches = [dp_shard(default_collate(samples[i * batch:(i + 1) * batch]), mesh) for i in range(steps)]
 
     inside = {"step": 0.0, "norm": 0.0, "call": 0.0}  # seconds of the last fit call: in train_step, in grad_norm
