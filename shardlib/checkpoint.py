@@ -256,7 +256,6 @@ class StagedSave:
 
     files: dict
     meta: dict
-    is_writer: bool
     document: dict
 
 
@@ -297,7 +296,7 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
     if state.pipeline is not None:
         document["pp"] = mesh.pp
         document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]
-    return StagedSave(files=files, meta=meta, is_writer=is_writer, document=document)
+    return StagedSave(files=files, meta=meta, document=document)
 
 
 def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False, group=None,
@@ -332,8 +331,6 @@ def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: 
     rank 0 and all-to-all sp rank 0 write nothing. With ``optimizer``, its per-parameter state (AdamW moments and
     step) is saved the same way, keyed by parameter name, and its hyperparameters go into the metadata, so training
     resumes exactly (also under another tp)."""
-    if Path(directory).exists() and not overwrite:
-        raise CheckpointError(f"{directory} exists; pass overwrite=True to replace it")
     return commit(stage(model, optimizer=optimizer), directory, overwrite=overwrite)
 
 

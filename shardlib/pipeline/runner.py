@@ -56,10 +56,6 @@ class PipelineRunner:
             stage.rng_tracker = rng_tracker
 
     @property
-    def holds_last_stage(self) -> bool:
-        return self.last_stage is not None
-
-    @property
     def last_stage(self):
         return next((m for m in self.split.stage_modules if m.route.is_last), None)
 

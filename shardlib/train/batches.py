@@ -12,10 +12,6 @@ def first_tensor(batch: dict) -> torch.Tensor:
         raise ValueError(f"the batch has no tensors (keys: {sorted(batch)})") from None
 
 
-def batch_size(batch: dict) -> int:
-    return first_tensor(batch).shape[0]
-
-
 def split_batch(batch: dict, parts: int) -> list[dict]:
     """``parts`` equal slices along dim 0 of every tensor (other values are shared)."""
     sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v)}
