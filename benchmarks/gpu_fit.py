@@ -11,14 +11,14 @@ What is measured
 A ``BertForSequenceClassification`` (BERT-base: 12 layers, hidden 768, 12 heads, intermediate 3072, vocab 30522,
 2 labels, dropout 0.1; ``--small``: 2 layers, hidden 64, 4 heads, vocab 1000, 32 tokens) built on the device under
 ``torch.manual_seed(0)``, ``shardlib.shard(model, shardlib.init_mesh())``, trained by
-``shardlib.Trainer(model, AdamW(lr=2e-4), max_grad_norm=1.0, autocast_dtype=...)`` on generated SST-2-shaped data:
+``shardlib.Trainer(model, AdamW(lr=2e-4), max_grad_norm=1.0, precision=...)`` on generated SST-2-shaped data:
 dicts of CPU tensors ``input_ids`` / ``token_type_ids`` / ``attention_mask`` [128] (sentences of 8-128 tokens,
 padded) and ``labels`` (2 classes; a quarter of each sentence's tokens come from its label's own small set of
 "sentiment" tokens, so the task is learnable from scratch and the eval accuracy means something; 512 eval samples).
 Global batch 32, one microbatch.
 
 1. per precision (``fp32``: no autocast, torch's default fp32 matmuls; ``tf32``: the same with TF32 matmuls
-   allowed; ``bf16``: ``autocast_dtype=torch.bfloat16``), a fresh model: ``trainer.fit(train, batch_size=32,
+   allowed; ``bf16``: ``precision="bf16"``, autocast; ``fp16``: autocast and the dynamic loss scaler), a fresh model: ``trainer.fit(train, batch_size=32,
    max_steps=150, log_interval=5, eval_data=eval, metrics={"accuracy": ...}, lr_scheduler=warmup_cosine(0.1))``;
    samples/s = the median of the log records' ``samples_per_s`` (the first record, with CUDA / cuBLAS warm-up,
    skipped); eval accuracy at the end;
@@ -151,7 +151,7 @@ def accuracy(out, mb):
 
 
 # ----------------------------------------------------------------------------------------------------- model
-def build(opts, seed: int, autocast_dtype=None):
+def build(opts, seed: int, precision: str = "fp32"):
     import transformers
 
     import shardlib
@@ -163,7 +163,7 @@ def build(opts, seed: int, autocast_dtype=None):
         model = transformers.BertForSequenceClassification(config)
     model = shardlib.shard(model, opts["mesh"])
     trainer = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=opts["lr"]), max_grad_norm=1.0,
-                               autocast_dtype=autocast_dtype)
+                               precision=precision)
     return model, trainer
 
 
@@ -186,7 +186,7 @@ def read_log(save_dir: Path) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------------- sections
-PRECISIONS = {"fp32": (None, False), "tf32": (None, True), "bf16": (torch.bfloat16, False)}
+PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "bf16": ("bf16", False), "fp16": ("fp16", False)}
 
 
 def throughput(opts, name: str, results: dict) -> None:
@@ -195,7 +195,7 @@ def throughput(opts, name: str, results: dict) -> None:
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     row = results.setdefault("precisions", {}).setdefault(name, {})
-    model, trainer = build(opts, seed=0, autocast_dtype=dtype)
+    model, trainer = build(opts, seed=0, precision=dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f"gpu_fit_{name}_"))
     try:
         @section(f"{name}: fit {opts['steps']} steps + eval")
@@ -306,7 +306,7 @@ def anatomy(opts, results: dict, steps: int = 8) -> None:
 
     from shardlib.train.batches import to_device
 
-    model, trainer = build(opts, seed=0, autocast_dtype=torch.bfloat16)
+    model, trainer = build(opts, seed=0, precision="bf16")
     batch = to_device(default_collate(opts["train"][:BATCH]), torch.device(opts["device"]))
     for _ in range(3):
         trainer.train_step(batch)
@@ -347,8 +347,8 @@ def anatomy(opts, results: dict, steps: int = 8) -> None:
         return norm
 
     n, rounds = opts["overhead_steps"], max(opts["rounds"] - 1, 2)
-    for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        trainer.autocast_dtype = dtype
+    for label in ("fp32", "bf16"):
+        trainer.precision = label
         rates: dict[str, list[float]] = {"current": [], "foreach": []}
         for r in range(rounds + 1):
             for variant in (("current", "foreach") if r % 2 == 0 else ("foreach", "current")):
@@ -366,7 +366,7 @@ def anatomy(opts, results: dict, steps: int = 8) -> None:
         results[f"anatomy_{label}_grad_norm"] = {"current_samples_per_s": cur, "foreach_samples_per_s": fe}
         print(f"{label} train_step with the current grad norm {cur:.1f} samples/s ({1000 * BATCH / cur:.1f} ms), with "
               f"a foreach norm + clip {fe:.1f} samples/s ({1000 * BATCH / fe:.1f} ms): {fe / cur:.3f}x", flush=True)
-    trainer.autocast_dtype = torch.bfloat16
+    trainer.precision = "bf16"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if opts["device"] == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(5):
@@ -445,7 +445,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="fit steps per precision, logged every 5 (default 150; --small 20)")
     parser.add_argument("--overhead-steps", type=int, help="steps per fit / bare window (default 20; --small 10)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved fit / bare / plain rounds")
-    parser.add_argument("--precisions", default="fp32,tf32,bf16")
+    parser.add_argument("--precisions", default="fp32,tf32,bf16,fp16")
     parser.add_argument("--lr", type=float, default=2e-4, help="AdamW peak learning rate")
     parser.add_argument("--anatomy", action="store_true",
                         help="also time the phases of a bf16 train_step and print a profiler table")

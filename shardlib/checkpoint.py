@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layout import Layout, layout_of
+from .optim import holds_state, param_state, set_param_state
 from .safetensors_io import (  # noqa: F401  (sha256_of, DIRECT_ROW: re-exported, part of this module's API)
     BLOCK, DIRECT_ROW, _ST_RANK, CheckpointError, ReaderPool, SafetensorsFile, SafetensorsFiles, _dtype_name,
     _inside, _OutFile, _scatter_read, _Writer,
@@ -155,24 +156,32 @@ class Piece:
     stop: int
 
 
-def rank_file(rank: int, tp: int, stage: int | None = None) -> str:
-    """The file of tp rank ``rank``'s pieces; under a pipeline, of pipeline rank ``stage``'s tp rank ``rank``."""
+def rank_file(rank: int, tp: int, stage: int | None = None, dp: int | None = None) -> str:
+    """The file of tp rank ``rank``'s pieces; under a pipeline, of pipeline rank ``stage``'s tp rank ``rank``;
+    with ``dp``, of the optimizer state that data-parallel rank holds (an optimizer partitioned over dp)."""
     prefix = "model" if stage is None else f"model-pp{stage:02d}"
-    return f"{prefix}-tp{rank:02d}-of-{tp:02d}.safetensors"
+    return f"{prefix}-tp{rank:02d}-of-{tp:02d}{_dp_suffix(dp)}.safetensors"
 
 
-def replicated_file(stage: int | None = None) -> str:
-    return REPLICATED_FILE if stage is None else f"model-pp{stage:02d}-replicated.safetensors"
+def replicated_file(stage: int | None = None, dp: int | None = None) -> str:
+    if stage is None and dp is None:
+        return REPLICATED_FILE
+    prefix = "model" if stage is None else f"model-pp{stage:02d}"
+    return f"{prefix}-replicated{_dp_suffix(dp)}.safetensors"
 
 
-def _pieces(layout: Layout, stage: int | None = None) -> list[Piece]:
+def _dp_suffix(dp: int | None) -> str:
+    return "" if dp is None else f"-dp{dp:02d}"
+
+
+def _pieces(layout: Layout, stage: int | None = None, dp: int | None = None) -> list[Piece]:
     if not layout.is_sharded:
-        return [Piece(replicated_file(stage), None, 0, 0)]
+        return [Piece(replicated_file(stage, dp), None, 0, 0)]
     pieces = []
     for r in range(layout.num_shards):
         start, stop = layout.valid_range(r)
         if stop > start:
-            pieces.append(Piece(rank_file(r, layout.num_shards, stage), layout.shard_dim, start, stop))
+            pieces.append(Piece(rank_file(r, layout.num_shards, stage, dp), layout.shard_dim, start, stop))
     return pieces
 
 
@@ -181,27 +190,31 @@ def hf_class_name(model: nn.Module) -> str:
     return getattr(type(model), "_shardlib_base_class", type(model)).__name__
 
 
-def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None) -> dict:
+def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None,
+                  dp: int | None = None) -> dict:
     return {"shape": list(layout.global_shape), "dtype": _dtype_name(dtype), "layout": layout.to_dict(),
-            "aliases": aliases, "pieces": [vars(p) for p in _pieces(layout, stage)]}
+            "aliases": aliases, "pieces": [vars(p) for p in _pieces(layout, stage, dp)]}
 
 
 OPTIMIZER_PREFIX = "optimizer."
 
 
 def _saved_tensors(model: nn.Module, optimizer=None):
-    """(name, tensor, layout, aliases) of everything a checkpoint holds: parameters and persistent buffers (tied
-    ones once), then, with an optimizer, each parameter's state tensors as ``optimizer.<state>.<param name>``:
-    moments shaped like the parameter share its layout, scalars (``step``) are replicated."""
+    """(name, tensor, layout, aliases, partitioned) of everything a checkpoint holds: parameters and persistent
+    buffers (tied ones once), then, with an optimizer, each parameter's state tensors held on this rank as
+    ``optimizer.<state>.<param name>`` (master weights: ``optimizer.master.<param name>``): moments shaped like
+    the parameter share its layout, scalars (``step``) are replicated. ``partitioned``: an optimizer partitioned over
+    dp (:class:`shardlib.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters."""
     for tensor, names in _tensors_to_load(model):
-        yield names[0], tensor, layout_of(model, names[0]), names[1:]
+        yield names[0], tensor, layout_of(model, names[0]), names[1:], False
     if optimizer is None:
         return
+    partitioned = getattr(optimizer, "partitioned", False)
     for tensor, names in _tensors_to_load(model):
-        for key, value in optimizer.state.get(tensor, {}).items():
+        for key, value in param_state(optimizer, tensor).items():
             if torch.is_tensor(value):
                 layout = layout_of(model, names[0]) if value.shape == tensor.shape else Layout.replicated(value.shape)
-                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", value, layout, []
+                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", value, layout, [], partitioned
 
 
 def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
@@ -212,26 +225,31 @@ def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
             for group in optimizer.param_groups]
 
 
-def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None) -> tuple[dict, dict]:
+def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: int | None = 0) -> tuple[dict, dict]:
     """This rank's file contents: {file: {key: tensor view}} (real rows only, no copies), and the metadata of the
     tensors this rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is
-    written by the lowest pipeline rank using it)."""
+    written by the lowest pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
+    its (pp, tp) position that writes (sp rank 0), else None; replicated tensors are written by dp rank 0, the
+    state of a partitioned optimizer by the dp rank holding it."""
     split = _pipeline(model)
     stage = split.pp_rank if split is not None else None
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
-    for name, tensor, layout, aliases in _saved_tensors(model, optimizer):
+    for name, tensor, layout, aliases, partitioned in _saved_tensors(model, optimizer):
         names = [name, *aliases]
         if split is not None and not split.writer(_parameter_names(names)):
             continue
-        meta[names[0]] = _tensor_entry(layout, tensor.dtype, names[1:], stage)
+        dp = replica if partitioned else None
+        meta[names[0]] = _tensor_entry(layout, tensor.dtype, names[1:], stage, dp)
+        if replica is None or (replica != 0 and not partitioned):
+            continue
         if layout.is_sharded:
             start, stop = layout.valid_range(rank)
             if stop > start:
-                files.setdefault(rank_file(rank, layout.num_shards, stage), {})[names[0]] = \
+                files.setdefault(rank_file(rank, layout.num_shards, stage, dp), {})[names[0]] = \
                     tensor.detach().narrow(layout.shard_dim, 0, stop - start)  # a view: streamed
         elif rank == 0:
-            files.setdefault(replicated_file(stage), {})[names[0]] = tensor.detach()
+            files.setdefault(replicated_file(stage, dp), {})[names[0]] = tensor.detach()
     return files, meta
 
 
@@ -282,10 +300,10 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
     state = shard_state(model)
     mesh = state.mesh
     # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
-    is_writer = all(getattr(mesh, dim, 1) == 1 or mesh.local_rank(dim) == 0 for dim in ("dp", "sp"))
-    files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer)
-    if not is_writer:
-        files = {}
+    # (the dp ranks of a partitioned optimizer each write the state they hold)
+    sp_writer = mesh.sp == 1 or mesh.local_rank("sp") == 0
+    dp_rank = mesh.local_rank("dp") if mesh.dp > 1 else 0
+    files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer, replica=dp_rank if sp_writer else None)
     files |= extra_files or {}
     if copy:
         files = {f: {k: _host_copy(t, buffers, (f, k)) for k, t in tensors.items()} for f, tensors in files.items()}
@@ -583,6 +601,8 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
             stored_state.setdefault(param, {})[key] = stored
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for tensor, names in _local_tensors(model):
+        if not holds_state(optimizer, tensor):
+            continue  # another dp rank steps this parameter (a partitioned optimizer)
         state = {}
         param_layout = layout_of(model, names[0])
         for key, stored in stored_state.get(names[0], {}).items():
@@ -595,8 +615,7 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
             if key != "step" or group.get("capturable") or group.get("fused"):
                 value = value.to(tensor.device)
             state[key] = value
-        if state:
-            optimizer.state[tensor] = state
+        set_param_state(optimizer, tensor, state)
 
 
 def from_sharded(model_class, directory: str | Path, mesh, **shard_options) -> nn.Module:

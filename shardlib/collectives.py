@@ -61,16 +61,31 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum", *, inplace: bool 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group: Group) -> None:
     """Sum each tensor over ``group`` in place, with one all-reduce per dtype of the tensors flattened together."""
+    _sum_flat(tensors, group, None)
+
+
+def reduce_flat(tensors: list[torch.Tensor], group: Group, dst: int) -> None:
+    """Sum each tensor over ``group`` into the tensors of group rank ``dst`` (one reduce per dtype, flattened);
+    the other ranks' tensors are left as they were."""
+    _sum_flat(tensors, group, dst)
+
+
+def _sum_flat(tensors: list[torch.Tensor], group: Group, dst: int | None) -> None:
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
+    receives = dst is None or dist.get_rank(group) == dst
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        if dst is None:
+            dist.all_reduce(flat, group=group)
+        else:
+            dist.reduce(flat, dst=dist.get_global_rank(group, dst), group=group)
+        if receives:
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

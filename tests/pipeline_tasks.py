@@ -149,7 +149,7 @@ def bf16_autocast_close(spec: dict) -> dict:
     """bf16 autocast through the pipeline: the loss is the unsharded model's autocast loss to bf16 precision."""
     mesh, ref, model, batch = build(spec)
     trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
-                      autocast_dtype=torch.bfloat16)
+                      precision="bf16")
     loss = trainer.forward_backward(dp_shard(batch, mesh))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_loss = ref(**batch).loss.float().item()

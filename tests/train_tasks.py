@@ -16,6 +16,7 @@ import torch.distributed as dist
 import shardlib
 from harness import mesh as pool_mesh
 from rank_tasks import cases
+from shardlib.optim import param_state
 from shardlib.train import epoch_order
 
 MAX_GRAD_NORM = 1.0
@@ -56,7 +57,7 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
     """``fit`` at ``spec["layout"]``: every step's loss and the evaluations (rank 0's view, same on all ranks)."""
     mesh, model = build_sharded(spec)
     trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], max_grad_norm=MAX_GRAD_NORM,
-                               schedule=spec.get("schedule", "1f1b"))
+                               schedule=spec.get("schedule", "1f1b"), **spec.get("trainer", {}))
     train, _ = dataset(spec, spec["samples"])
     evals = dataset(spec, spec["eval_samples"], offset=100)[0] if spec.get("eval_samples") else None
     metrics = {"accuracy": accuracy} if spec.get("metrics") else None
@@ -70,8 +71,16 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
                          seed=spec.get("data_seed", 0), save_dir=save_dir, resume=resume, metrics=metrics,
                          log_interval=1, progress=False, **options)
     dist.barrier()
+    scaler = trainer.scaler
     return {"losses": result.losses, "first_step": result.first_step, "evals": result.evals,
-            "checkpoints": [str(p) for p in result.checkpoints], "mesh": str(mesh)}
+            "checkpoints": [str(p) for p in result.checkpoints], "mesh": str(mesh),
+            "optimizer_bytes": optimizer_bytes(trainer), "scaler": scaler.state_dict() if scaler else None}
+
+
+def optimizer_bytes(trainer) -> int:
+    """Bytes of optimizer state (moments, master weights) this rank holds."""
+    return sum(v.numel() * v.element_size() for p in trainer.params
+               for v in param_state(trainer.optimizer, p).values() if torch.is_tensor(v))
 
 
 def expect_error(spec: dict, workdir: str, case: str) -> str:
@@ -160,3 +169,35 @@ def first_step_stage_forwards(spec: dict) -> list[int]:
         trainer.train_step(batch)
         counts.append(list(calls))
     return counts
+
+
+def inject_inf(spec: dict) -> dict:
+    """Two fp16 steps in which the gradient of one parameter on one rank (``spec["inject"]``: {"tp": 1}, {"pp": 1}
+    or {"dp": 1}, the mesh coordinates picked) is inf, after one clean step: what every rank saw."""
+    mesh, model = build_sharded(spec)
+    trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], max_grad_norm=MAX_GRAD_NORM,
+                               precision="fp16", **spec.get("trainer", {}))
+    train, _ = dataset(spec, spec["batch_size"])
+    batch = shardlib.dp_shard(torch.utils.data.default_collate(train), mesh)
+    trainer.train_step(batch)
+    here = all(mesh.local_rank(dim) == index for dim, index in spec["inject"].items())
+    if here:
+        trainer.params[-1].register_hook(lambda grad: grad + float("inf"))
+    before = snapshot(trainer)
+    scales = []
+    for _ in range(2):
+        trainer.train_step(batch)
+        scales.append((trainer.scaler.scale, trainer.last_step_skipped, trainer.scaler.skipped))
+    after = snapshot(trainer)
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return {"injected": here, "scales": scales, "unchanged": unchanged}
+
+
+def snapshot(trainer) -> dict:
+    """Every parameter and optimizer state tensor of this rank, copied."""
+    out = {f"param{i}": p.detach().clone() for i, p in enumerate(trainer.params)}
+    for i, p in enumerate(trainer.params):
+        for key, value in param_state(trainer.optimizer, p).items():
+            if torch.is_tensor(value):
+                out[f"state{i}.{key}"] = value.detach().clone()
+    return out

@@ -20,8 +20,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
-import torch
-
 from ..mesh import MeshError, init_mesh, launched
 
 
@@ -68,7 +66,11 @@ class TrainingArguments:
     resume: Optional[str] = field(default=None, metadata={"help": "'auto' or a checkpoint directory"})
     seed: int = 0
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
-    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata={"help": "bf16: autocast"})
+    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
+        "help": "bf16: autocast; fp16: autocast and a dynamic loss scaler"})
+    zero: int = field(default=0, metadata={"help": "ZeRO over dp: 1 optimizer state, 2 + gradients, 3 + parameters "
+                                                   "(FSDP2)"})
+    offload: bool = field(default=False, metadata={"help": "zero=3: parameters and optimizer state in CPU memory"})
     activation_checkpointing: bool = False
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
 
@@ -88,7 +90,7 @@ class TrainingArguments:
     def trainer_options(self) -> dict:
         """Keyword arguments of :class:`shardlib.train.Trainer` (after the model and the optimizer)."""
         return {"microbatches": self.microbatches, "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
-                "autocast_dtype": torch.bfloat16 if self.precision == "bf16" else None,
+                "precision": self.precision, "zero": self.zero, "offload": self.offload,
                 "activation_checkpointing": self.activation_checkpointing}
 
     def fit_options(self) -> dict:

@@ -215,6 +215,9 @@ class FitLoop:
         self.step, self.epoch, self.position = train["step"], train["epoch"], train["batch_in_epoch"]
         if self.scheduler is not None and train["scheduler"] is not None:
             self.scheduler.load_state_dict(train["scheduler"])
+        scaler = self.trainer.scaler
+        if scaler is not None and train.get("scaler") is not None:
+            scaler.load_state_dict(train["scaler"])
         self.result = FitResult(step=self.step, epoch=self.epoch, first_step=self.step, resumed_from=directory)
 
     def run(self, log: TrainLog) -> FitResult:
@@ -245,8 +248,8 @@ class FitLoop:
         for batch in self.data.batches(self.epoch, self.position):
             self.trainer.track_grad_norm = (self.step + 1) % self.log_interval == 0  # logged: compute it
             loss = self.trainer.train_step(batch)
-            if self.scheduler is not None:
-                self.scheduler.step()
+            if self.scheduler is not None and not self.trainer.last_step_skipped:
+                self.scheduler.step()  # a skipped fp16 step does not advance the schedule (as in Megatron)
             self.step, self.position, stepped = self.step + 1, self.position + 1, True
             self._after_step(loss, batch)
             if self._done():
@@ -273,9 +276,15 @@ class FitLoop:
         window, tokens = self._window, self._window_tokens
         self.log.record({"step": self.step, "epoch": self.epoch, "loss": sum(window) / len(window),
                          "lr": self.trainer.optimizer.param_groups[0]["lr"], "grad_norm": self.trainer.last_grad_norm,
+                         **self._scaler_record(),
                          "samples_per_s": len(window) * self.batch_size / elapsed,
                          "tokens_per_s": tokens / elapsed if tokens else None})
         self._window, self._window_start, self._window_tokens = [], time.perf_counter(), 0
+
+    def _scaler_record(self) -> dict:
+        """fp16: the loss scale and the steps skipped so far (inf/nan gradients)."""
+        scaler = self.trainer.scaler
+        return {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped} if scaler is not None else {}
 
     def _evaluate(self) -> None:
         record = {"step": self.step, "epoch": self.epoch, "eval": True,
@@ -284,9 +293,10 @@ class FitLoop:
         self.log.record(record)
 
     def _save(self) -> None:
+        scaler = self.trainer.scaler
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         json.dumps(scheduler)  # a scheduler state that JSON cannot hold fails here, before anything is written
         self.last_saved = self.step
         self.checkpoints.save(self.step, {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.position,
                                           "seed": self.seed, "batch_size": self.batch_size, "scheduler": scheduler,
-                                          "scaler": None})
+                                          "scaler": scaler.state_dict() if scaler is not None else None})

@@ -9,6 +9,10 @@ not -100, masked patches, examples), counted over every data-parallel rank, so t
 model's gradient on the global batch whatever the microbatch and data-parallel split. Gradients are then summed over
 dp, clipped by the norm of the whole model and the optimizer steps.
 
+Precision (``"fp32" | "bf16" | "fp16"``, the fp16 loss scaler, master weights) is :mod:`shardlib.train.precision`;
+the optimizer over master weights and partitioned over dp (``zero=1, 2``) is :mod:`shardlib.train.optim`; ``zero=3``
+is torch's FSDP2 (:mod:`shardlib.train.fsdp`).
+
 The pipeline schedule belongs to :class:`shardlib.pipeline.PipelineRunner`; the data loop, evaluation, logging and
 checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.fit`). Each layer can be used alone.
 """
@@ -24,11 +28,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from ..collectives import all_reduce_flat
+from ..collectives import all_reduce_flat, reduce_flat
 from ..layout import named_layouts
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharded import shard_state
 from .batches import first_tensor, microbatch_count, split_batch
+from ..optim import PartitionedOptimizer, build_optimizer, copy_grads, param_pairs
+from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
 
 def rng_safe_checkpointing(model: nn.Module) -> None:
@@ -74,8 +80,13 @@ class Trainer:
     pipeline schedule's microbatches; without a pipeline, gradient accumulation over that many slices).
     ``schedule``: one of :data:`shardlib.pipeline.SCHEDULES` (the interleaved ones need
     ``shard(..., stages_per_rank > 1)``). ``max_grad_norm``: clip by the norm over every parameter of the whole
-    model (each counted once across the mesh). ``autocast_dtype``: e.g. ``torch.bfloat16``.
-    ``activation_checkpointing``: recompute each layer in backward.
+    model (each counted once across the mesh). ``activation_checkpointing``: recompute each layer in backward.
+
+    ``precision``: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a dynamic loss scaler:
+    ``loss_scaler=DynamicLossScaler(...)`` or a dict of its settings; a step with an inf/nan gradient anywhere in
+    the mesh is skipped everywhere, ``last_step_skipped``). ``master_weights``: the optimizer steps fp32 copies of
+    fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too, 3 the parameters too
+    (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only).
 
     Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
     subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
@@ -87,10 +98,14 @@ class Trainer:
 
     def __init__(self, model: nn.Module, optimizer: Callable | None = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", max_grad_norm: float | None = None,
-                 autocast_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+                 precision: str = "fp32", loss_scaler=None, master_weights: bool = False, zero: int = 0,
+                 offload: bool = False, activation_checkpointing: bool = False,
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward_step: Callable | None = None):
         state = shard_state(model)
+        params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())
+        check_precision(precision, params, master_weights, loss_scaler)
+        check_zero(zero, offload, state.mesh, state.pipeline, optimizer)
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -103,21 +118,28 @@ class Trainer:
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
         check_schedule(schedule, self.split)
         self.microbatches, self.schedule_name = microbatches, schedule
-        self.max_grad_norm, self.autocast_dtype, self.loss_fn = max_grad_norm, autocast_dtype, loss_fn
+        self.max_grad_norm, self.loss_fn = max_grad_norm, loss_fn
+        self.precision, self.zero = precision, zero
+        self.scaler = make_scaler(precision, loss_scaler)
         if forward_step is not None:
             self.forward_step = forward_step  # the instance attribute shadows the method
         self.custom_forward = forward_step is not None or type(self).forward_step is not Trainer.forward_step
         if activation_checkpointing:
             rng_safe_checkpointing(model)
-        self.params = self.split.local_parameters() if self.split else list(model.parameters())
-        self.optimizer = optimizer(self.params) if optimizer is not None else None
+        self.params = params
+        self.optimizer = None
+        if optimizer is not None:
+            self.optimizer = build_optimizer(optimizer, params, master_weights=master_weights, zero=zero,
+                                             dp_group=self.mesh.group("dp") if zero else None)
+        self._owner = _owners(self.optimizer)
         self.runner = None
         if self.split is not None:
-            self.runner = PipelineRunner(self.split, schedule, autocast_dtype=autocast_dtype,
+            self.runner = PipelineRunner(self.split, schedule, autocast_dtype=AUTOCAST_DTYPES[precision],
                                          forward_step=self._stage_forward_step if self.custom_forward else None,
                                          rng_tracker=state.rng_tracker)
         self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
         self.last_grad_norm: float | None = None
+        self.last_step_skipped = False  # fp16: the last step had an inf/nan gradient somewhere and was skipped
         self._total = 1.0
         self._counted: list | None = None
 
@@ -148,6 +170,14 @@ class Trainer:
         loss = sum(self.forward_backward(b, total_items=total) for b in batches)
         self.reduce_gradients()
         self.last_grad_norm = None
+        copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
+        if self.scaler is not None:
+            overflow = self.scaler.unscale_and_check([t.grad for _, t in self._pairs() if t.grad is not None])
+            self.scaler.update(overflow)
+            self.last_step_skipped = overflow
+            if overflow:
+                self.zero_grad()
+                return loss
         if self.max_grad_norm is not None:
             self.last_grad_norm = self.clip_grad_norm(self.max_grad_norm)
         elif self.track_grad_norm:
@@ -162,6 +192,12 @@ class Trainer:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        for _, stepped in self._pairs():
+            stepped.grad = None
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, the tensor whose gradient the optimizer step reads) for what this rank steps."""
+        return param_pairs(self.optimizer) if self.optimizer is not None else [(p, p) for p in self.params]
 
     def forward_backward(self, batch: dict, *, total_items: float | None = None) -> float:
         """Accumulate the gradients of ``batch`` (call again before :meth:`reduce_gradients` to accumulate more,
@@ -174,6 +210,8 @@ class Trainer:
             loss = self._run_plain(batch, weights)
         else:
             loss = self.runner.step(batch, self.microbatches, self._pipeline_loss, weights)
+        if self.scaler is not None:
+            loss /= self.scaler.scale  # what backward saw was scaled
         loss = torch.tensor([loss], dtype=torch.float64, device=self.mesh.device_type)  # NCCL: CUDA tensors only
         for dim in ("dp", "pp"):
             if self.mesh.size(dim) > 1:
@@ -192,7 +230,9 @@ class Trainer:
 
     def reduce_gradients(self) -> None:
         """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
-        summed over data-parallel replicas (one flat all-reduce per dtype)."""
+        summed over data-parallel replicas: one flat all-reduce per dtype; under zero=1 the gradients of
+        parameters another dp rank steps are then dropped; under zero=2 each is summed straight into the dp rank
+        that steps it (one flat reduce per dp rank) and dropped elsewhere."""
         if self.split is not None:
             self.split.sync_tied_grads()
         if self.mesh.dp > 1:
@@ -205,17 +245,25 @@ class Trainer:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            all_reduce_flat([p.grad for p in params], group)
+            if self.zero >= 2:
+                for owner in range(self.mesh.dp):
+                    reduce_flat([p.grad for p in params if self._owner[id(p)] == owner], group, owner)
+            else:
+                all_reduce_flat([p.grad for p in params], group)
+            if self._owner:
+                for p in params:
+                    if self._owner[id(p)] != self.mesh.local_rank("dp"):
+                        p.grad = None
 
-    def _norm_params(self) -> list[nn.Parameter]:
-        """This rank's parameters that count toward the global gradient norm (fixed by the layouts, computed once):
-        tensor-parallel shards on every tp rank, replicated parameters on tp rank 0, tied ones on the first pp rank
-        holding them."""
+    def _norm_tensors(self) -> list[torch.Tensor]:
+        """The tensors (stepped by this rank) whose gradients count toward the global gradient norm (fixed by the
+        layouts, computed once): tensor-parallel shards on every tp rank, replicated parameters on tp rank 0,
+        tied ones on the first pp rank holding them; under zero, each on the dp rank stepping it."""
         if self._counted is None:
             layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
             tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
             first_holder = self._first_pp_holder()
-            self._counted = [p for p in self.params
+            self._counted = [t for p, t in self._pairs()
                              if (tp_rank == 0 or (id(p) in layouts and layouts[id(p)].is_sharded))
                              and first_holder.get(id(p), True)]
         return self._counted
@@ -224,11 +272,11 @@ class Trainer:
         """The global L2 norm of the gradient of the whole (unsharded) model (a float64 scalar tensor on the
         parameters' device): tensor-parallel shards summed, replicated and tied parameters counted once. The local
         part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp."""
-        grads = [p.grad for p in self._norm_params() if p.grad is not None]
+        grads = [t.grad for t in self._norm_tensors() if t.grad is not None]
         device = self.params[0].device if self.params else torch.device("cpu")
         local = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
         total = local.double().square().reshape(1)
-        for dim in ("tp", "pp"):
+        for dim in ("tp", "pp") + (("dp",) if self._owner else ()):
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(total, group=self.mesh.group(dim))
         return total.sqrt()[0]
@@ -242,9 +290,9 @@ class Trainer:
         if not math.isfinite(value):
             raise FloatingPointError(f"the gradient norm is {value}: a loss or gradient overflowed (lower the "
                                      "learning rate, or train in another precision)")
-        grads = [p for p in self.params if p.grad is not None]
+        grads = [t for _, t in self._pairs() if t.grad is not None]
         if grads:
-            clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+            clip_grads_with_norm_(grads, max_norm, norm.to(grads[0].device), foreach=True)
         return value
 
     def eval_step(self, batch: dict) -> list[dict]:
@@ -265,9 +313,7 @@ class Trainer:
 
     # -- internals ------------------------------------------------------------------------------------------
     def _autocast(self, batch):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=first_tensor(batch).device.type, dtype=self.autocast_dtype)
+        return autocast(self.precision, first_tensor(batch).device.type)
 
     def _run_plain(self, batch: dict, weights: torch.Tensor) -> float:
         loss_sum = 0.0
@@ -281,7 +327,7 @@ class Trainer:
             scaled = self._scale(loss, w)
             scaled.backward()
             loss_sum += float(scaled.detach())
-        return loss_sum
+        return loss_sum  # times the fp16 loss scale, which forward_backward divides out
 
     def _stage_forward_step(self, model, batch):
         result = self.forward_step(model, batch)
@@ -289,16 +335,19 @@ class Trainer:
         return result
 
     def _scale(self, loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The microbatch loss as backward sees it: weighted by its share of the loss items, times the fp16 loss
+        scale."""
+        factor = self.scaler.scale if self.scaler is not None else 1.0
         if self.loss_fn is not None:
-            return loss
+            return loss * factor if factor != 1.0 else loss
         # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch
         # loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0
-        return loss * (float(weights.sum() / self._total) if self._total else 0.0)
+        return loss * (float(weights.sum() / self._total) * factor if self._total else 0.0)
 
     def _pipeline_loss(self, output, weights):
         loss = output[0] if isinstance(output, (tuple, list)) else output
         if self.loss_fn is not None:
-            return self.loss_fn(loss)
+            return self._scale(self.loss_fn(loss), weights)
         return self._scale(as_loss(loss, type(self.model).__name__), weights)
 
     def _first_pp_holder(self) -> dict[int, bool]:
@@ -317,3 +366,31 @@ class Trainer:
         from .fit import fit
 
         return fit(self, train_data, **options)
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero(zero, offload: bool, mesh, split, optimizer) -> None:
+    """``zero`` and ``offload`` against the mesh, before anything is built (one-line errors)."""
+    if zero not in ZERO_STAGES or isinstance(zero, bool):
+        raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+    if zero and mesh.dp == 1:
+        raise ValueError(f"zero={zero} partitions over data-parallel ranks, but this mesh has dp=1 "
+                         f"(dp={mesh.dp}, pp={mesh.pp}, sp={mesh.sp}, tp={mesh.tp}): use zero=0")
+    if zero and optimizer is None:
+        raise ValueError(f"zero={zero} partitions an optimizer: pass Trainer(model, optimizer=lambda params: ...)")
+    if zero == 3 and split is not None:
+        raise ValueError("zero=3 (FSDP2) does not compose with shardlib's pipeline stages (pp > 1): torch's schedules "
+                         "would have to unshard every stage per microbatch; use zero=1 or 2 with pipelines "
+                         "(docs/training.md)")
+    if offload and zero != 3:
+        raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); torch's "
+                         "ZeroRedundancyOptimizer has no offload")
+
+
+def _owners(optimizer) -> dict[int, int]:
+    """id(param) -> the dp rank stepping it, for a partitioned optimizer ({} otherwise)."""
+    if not isinstance(optimizer, PartitionedOptimizer):
+        return {}
+    return {id(p): owner for p, owner in zip(optimizer.params, optimizer.owner)}
