@@ -1,6 +1,10 @@
 """Real processes: one training script (tests/train_script.py) run as plain ``python`` (a world of one), starting its
 own ranks (``--nproc``), under ``shardlib run`` on two "nodes" over loopback, and SIGKILLed mid-step and mid-save then
-resumed with ``--resume auto``: the resumed run logs the uninterrupted run's losses bitwise, dropout on."""
+resumed with ``--resume auto``: the resumed run logs the uninterrupted run's losses bitwise, dropout on.
+
+The killed runs train at dp=2 with ZeRO-2 (partitioned optimizer state and gradients) in fp16 with a loss scale
+that starts too high (2**24, backing off 8x per overflow, growing every 4 clean steps): steps 1-2 overflow and are
+skipped, so the checkpoint of step 3 holds a non-trivial scaler state that the resumed run must continue."""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "tests/train_script.py"
-RUN = ["--tp", "2", "--max-steps", "8", "--batch-size", "8", "--microbatches", "2", "--save-interval", "3",
+RUN = ["--dp", "2", "--zero", "2", "--precision", "fp16", "--initial-scale", str(2 ** 24), "--hysteresis", "1",
+       "--backoff-factor", "0.125", "--growth-interval", "4", "--max-steps", "8", "--batch-size", "8", "--microbatches", "2", "--save-interval", "3",
        "--log-interval", "1", "--no-progress"]
 
 
@@ -39,23 +44,27 @@ def losses(result) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(line[len("LOSSES "):]).items()}
 
 
-def logged_losses(save_dir: Path) -> dict[int, float]:
+def logged_losses(save_dir: Path) -> dict[int, tuple]:
+    """step -> (loss, loss scale, steps skipped so far) from the run's log.jsonl."""
     records = [json.loads(line) for line in (save_dir / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if not r.get("eval")}
+    return {r["step"]: (r["loss"], r["loss_scale"], r["skipped_steps"]) for r in records if not r.get("eval")}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """8 steps at tp=2 on 2 ranks that the script starts itself (``python train_script.py --nproc 2``)."""
+    """8 steps at dp=2 (RUN) on 2 ranks that the script starts itself (``python train_script.py --nproc 2``)."""
     save_dir = tmp_path_factory.mktemp("straight")
     result = python(SCRIPT, "--nproc", "2", *RUN, "--save-dir", str(save_dir))
-    return losses(result)
+    logged = logged_losses(save_dir)
+    assert logged[3][2] == 2 and logged[3][1] == 2 ** 18, logged  # two overflows skipped before the checkpoint
+    return losses(result), logged
 
 
 @pytest.mark.parametrize("where", ["step", "save"])
 def test_killed_rank_resumes_bitwise(uninterrupted, tmp_path, where):
     """Rank 1 is SIGKILLed inside step 5's forward (resume from step 3), or while writing step 6's checkpoint (that
     checkpoint is torn: resume from step 3 again, and its temporary directory is cleaned up)."""
+    uninterrupted, logged = uninterrupted
     assert sorted(uninterrupted) == list(range(1, 9))
     kill_at = {"step": 5, "save": 6}[where]
     killed = launch(2, *RUN, "--save-dir", str(tmp_path), "--kill-at-step", str(kill_at), "--kill-in", where)
@@ -65,7 +74,7 @@ def test_killed_rank_resumes_bitwise(uninterrupted, tmp_path, where):
     resumed = losses(launch(2, *RUN, "--save-dir", str(tmp_path), "--resume", "auto"))
     assert min(resumed) == 4, "the run did not resume from step 3"
     assert resumed == {s: uninterrupted[s] for s in range(4, 9)}, "resumed losses differ from the uninterrupted run"
-    assert logged_losses(tmp_path) == uninterrupted  # the log continues the killed run's, bitwise
+    assert logged_losses(tmp_path) == logged  # the log continues the killed run's, bitwise, loss scale too
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
 
 

@@ -68,6 +68,15 @@ class TrainingArguments:
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes per rank"})
     precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata={
         "help": "bf16: autocast; fp16: autocast and a dynamic loss scaler"})
+    initial_scale: float = field(default=2.0 ** 16, metadata={"help": "fp16 loss scaler: the first scale"})
+    min_scale: float = 1.0
+    max_scale: float = 2.0 ** 32
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = field(default=1000, metadata={"help": "fp16: grow the scale after this many clean steps"})
+    hysteresis: int = field(default=2, metadata={"help": "fp16: back off after this many overflowing steps"})
+    master_weights: bool = field(default=False, metadata={"help": "fp32 copies of fp16/bf16 weights for the "
+                                                                  "optimizer"})
     zero: int = field(default=0, metadata={"help": "ZeRO over dp: 1 optimizer state, 2 + gradients, 3 + parameters "
                                                    "(FSDP2)"})
     offload: bool = field(default=False, metadata={"help": "zero=3: parameters and optimizer state in CPU memory"})
@@ -91,7 +100,15 @@ class TrainingArguments:
         """Keyword arguments of :class:`shardlib.train.Trainer` (after the model and the optimizer)."""
         return {"microbatches": self.microbatches, "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "zero": self.zero, "offload": self.offload,
+                "master_weights": self.master_weights, "loss_scaler": self.loss_scaler(),
                 "activation_checkpointing": self.activation_checkpointing}
+
+    def loss_scaler(self) -> dict | None:
+        """The fp16 loss scaler's settings (:class:`shardlib.train.DynamicLossScaler`), None for other precisions."""
+        if self.precision != "fp16":
+            return None
+        return {k: getattr(self, k) for k in ("initial_scale", "min_scale", "max_scale", "growth_factor",
+                                              "backoff_factor", "growth_interval", "hysteresis")}
 
     def fit_options(self) -> dict:
         """Keyword arguments of :meth:`Trainer.fit` (after the training data)."""
