@@ -31,7 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from .fsdp import like, local, whole
 from .layout import Layout, layout_of
 from .optim import holds_state, param_state, set_param_state
 from .safetensors_io import (  # noqa: F401  (sha256_of, DIRECT_ROW: re-exported, part of this module's API)
@@ -186,8 +189,11 @@ def _pieces(layout: Layout, stage: int | None = None, dp: int | None = None) -> 
 
 
 def hf_class_name(model: nn.Module) -> str:
-    """The HF class of a (possibly loss-wrapped) sharded model."""
-    return getattr(type(model), "_shardlib_base_class", type(model)).__name__
+    """The HF class of a (possibly loss-wrapped, possibly FSDP2-wrapped) sharded model."""
+    cls = type(model)
+    if issubclass(cls, FSDPModule):  # fully_shard swaps in a class FSDP<name>(FSDPModule, <the model's class>)
+        cls = next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
+    return getattr(cls, "_shardlib_base_class", cls).__name__
 
 
 def _tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None,
@@ -204,9 +210,11 @@ def _saved_tensors(model: nn.Module, optimizer=None):
     buffers (tied ones once), then, with an optimizer, each parameter's state tensors held on this rank as
     ``optimizer.<state>.<param name>`` (master weights: ``optimizer.master.<param name>``): moments shaped like
     the parameter share its layout, scalars (``step``) are replicated. ``partitioned``: an optimizer partitioned over
-    dp (:class:`shardlib.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters."""
+    dp (:class:`shardlib.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters.
+    Parameters sharded over dp by FSDP2 (zero=3) and their states are gathered to their tp-local tensors here (a
+    collective on the dp group: every rank walks the same tensors)."""
     for tensor, names in _tensors_to_load(model):
-        yield names[0], tensor, layout_of(model, names[0]), names[1:], False
+        yield names[0], whole(tensor), layout_of(model, names[0]), names[1:], False
     if optimizer is None:
         return
     partitioned = getattr(optimizer, "partitioned", False)
@@ -214,7 +222,7 @@ def _saved_tensors(model: nn.Module, optimizer=None):
         for key, value in param_state(optimizer, tensor).items():
             if torch.is_tensor(value):
                 layout = layout_of(model, names[0]) if value.shape == tensor.shape else Layout.replicated(value.shape)
-                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", value, layout, [], partitioned
+                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", whole(value), layout, [], partitioned
 
 
 def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
@@ -547,6 +555,14 @@ class ShardedCheckpoint(ReaderPool):
         return out
 
 
+def whole_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """Where to read a tensor's tp-local rows: the tensor itself, or for a dp-sharded DTensor (FSDP2) a new tensor
+    of its tp-local shape, whose dp slice is then copied in."""
+    if isinstance(tensor, DTensor):
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=local(tensor).device)
+    return tensor
+
+
 def _check_stored_shape(ckpt: ShardedCheckpoint, name: str, layout: Layout) -> None:
     stored = ckpt.shape(name)
     if stored != layout.global_shape:
@@ -579,7 +595,10 @@ def load(model: nn.Module, directory: str | Path, *, optimizer=None) -> nn.Modul
                 raise CheckpointError(f"tensor {names[0]!r} of {type(model).__name__} is not in {directory}")
             layout = layout_of(model, names[0])
             _check_stored_shape(ckpt, name, layout)
-            _fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, tensor, name)
+            target = whole_buffer(tensor)
+            _fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, target, name)
+            if target is not tensor:
+                local(tensor).copy_(local(like(target, tensor)))
         if optimizer is not None:
             _load_optimizer(model, ckpt, optimizer, rank)
     return model
@@ -613,7 +632,7 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
             # capturable nor fused stays a CPU scalar)
             group = group_of.get(id(tensor), {})
             if key != "step" or group.get("capturable") or group.get("fused"):
-                value = value.to(tensor.device)
+                value = like(value.to(tensor.device), tensor)  # FSDP2: this rank's dp shard of it
             state[key] = value
         set_param_state(optimizer, tensor, state)
 

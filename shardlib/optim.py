@@ -189,7 +189,7 @@ def build_optimizer(factory, params: list, *, master_weights: bool, zero: int, d
     base = factory(params)
     if not isinstance(base, Optimizer):
         raise TypeError(f"optimizer(params) gave a {type(base).__name__}, not a torch.optim.Optimizer")
-    if not master_weights and zero == 0:
+    if not master_weights and zero in (0, 3):  # zero=3: FSDP2 already sharded the parameters it steps
         return base
     if base.state:
         raise ValueError(f"{type(base).__name__} built by optimizer(params) already holds state; master weights and "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import shardlib
 from harness import mesh as pool_mesh
 from rank_tasks import cases
+from shardlib.fsdp import local
 from shardlib.optim import param_state
 from shardlib.train import epoch_order
 
@@ -48,8 +49,8 @@ def accuracy(out, mb):
 
 def build_sharded(spec: dict):
     layout = spec["layout"]
-    mesh = pool_mesh(dp=layout.get("dp"), pp=layout.get("pp", 1), tp=layout.get("tp", 1))
-    model = shardlib.shard(cases(spec).make_model(spec), mesh)
+    mesh = pool_mesh(dp=layout.get("dp"), pp=layout.get("pp", 1), tp=layout.get("tp", 1), sp=layout.get("sp", 1))
+    model = shardlib.shard(cases(spec).make_model(spec), mesh, **spec.get("shard", {}))
     return mesh, model
 
 
@@ -79,7 +80,7 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
 
 def optimizer_bytes(trainer) -> int:
     """Bytes of optimizer state (moments, master weights) this rank holds."""
-    return sum(v.numel() * v.element_size() for p in trainer.params
+    return sum(local(v).numel() * v.element_size() for p in trainer.params
                for v in param_state(trainer.optimizer, p).values() if torch.is_tensor(v))
 
 
@@ -201,3 +202,4 @@ def snapshot(trainer) -> dict:
             if torch.is_tensor(value):
                 out[f"state{i}.{key}"] = value.detach().clone()
     return out
+

@@ -2,7 +2,7 @@
 
 * :class:`shardlib.pipeline.PipelineRunner`: pipeline stages and schedules;
 * :class:`Trainer` (:mod:`.trainer`): weigh microbatch losses, reduce, clip, step; precision and the fp16 loss
-  scaler (:mod:`.precision`), master weights and ZeRO-1/2 (:mod:`shardlib.optim`), ZeRO-3 (:mod:`.fsdp`);
+  scaler (:mod:`.precision`), master weights and ZeRO-1/2 (:mod:`shardlib.optim`), ZeRO-3 (:mod:`shardlib.fsdp`);
 * :meth:`Trainer.fit` (:mod:`.fit`): data (:mod:`.data`), evaluation, logging (:mod:`.logs`), checkpoints and
   exact resume (:mod:`.checkpoints`);
 * :class:`TrainingArguments` (:mod:`.args`): one dataclass of command-line arguments, the mesh and the launch.

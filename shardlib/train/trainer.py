@@ -11,7 +11,7 @@ dp, clipped by the norm of the whole model and the optimizer steps.
 
 Precision (``"fp32" | "bf16" | "fp16"``, the fp16 loss scaler, master weights) is :mod:`shardlib.train.precision`;
 the optimizer over master weights and partitioned over dp (``zero=1, 2``) is :mod:`shardlib.train.optim`; ``zero=3``
-is torch's FSDP2 (:mod:`shardlib.train.fsdp`).
+is torch's FSDP2 (:mod:`shardlib.fsdp`).
 
 The pipeline schedule belongs to :class:`shardlib.pipeline.PipelineRunner`; the data loop, evaluation, logging and
 checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.fit`). Each layer can be used alone.
@@ -26,9 +26,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import get_total_norm
 
 from ..collectives import all_reduce_flat, reduce_flat
+from ..fsdp import apply_fsdp, local, reshard
 from ..layout import named_layouts
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharded import shard_state
@@ -105,7 +106,7 @@ class Trainer:
         state = shard_state(model)
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())
         check_precision(precision, params, master_weights, loss_scaler)
-        check_zero(zero, offload, state.mesh, state.pipeline, optimizer)
+        check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights)
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -126,6 +127,9 @@ class Trainer:
         self.custom_forward = forward_step is not None or type(self).forward_step is not Trainer.forward_step
         if activation_checkpointing:
             rng_safe_checkpointing(model)
+        self.fsdp = apply_fsdp(model, offload=offload) if zero == 3 else []
+        if self.fsdp:
+            params = list(model.parameters())  # dp-sharded DTensors now
         self.params = params
         self.optimizer = None
         if optimizer is not None:
@@ -172,7 +176,7 @@ class Trainer:
         self.last_grad_norm = None
         copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
         if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check([t.grad for _, t in self._pairs() if t.grad is not None])
+            overflow = self.scaler.unscale_and_check(self._step_grads())
             self.scaler.update(overflow)
             self.last_step_skipped = overflow
             if overflow:
@@ -194,6 +198,10 @@ class Trainer:
             p.grad = None
         for _, stepped in self._pairs():
             stepped.grad = None
+
+    def _step_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer step reads, as this rank's local tensors."""
+        return [local(t.grad) for _, t in self._pairs() if t.grad is not None]
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, the tensor whose gradient the optimizer step reads) for what this rank steps."""
@@ -235,7 +243,7 @@ class Trainer:
         that steps it (one flat reduce per dp rank) and dropped elsewhere."""
         if self.split is not None:
             self.split.sync_tied_grads()
-        if self.mesh.dp > 1:
+        if self.mesh.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters in backward
             group = self.mesh.group("dp")
             # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
             used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8,
@@ -272,27 +280,29 @@ class Trainer:
         """The global L2 norm of the gradient of the whole (unsharded) model (a float64 scalar tensor on the
         parameters' device): tensor-parallel shards summed, replicated and tied parameters counted once. The local
         part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp."""
-        grads = [t.grad for t in self._norm_tensors() if t.grad is not None]
+        grads = [local(t.grad) for t in self._norm_tensors() if t.grad is not None]
         device = self.params[0].device if self.params else torch.device("cpu")
-        local = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
-        total = local.double().square().reshape(1)
-        for dim in ("tp", "pp") + (("dp",) if self._owner else ()):
+        mine = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
+        total = mine.double().square().reshape(1)
+        for dim in ("tp", "pp") + (("dp",) if self.zero else ()):  # under zero each dp rank holds its own share
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(total, group=self.mesh.group(dim))
         return total.sqrt()[0]
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``:
-        by ``max_norm / (norm + 1e-6)`` when that is below 1); returns the norm before. A non-finite norm is an
-        error (clipping could not bound it)."""
+        """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``
+        rule: by ``max_norm / (norm + 1e-6)`` when that is below 1, applied here to local tensors, which FSDP2's
+        DTensor gradients need); returns the norm before. A non-finite norm is an error (clipping could not bound
+        it)."""
         norm = self.grad_norm()
         value = float(norm)
         if not math.isfinite(value):
             raise FloatingPointError(f"the gradient norm is {value}: a loss or gradient overflowed (lower the "
                                      "learning rate, or train in another precision)")
-        grads = [t for _, t in self._pairs() if t.grad is not None]
+        grads = self._step_grads()
         if grads:
-            clip_grads_with_norm_(grads, max_norm, norm.to(grads[0].device), foreach=True)
+            coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return value
 
     def eval_step(self, batch: dict) -> list[dict]:
@@ -309,6 +319,8 @@ class Trainer:
                 with self._autocast(mb):
                     out = self.forward_step(self.model, mb)
                 outputs.append({"loss": out} if torch.is_tensor(out) else dict(out.items()))
+            if self.fsdp:
+                reshard(self.model)  # a forward without backward leaves the root unsharded
             return outputs
 
     # -- internals ------------------------------------------------------------------------------------------
@@ -371,7 +383,7 @@ class Trainer:
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def check_zero(zero, offload: bool, mesh, split, optimizer) -> None:
+def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool = False) -> None:
     """``zero`` and ``offload`` against the mesh, before anything is built (one-line errors)."""
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
@@ -384,6 +396,9 @@ def check_zero(zero, offload: bool, mesh, split, optimizer) -> None:
         raise ValueError("zero=3 (FSDP2) does not compose with shardlib's pipeline stages (pp > 1): torch's schedules "
                          "would have to unshard every stage per microbatch; use zero=1 or 2 with pipelines "
                          "(docs/training.md)")
+    if zero == 3 and master_weights:
+        raise ValueError("zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype; give the "
+                         "model fp32 weights and train with precision='fp16' or 'bf16' (autocast) instead")
     if offload and zero != 3:
         raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); torch's "
                          "ZeroRedundancyOptimizer has no offload")

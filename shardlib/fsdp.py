@@ -1,0 +1,89 @@
+"""ZeRO-3: torch's FSDP2 (``fully_shard``) over the data-parallel dimension, composed with shardlib's tensor
+parallelism (as torchtitan composes FSDP2 with TP).
+
+shardlib's tensor-parallel parameters are plain tensors (each tp rank's slice), so FSDP2 on the 1-D dp sub-mesh
+shards each of them again along dim 0 over dp (a DTensor ``Shard(0)`` whose global shape is the tp-local shape),
+all-gathers a layer's parameters before its forward and backward and reduce-scatters its gradients after. Each
+layer of the policy's stacks (``Plan.trunk``) is one FSDP group, the rest of the model (embeddings, heads, and so
+every tied weight: BERT's MLM decoder, T5's ``shared`` / ``lm_head``) is the root group: FSDP2 refuses a parameter
+shared by two groups.
+
+* Gradients are **summed** over dp, as everywhere in the Trainer (FSDP2 averages by default): a divide factor
+  of 1, reduced with a plain SUM (``set_force_sum_reduction_for_comms``: gloo has no PREMUL_SUM).
+* Sequence parallelism composes: FSDP2's pre-forward hook runs before shardlib's (it is prepended), so the per-
+  parameter gradient hooks of Megatron SP / all-to-all SP see the unsharded parameters and run before the
+  reduce-scatter (tested against zero=0 in float64).
+* Not with pipeline stages (refused by the Trainer, :func:`shardlib.train.trainer.check_zero`): torch's pipeline schedules would
+  have to unshard and reshard every stage around each microbatch, which shardlib's runner does not drive.
+* ``offload=True``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, the
+  step on CPU); on a machine without CUDA everything already is in host memory, so it is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .sharded import shard_state
+
+log = logging.getLogger("shardlib.train")
+
+
+def dp_device_mesh(mesh) -> DeviceMesh:
+    """The 1-D data-parallel sub-mesh of shardlib's mesh (its dims are dp, pp, sp, tp)."""
+    return mesh.device_mesh["dp"]
+
+
+def apply_fsdp(model: nn.Module, *, offload: bool = False) -> list[FSDPModule]:
+    """``fully_shard`` every layer of the model's stacks, then the model (root); returns the FSDP modules."""
+    state = shard_state(model)
+    policy: OffloadPolicy = OffloadPolicy()
+    if offload:
+        if torch.cuda.is_available() and state.mesh.device_type == "cuda":
+            policy = CPUOffloadPolicy()
+        else:
+            log.warning("offload=True: no CUDA device, parameters and optimizer state are already in host memory "
+                        "(FSDP2's CPUOffloadPolicy skipped)")
+    dp_mesh = dp_device_mesh(state.mesh)
+    modules = []
+    for stack in state.plan.trunk:
+        for layer in model.get_submodule(stack.layers):
+            modules.append(fully_shard(layer, mesh=dp_mesh, offload_policy=policy))
+    modules.append(fully_shard(model, mesh=dp_mesh, offload_policy=policy))
+    for module in modules:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM for the factor
+    return modules
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The tp-local tensor of a dp-sharded DTensor, gathered over dp (a collective on the dp group); a plain tensor
+    itself."""
+    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``value`` (a tp-local tensor) placed as ``reference`` is: this rank's dp slice of it when ``reference`` is a
+    DTensor of the same shape (no communication: every rank slices its own copy)."""
+    if isinstance(reference, DTensor) and value.shape == reference.shape:
+        return distribute_tensor(value.to(reference.device), reference.device_mesh, reference.placements,
+                                 src_data_rank=None)
+    return value
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters a forward without backward (evaluation) leaves on the root module, so that
+    ``model.parameters()`` are the sharded ones again (what the optimizer and checkpoints hold)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
