@@ -350,6 +350,8 @@ class Trainer:
         """The microbatch loss as backward sees it: weighted by its share of the loss items, times the fp16 loss
         scale."""
         factor = self.scaler.scale if self.scaler is not None else 1.0
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()  # an autocast loss times 2**16 would overflow fp16 (backward then starts in fp32)
         if self.loss_fn is not None:
             return loss * factor if factor != 1.0 else loss
         # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch

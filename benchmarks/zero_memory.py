@@ -1,0 +1,514 @@
+"""ZeRO stages 0-3 on CPU: the bytes each dp rank holds, the step time, and the peak RSS of a large model.
+
+What is measured
+----------------
+``BertForSequenceClassification`` built from a config (random weights, ``torch.manual_seed(0)`` on every rank, HF's
+default dropout 0.1, 2 labels), ``shardlib.shard(model, init_mesh(tp=1))`` (dp = the number of ranks), trained by
+``shardlib.Trainer(model, lambda ps: AdamW(ps, lr=1e-4), max_grad_norm=1.0, precision="fp32", zero=k)`` on
+SST-2-shaped batches (``_workloads.classification_samples``: random tokens, full mask; global batch ``--batch``
+x ``--seq`` tokens, each rank its ``dp_shard``). Every group of ranks is started by this script through
+``python -m shardlib.cli run --nproc N`` (gloo over loopback, one torch thread per rank), one process group per
+table row set, so nothing carries over between them:
+
+1. **Bytes per rank at dp=4**, BERT-base (hidden 768, 12 layers, 12 heads, intermediate 3072, vocab 30522), for
+   zero 0/1/2/3 (one launch; the stages one after another, each on a fresh model; ``gc`` + ``malloc_trim`` between):
+   after the timed steps of 2. (so AdamW's state exists),
+
+   * optimizer state: every tensor of ``shardlib.optim.param_state(trainer.optimizer, p)`` over ``trainer.params``
+     (``exp_avg``, ``exp_avg_sq``, ``step``; the local shard of a DTensor);
+   * parameters: ``shardlib.fsdp.local(p)`` over ``trainer.params``;
+   * gradients: ``trainer.zero_grad(); trainer.forward_backward(batch, total_items=...)``, then ``local(p.grad)``
+     bytes counted twice: right after backward (what a step holds at its gradient peak) and after
+     ``trainer.reduce_gradients()`` (what stays until the optimizer step).
+
+   Each next to full/4, full being the zero=0 figure, and the ratio max over ranks / (full/4). Target: <= 1.05x for
+   what the stage partitions (optimizer state for zero >= 1, gradients after the reduction for zero >= 2, parameters
+   for zero = 3). The sum over ranks / full shows nothing is held twice.
+
+2. **Step time** of each stage against zero=0 at dp=2 and dp=4 (one launch per dp; at dp=4 the same launch as
+   1.): per stage ``--warmup`` untimed steps, then ``--steps`` timed ``trainer.train_step`` calls, each between two
+   barriers (its time is the slowest rank's); median per stage and ratio zero_k / zero_0 of the medians. The CPU
+   time of all ranks per step (``time.process_time``, summed over ranks) is given too: waiting in a collective
+   costs little CPU, so its ratio is a steadier measure of the work a stage adds on a shared machine. Other
+   processes' CPU use during each step (whole machine busy time from /proc/stat minus our ranks' CPU) is
+   printed; steps above 0.1 cores are flagged. ``--rounds 2`` runs the stages again in reverse order (slow drift
+   of the machine then does not favour the stages run first); the medians are over all timed steps of a stage.
+
+3. **Peak RSS per rank** of BERT-large (hidden 1024, ``--large-layers`` layers (default 24), 16 heads,
+   intermediate 4096) training at dp=4, zero 0 vs zero 3, one fresh launch per stage with
+   ``MALLOC_MMAP_THRESHOLD_=131072`` in the ranks' environment (glibc then serves every allocation above 128 KiB by
+   mmap and gives it back at free, so the resident set follows the live tensors and a peak is a peak). Per rank,
+   after building model and Trainer: ``malloc_trim``, RSS, then VmHWM reset (``/proc/self/clear_refs`` = 5), two
+   training steps (the first allocates AdamW's state), VmHWM again: the step peak. Also the process's lifetime
+   peak (``ru_maxrss``): every rank builds the full model before FSDP2 shards it, so zero=3's lifetime peak
+   includes one whole fp32 model. Max over ranks.
+
+   zero=0 at 24 layers needs about 4 x (1.34 GB parameters + 1.34 GB gradients + 1.34 GB of the flat all-reduce
+   buffer + 2.7 GB AdamW + AdamW's temporaries) ~ 28 GB: before each launch the script estimates the need
+   (``RSS_PER_PARAM_BYTE`` x fp32 parameter bytes + ``RSS_BASE`` per rank; from a measurement of hidden 1024 x 8
+   layers: 2807 MiB per rank) and skips the launch with a message when it exceeds 90% of MemAvailable; rerun with
+   ``--large-layers 12`` (or ``--no-memory-check``).
+
+How to run
+----------
+    .venv/bin/python benchmarks/zero_memory.py                      # the full run (BERT-large 24 layers)
+    .venv/bin/python benchmarks/zero_memory.py --large-layers 12    # on a 24 GiB machine: ~12 minutes, 2 busy cores
+    .venv/bin/python benchmarks/zero_memory.py --quick              # smoke run: tiny BERTs, ~1-2 minutes
+    .venv/bin/python benchmarks/zero_memory.py --parts bytes,time --rounds 2 --batch 16
+
+Nothing is downloaded. The ranks run this file with ``--worker ...`` (internal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import loopback_ifname, machine_busy_s, wait_idle  # noqa: E402
+
+BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
+LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522)
+TINY_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
+TINY_LARGE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+                  vocab_size=1000)
+STAGES = (0, 1, 2, 3)
+TARGET = 1.05
+IDLE_CORES = 0.1
+MIB = 2 ** 20
+RSS_PER_PARAM_BYTE = 5.5  # peak RSS per rank / fp32 parameter bytes at zero=0 (measured 5.3 at hidden 1024 x 8)
+RSS_PER_PARAM_BYTE_Z3 = 1.6  # zero=3: one whole model per rank while building it, before FSDP2 shards it
+RSS_BASE = 0.4 * 2 ** 30  # torch + transformers + gloo per rank
+PARTITIONED = {"opt": 1, "grad_after": 2, "param": 3}  # quantity -> the lowest stage that partitions it
+
+
+# ================================================================================================== rank side
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _nbytes(t) -> int:
+    from shardlib.fsdp import local
+
+    t = local(t)
+    return t.numel() * t.element_size()
+
+
+def _build(opts: dict, mesh, zero: int):
+    import torch
+    import transformers
+
+    import shardlib
+
+    config = transformers.BertConfig(**opts["model"], max_position_embeddings=512, num_labels=2)
+    torch.manual_seed(0)
+    model = shardlib.shard(transformers.BertForSequenceClassification(config), mesh)
+    trainer = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4), max_grad_norm=1.0,
+                               precision="fp32", zero=zero)
+    return config, model, trainer
+
+
+def _batches(opts: dict, mesh, vocab: int, n: int) -> list[dict]:
+    from _workloads import classification_samples
+    from torch.utils.data import default_collate
+
+    import shardlib
+
+    b, seq = opts["batch"], opts["seq"]
+    samples = classification_samples(n * b, seq, vocab)
+    return [shardlib.dp_shard(default_collate(samples[i * b:(i + 1) * b]), mesh) for i in range(n)]
+
+
+def _byte_counts(trainer, batch: dict) -> dict:
+    """This rank's optimizer-state, parameter and gradient bytes (module docstring, 1.)."""
+    from shardlib.optim import param_state
+
+    opt = sum(_nbytes(v) for p in trainer.params for v in param_state(trainer.optimizer, p).values()
+              if hasattr(v, "numel"))
+    param = sum(_nbytes(p) for p in trainer.params)
+    trainer.zero_grad()
+    total = trainer._global_items([batch])
+    trainer.forward_backward(batch, total_items=total)
+    grad_before = sum(_nbytes(p.grad) for p in trainer.params if p.grad is not None)
+    trainer.reduce_gradients()
+    grad_after = sum(_nbytes(p.grad) for p in trainer.params if p.grad is not None)
+    trainer.zero_grad()
+    return dict(opt=opt, param=param, grad_before=grad_before, grad_after=grad_after)
+
+
+def _gather(value):
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _worker_steps(opts: dict) -> dict:
+    """Part 2 (and 1 with ``opts['bytes']``): every stage in turn on a fresh model; see the module docstring."""
+    import torch
+    import torch.distributed as dist
+
+    import shardlib
+
+    mesh = shardlib.init_mesh(tp=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_steps = opts["warmup"] + opts["steps"]
+    records, counts = [], {}
+    order = []
+    for r in range(opts["rounds"]):
+        order += [(r, z) for z in (opts["zeros"] if r % 2 == 0 else list(reversed(opts["zeros"])))]
+    batches = None
+    for r, zero in order:
+        t_build = time.perf_counter()
+        config, model, trainer = _build(opts, mesh, zero)
+        if batches is None:
+            batches = _batches(opts, mesh, config.vocab_size, n_steps)
+        dist.barrier()
+        if rank == 0:
+            print(f"  dp={world} zero={zero} round {r}: built in {time.perf_counter() - t_build:.1f} s", flush=True)
+        for i, batch in enumerate(batches):
+            timed = i >= opts["warmup"]
+            dist.barrier()
+            busy0, own0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
+            loss = trainer.train_step(batch)
+            dist.barrier()
+            wall, busy, own = time.perf_counter() - t0, machine_busy_s() - busy0, time.process_time() - own0
+            t = torch.tensor([wall, own], dtype=torch.float64)
+            dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+            dist.all_reduce(t[1:])
+            wall, own = t.tolist()
+            foreign = max(0.0, (busy - own) / wall) if wall > 0.2 else None
+            if rank == 0:
+                print(f"  dp={world} zero={zero} round {r} {'step' if timed else 'warm-up'} {i}: {wall:.2f} s "
+                      f"(CPU {own:.2f} s over {world} ranks; other processes "
+                      f"{'?' if foreign is None else f'{foreign:.2f}'} cores; loss {loss:.4f})", flush=True)
+            if timed:
+                records.append(dict(round=r, zero=zero, wall_s=wall, cpu_s=own, foreign_cores=foreign))
+        if opts["bytes"] and r == 0:
+            mine = _byte_counts(trainer, batches[0])
+            counts[zero] = _gather(mine)
+        del model, trainer
+        gc.collect()
+        _malloc_trim()
+        dist.barrier()
+    return dict(records=records, counts=counts, world=world)
+
+
+def _worker_rss(opts: dict) -> dict:
+    """Part 3: one stage, peak RSS around two training steps (module docstring)."""
+    import torch.distributed as dist
+
+    import shardlib
+
+    mesh = shardlib.init_mesh(tp=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    config, model, trainer = _build(opts, mesh, opts["zero"])
+    batches = _batches(opts, mesh, config.vocab_size, 2)
+    param_bytes = sum(_nbytes(p) for p in trainer.params)
+    gc.collect()
+    _malloc_trim()
+    build_s = time.perf_counter() - t0
+    build_hwm = _status_kib("VmHWM") * 1024
+    before = _status_kib("VmRSS") * 1024
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        reset = True
+    except OSError:
+        reset = False
+    dist.barrier()
+    step_s = []
+    for batch in batches:
+        t1 = time.perf_counter()
+        trainer.train_step(batch)
+        step_s.append(time.perf_counter() - t1)
+    step_hwm = _status_kib("VmHWM") * 1024
+    after = _status_kib("VmRSS") * 1024
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = dict(param_bytes=param_bytes, build_hwm=build_hwm, before=before, step_hwm=step_hwm, after=after,
+                lifetime=lifetime, reset=reset, build_s=build_s, step_s=step_s)
+    if rank == 0:
+        print(f"  zero={opts['zero']} rank 0: RSS {before / MIB:.0f} MiB before the steps, peak {step_hwm / MIB:.0f} "
+              f"MiB during them, lifetime peak {lifetime / MIB:.0f} MiB; steps "
+              f"{' / '.join(f'{s:.1f}' for s in step_s)} s", flush=True)
+    return dict(ranks=_gather(mine), world=world)
+
+
+def worker_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with open(args.opts) as f:
+        opts = json.load(f)
+    result = _worker_steps(opts) if args.worker == "steps" else _worker_rss(opts)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ================================================================================================== driver side
+def _launch(nproc: int, worker: str, opts: dict, tmp: str, tag: str, extra_env: dict | None = None) -> dict | None:
+    """Run this file on ``nproc`` ranks through ``python -m shardlib.cli run``; rank 0's result, None on failure."""
+    opts_path, out = os.path.join(tmp, f"{tag}.opts.json"), os.path.join(tmp, f"{tag}.json")
+    with open(opts_path, "w") as f:
+        json.dump(opts, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME")
+               or loopback_ifname(), **(extra_env or {}))
+    cmd = [sys.executable, "-m", "shardlib.cli", "run", "--nproc", str(nproc), os.path.abspath(__file__),
+           "--worker", worker, "--opts", opts_path, "--out", out]
+    print(f"$ {' '.join(f'{k}={v}' for k, v in (extra_env or {}).items())}{' ' if extra_env else ''}"
+          f"python -m shardlib.cli run --nproc {nproc} benchmarks/zero_memory.py --worker {worker} ...", flush=True)
+    rc = subprocess.call(cmd, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if rc != 0 or not os.path.exists(out):
+        print(f"  FAILED: the {tag} launch exited with {rc}", flush=True)
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _param_count(model: dict) -> int:
+    import torch
+    import transformers
+
+    config = transformers.BertConfig(**model, max_position_embeddings=512, num_labels=2)
+    with torch.device("meta"):
+        m = transformers.BertForSequenceClassification(config)
+    return sum(p.numel() for p in m.parameters())
+
+
+def _wait(args, what: str, warnings: list) -> None:
+    if args.wait_idle > 0:
+        load = wait_idle(args.wait_idle, IDLE_CORES)
+        if load > IDLE_CORES:
+            warnings.append(f"{load:.2f} cores busy by other processes before {what}")
+            print(f"  WARNING: {warnings[-1]}", flush=True)
+
+
+def _mib(x: float) -> str:
+    return f"{x / MIB:,.1f}"
+
+
+def _print_bytes(counts: dict, world: int, summary: list) -> None:
+    print(f"\n### 1. Bytes per rank at dp={world} (tp=1), fp32, AdamW (MiB; full = the zero=0 figure; "
+          f"ratio = max over ranks / (full/{world}))\n")
+    print(f"| zero | quantity | max rank | min rank | full/{world} | ratio max / (full/{world}) | "
+          "sum over ranks / full | target |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    names = {"opt": "optimizer state", "param": "parameters", "grad_before": "gradients after backward",
+             "grad_after": "gradients after reduce_gradients"}
+    full = {q: max(r[q] for r in counts["0"]) for q in names}
+    for zero in sorted(counts, key=int):
+        ranks = counts[zero]
+        for q, name in names.items():
+            hi, lo, tot = max(r[q] for r in ranks), min(r[q] for r in ranks), sum(r[q] for r in ranks)
+            ideal = full[q] / world
+            ratio = hi / ideal if ideal else float("nan")
+            target = ""
+            if q in PARTITIONED and int(zero) >= PARTITIONED[q]:
+                met = ratio <= TARGET
+                target = f"<= {TARGET}x: {'met' if met else 'MISSED'}"
+                summary.append(f"zero={zero} {name}: {ratio:.3f}x of full/{world} on the largest rank "
+                               f"({'met' if met else 'MISSED'})")
+            print(f"| {zero} | {name} | {_mib(hi)} | {_mib(lo)} | {_mib(ideal)} | {ratio:.3f}x | "
+                  f"{tot / full[q] if full[q] else float('nan'):.3f} | {target} |")
+
+
+def _print_times(results: dict, warnings: list) -> None:
+    print("\n### 2. Step time per stage (timed steps between barriers, slowest rank; median over timed steps) "
+          "against zero=0\n")
+    print("| dp | zero | step s (median) | timed steps s | zero_k / zero_0 | CPU s per step, all ranks (median) | "
+          "CPU zero_k / zero_0 |")
+    print("|---:|---:|---:|---|---:|---:|---:|")
+    for world, res in sorted(results.items()):
+        recs = res["records"]
+        by = {}
+        for r in recs:
+            by.setdefault(r["zero"], []).append(r)
+        if 0 not in by:
+            continue
+        base_wall = statistics.median(r["wall_s"] for r in by[0])
+        base_cpu = statistics.median(r["cpu_s"] for r in by[0])
+        for zero in sorted(by):
+            walls = [r["wall_s"] for r in by[zero]]
+            med, cpu = statistics.median(walls), statistics.median(r["cpu_s"] for r in by[zero])
+            print(f"| {world} | {zero} | {med:.2f} | {' / '.join(f'{w:.2f}' for w in walls)} | "
+                  f"{med / base_wall:.2f}x | {cpu:.2f} | {cpu / base_cpu:.2f}x |")
+            for r in by[zero]:
+                if r["foreign_cores"] is not None and r["foreign_cores"] > IDLE_CORES:
+                    warnings.append(f"dp={world} zero={zero} round {r['round']}: other processes used "
+                                    f"{r['foreign_cores']:.2f} cores during a timed step")
+
+
+def _print_rss(rss: dict, layers: int, skipped: dict, summary: list) -> None:
+    print(f"\n### 3. Peak RSS per rank, BERT-large ({layers} layers) at dp=4, MALLOC_MMAP_THRESHOLD_=131072 "
+          "(MiB, max over ranks)\n")
+    print("| zero | local parameters | RSS before the steps | peak during 2 training steps | "
+          "lifetime peak (incl. build) | step s (rank 0) |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for zero in (0, 3):
+        if zero in skipped:
+            print(f"| {zero} | skipped: {skipped[zero]} | | | | |")
+            continue
+        if zero not in rss:
+            print(f"| {zero} | failed | | | | |")
+            continue
+        ranks = rss[zero]["ranks"]
+        m = {k: max(r[k] for r in ranks) for k in ("param_bytes", "before", "step_hwm", "lifetime")}
+        reset = all(r["reset"] for r in ranks)
+        print(f"| {zero} | {_mib(m['param_bytes'])} | {_mib(m['before'])} | "
+              f"{_mib(m['step_hwm'])}{'' if reset else ' (VmHWM not reset: lifetime)'} | {_mib(m['lifetime'])} | "
+              f"{' / '.join(f'{s:.1f}' for s in ranks[0]['step_s'])} |")
+    if 0 in rss and 3 in rss:
+        p0 = max(r["step_hwm"] for r in rss[0]["ranks"])
+        p3 = max(r["step_hwm"] for r in rss[3]["ranks"])
+        l0 = max(r["lifetime"] for r in rss[0]["ranks"])
+        l3 = max(r["lifetime"] for r in rss[3]["ranks"])
+        summary.append(f"BERT-large {layers} layers dp=4 peak RSS per rank during training: zero=3 "
+                       f"{p3 / MIB:,.0f} MiB vs zero=0 {p0 / MIB:,.0f} MiB ({p3 / p0:.2f}x); lifetime incl. "
+                       f"building the model {l3 / MIB:,.0f} vs {l0 / MIB:,.0f} MiB ({l3 / l0:.2f}x)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny BERTs (hidden 64/128, 2 layers, vocab "
+                                                        "1000), 8 x 32 tokens, 2 timed steps")
+    p.add_argument("--parts", default="bytes,time,rss", help="comma-separated from bytes, time, rss (bytes runs "
+                                                              "with the dp=4 timing launch)")
+    p.add_argument("--dps", default="2,4", help="dp sizes for the step times (bytes: always dp=4)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; --quick 32)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per stage and round (default 3; --quick 2)")
+    p.add_argument("--rounds", type=int, default=1, help="passes over the stages, alternating order (default 1)")
+    p.add_argument("--large-layers", type=int, default=24, help="BERT-large layers for part 3 (default 24)")
+    p.add_argument("--no-memory-check", action="store_true", help="launch part 3 even where the estimate says "
+                                                                   "it does not fit in MemAvailable")
+    p.add_argument("--wait-idle", type=float, default=None, metavar="SECONDS",
+                   help="before each launch wait up to this long for other processes to go quiet (default 20; "
+                        "--quick 0; 0: don't)")
+    p.add_argument("--worker", choices=["steps", "rss"], help=argparse.SUPPRESS)
+    p.add_argument("--opts", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+
+    parts = set(args.parts.split(","))
+    if parts - {"bytes", "time", "rss"}:
+        p.error(f"unknown parts {sorted(parts - {'bytes', 'time', 'rss'})}")
+    dps = sorted({int(x) for x in args.dps.split(",")}) if "time" in parts else []
+    if "bytes" in parts and 4 not in dps:
+        dps.append(4)
+    seq = args.seq or (32 if args.quick else 128)
+    steps = args.steps or (2 if args.quick else 3)
+    wait = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 20.0)
+    args.wait_idle = wait
+    if any(args.batch % d for d in dps) or args.batch % 4:
+        p.error("--batch must divide by every dp size (and by 4 for part 3)")
+    base = TINY_BASE if args.quick else BASE
+    large = dict(TINY_LARGE if args.quick else LARGE, num_hidden_layers=args.large_layers if not args.quick else 2)
+    import torch
+    import transformers
+
+    print(f"# ZeRO 0-3 on CPU: BertForSequenceClassification fp32, AdamW, max_grad_norm 1.0, tp=1; global batch "
+          f"{args.batch} x {seq} tokens; torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{os.cpu_count()} CPUs, MemAvailable {_mem_available() / 2**30:.1f} GiB, load average "
+          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}{'; QUICK (tiny models)' if args.quick else ''}",
+          flush=True)
+    t_all = time.perf_counter()
+    warnings: list[str] = []
+    summary: list[str] = []
+    tmp = tempfile.mkdtemp(prefix="zero_memory_")
+    try:
+        step_results = {}
+        for dp in dps:
+            opts = dict(model=base, batch=args.batch, seq=seq, warmup=args.warmup, steps=steps, rounds=args.rounds,
+                        zeros=list(STAGES), bytes=("bytes" in parts and dp == 4))
+            _wait(args, f"dp={dp}", warnings)
+            res = _launch(dp, "steps", opts, tmp, f"steps_dp{dp}")
+            if res is not None:
+                step_results[dp] = res
+
+        rss, skipped = {}, {}
+        if "rss" in parts:
+            n_params = _param_count(large)
+            for zero in (0, 3):
+                factor = RSS_PER_PARAM_BYTE if zero == 0 else RSS_PER_PARAM_BYTE_Z3
+                need = 4 * (factor * 4 * n_params + RSS_BASE)
+                avail = _mem_available()
+                print(f"\nBERT-large {large['num_hidden_layers']} layers ({n_params / 1e6:.0f} M parameters), "
+                      f"zero={zero}: estimated need {need / 2**30:.1f} GiB for 4 ranks, MemAvailable "
+                      f"{avail / 2**30:.1f} GiB", flush=True)
+                if need > 0.9 * avail and not args.no_memory_check:
+                    skipped[zero] = (f"needs ~{need / 2**30:.0f} GiB, {avail / 2**30:.0f} GiB available: rerun with "
+                                     f"fewer --large-layers (or --no-memory-check)")
+                    print(f"  SKIPPED: {skipped[zero]}", flush=True)
+                    continue
+                opts = dict(model=large, batch=args.batch, seq=seq, zero=zero)
+                _wait(args, f"BERT-large zero={zero}", warnings)
+                res = _launch(4, "rss", opts, tmp, f"rss_zero{zero}", {"MALLOC_MMAP_THRESHOLD_": "131072"})
+                if res is not None:
+                    rss[zero] = res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    if 4 in step_results and step_results[4]["counts"]:
+        _print_bytes(step_results[4]["counts"], 4, summary)
+    if "time" in parts and step_results:
+        _print_times(step_results, warnings)
+    if "rss" in parts:
+        _print_rss(rss, large["num_hidden_layers"], skipped, summary)
+        if large["num_hidden_layers"] != LARGE["num_hidden_layers"] and not args.quick:
+            print(f"\nNOTE: part 3 ran BERT-large with {large['num_hidden_layers']} layers, not 24 "
+                  f"(--large-layers {large['num_hidden_layers']}).")
+    print()
+    for line in summary:
+        print(line)
+    for line in warnings:
+        print("WARNING:", line)
+    print(f"\ntotal wall time {time.perf_counter() - t_all:.0f} s")
+    return 0 if (not dps or len(step_results) == len(dps)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
