@@ -7,32 +7,35 @@ default dropout 0.1, 2 labels), ``shardlib.shard(model, init_mesh(tp=1))`` (dp =
 ``shardlib.Trainer(model, lambda ps: AdamW(ps, lr=1e-4), max_grad_norm=1.0, precision="fp32", zero=k)`` on
 SST-2-shaped batches (``_workloads.classification_samples``: random tokens, full mask; global batch ``--batch``
 x ``--seq`` tokens, each rank its ``dp_shard``). Every group of ranks is started by this script through
-``python -m shardlib.cli run --nproc N`` (gloo over loopback, one torch thread per rank), one process group per
-table row set, so nothing carries over between them:
+``python -m shardlib.cli run --nproc N`` (gloo over loopback, one torch thread per rank); each launch is a fresh
+process group:
 
 1. **Bytes per rank at dp=4**, BERT-base (hidden 768, 12 layers, 12 heads, intermediate 3072, vocab 30522), for
-   zero 0/1/2/3 (one launch; the stages one after another, each on a fresh model; ``gc`` + ``malloc_trim`` between):
-   after the timed steps of 2. (so AdamW's state exists),
+   zero 0/1/2/3, in the dp=4 launch of 2., after its timed steps (so AdamW's state exists):
 
    * optimizer state: every tensor of ``shardlib.optim.param_state(trainer.optimizer, p)`` over ``trainer.params``
      (``exp_avg``, ``exp_avg_sq``, ``step``; the local shard of a DTensor);
    * parameters: ``shardlib.fsdp.local(p)`` over ``trainer.params``;
    * gradients: ``trainer.zero_grad(); trainer.forward_backward(batch, total_items=...)``, then ``local(p.grad)``
      bytes counted twice: right after backward (what a step holds at its gradient peak) and after
-     ``trainer.reduce_gradients()`` (what stays until the optimizer step).
+     ``trainer.reduce_gradients()`` (what stays until the optimizer step; zero=1 drops the gradients of parameters
+     another rank steps there too).
 
    Each next to full/4, full being the zero=0 figure, and the ratio max over ranks / (full/4). Target: <= 1.05x for
    what the stage partitions (optimizer state for zero >= 1, gradients after the reduction for zero >= 2, parameters
-   for zero = 3). The sum over ranks / full shows nothing is held twice.
+   for zero = 3). The sum over ranks / full shows that nothing is held twice.
 
-2. **Step time** of each stage against zero=0 at dp=2 and dp=4 (one launch per dp; at dp=4 the same launch as
-   1.): per stage ``--warmup`` untimed steps, then ``--steps`` timed ``trainer.train_step`` calls, each between two
-   barriers (its time is the slowest rank's); median per stage and ratio zero_k / zero_0 of the medians. The CPU
-   time of all ranks per step (``time.process_time``, summed over ranks) is given too: waiting in a collective
-   costs little CPU, so its ratio is a steadier measure of the work a stage adds on a shared machine. Other
-   processes' CPU use during each step (whole machine busy time from /proc/stat minus our ranks' CPU) is
-   printed; steps above 0.1 cores are flagged. ``--rounds 2`` runs the stages again in reverse order (slow drift
-   of the machine then does not favour the stages run first); the medians are over all timed steps of a stage.
+2. **Step time** of each stage against zero=0 at dp=2 and dp=4 (``--dps``; one launch per dp). In each launch one
+   Trainer per stage, all four alive at once (fresh models, same seed); ``--warmup`` untimed steps of each, then
+   ``--rounds`` interleaved rounds of one timed ``trainer.train_step`` per stage, the order alternating from round
+   to round (0 1 2 3, 3 2 1 0, ...) so that bursts and drift of other processes' load spread over the stages. Each
+   step runs between two barriers (its time is the slowest rank's); ``trainer.zero_grad()`` after each step, outside
+   the window, so only one stage's gradients exist at a time. Per stage: the median step, the median over rounds
+   of the paired ratio zero_k / zero_0 (same round) and the ratio of the medians. The CPU time of all ranks per
+   step (``time.process_time``, summed over ranks) is given too: waiting in a collective costs little CPU, so its
+   ratio is a steadier measure of the work a stage adds on a shared machine (not of its communication time).
+   Other processes' CPU use during each step (whole-machine busy time from /proc/stat minus our ranks' CPU) is
+   printed; steps above 0.1 cores are flagged.
 
 3. **Peak RSS per rank** of BERT-large (hidden 1024, ``--large-layers`` layers (default 24), 16 heads,
    intermediate 4096) training at dp=4, zero 0 vs zero 3, one fresh launch per stage with
@@ -52,9 +55,9 @@ table row set, so nothing carries over between them:
 How to run
 ----------
     .venv/bin/python benchmarks/zero_memory.py                      # the full run (BERT-large 24 layers)
-    .venv/bin/python benchmarks/zero_memory.py --large-layers 12    # on a 24 GiB machine: ~12 minutes, 2 busy cores
-    .venv/bin/python benchmarks/zero_memory.py --quick              # smoke run: tiny BERTs, ~1-2 minutes
-    .venv/bin/python benchmarks/zero_memory.py --parts bytes,time --rounds 2 --batch 16
+    .venv/bin/python benchmarks/zero_memory.py --large-layers 12    # on a 24 GiB machine (see 3.)
+    .venv/bin/python benchmarks/zero_memory.py --quick              # smoke run: tiny BERTs, ~1.5 minutes
+    .venv/bin/python benchmarks/zero_memory.py --parts bytes,time --rounds 5 --batch 16
 
 Nothing is downloaded. The ranks run this file with ``--worker ...`` (internal).
 """
@@ -170,7 +173,8 @@ def _gather(value):
 
 
 def _worker_steps(opts: dict) -> dict:
-    """Part 2 (and 1 with ``opts['bytes']``): every stage in turn on a fresh model; see the module docstring."""
+    """Part 2 (and 1 with ``opts['bytes']``): a trainer per stage, all alive at once, their steps interleaved;
+    see the module docstring."""
     import torch
     import torch.distributed as dist
 
@@ -178,46 +182,49 @@ def _worker_steps(opts: dict) -> dict:
 
     mesh = shardlib.init_mesh(tp=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    n_steps = opts["warmup"] + opts["steps"]
-    records, counts = [], {}
-    order = []
-    for r in range(opts["rounds"]):
-        order += [(r, z) for z in (opts["zeros"] if r % 2 == 0 else list(reversed(opts["zeros"])))]
-    batches = None
-    for r, zero in order:
+    zeros = opts["zeros"]
+    trainers, batches = {}, None
+    for zero in zeros:
         t_build = time.perf_counter()
-        config, model, trainer = _build(opts, mesh, zero)
+        config, _, trainers[zero] = _build(opts, mesh, zero)
         if batches is None:
-            batches = _batches(opts, mesh, config.vocab_size, n_steps)
+            batches = _batches(opts, mesh, config.vocab_size, opts["warmup"] + opts["rounds"])
         dist.barrier()
         if rank == 0:
-            print(f"  dp={world} zero={zero} round {r}: built in {time.perf_counter() - t_build:.1f} s", flush=True)
-        for i, batch in enumerate(batches):
-            timed = i >= opts["warmup"]
-            dist.barrier()
-            busy0, own0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
-            loss = trainer.train_step(batch)
-            dist.barrier()
-            wall, busy, own = time.perf_counter() - t0, machine_busy_s() - busy0, time.process_time() - own0
-            t = torch.tensor([wall, own], dtype=torch.float64)
-            dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
-            dist.all_reduce(t[1:])
-            wall, own = t.tolist()
-            foreign = max(0.0, (busy - own) / wall) if wall > 0.2 else None
-            if rank == 0:
-                print(f"  dp={world} zero={zero} round {r} {'step' if timed else 'warm-up'} {i}: {wall:.2f} s "
-                      f"(CPU {own:.2f} s over {world} ranks; other processes "
-                      f"{'?' if foreign is None else f'{foreign:.2f}'} cores; loss {loss:.4f})", flush=True)
-            if timed:
-                records.append(dict(round=r, zero=zero, wall_s=wall, cpu_s=own, foreign_cores=foreign))
-        if opts["bytes"] and r == 0:
-            mine = _byte_counts(trainer, batches[0])
-            counts[zero] = _gather(mine)
-        del model, trainer
+            print(f"  dp={world} zero={zero}: built in {time.perf_counter() - t_build:.1f} s", flush=True)
+    records = []
+    # warm-up in order, then rounds: one timed step per stage, the order alternating (0 1 2 3, 3 2 1 0, ...)
+    plan = [(None, i, z) for i in range(opts["warmup"]) for z in zeros]
+    for r in range(opts["rounds"]):
+        plan += [(r, opts["warmup"] + r, z) for z in (zeros if r % 2 == 0 else list(reversed(zeros)))]
+    for r, i, zero in plan:
+        trainer = trainers[zero]
         gc.collect()
-        _malloc_trim()
         dist.barrier()
-    return dict(records=records, counts=counts, world=world)
+        busy0, own0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
+        loss = trainer.train_step(batches[i])
+        dist.barrier()
+        wall, busy, own = time.perf_counter() - t0, machine_busy_s() - busy0, time.process_time() - own0
+        trainer.zero_grad()  # outside the window: only one stage's gradients exist at a time (every stage alike)
+        t = torch.tensor([wall, own], dtype=torch.float64)
+        dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+        dist.all_reduce(t[1:])
+        wall, own = t.tolist()
+        foreign = max(0.0, (busy - own) / wall) if wall > 0.2 else None
+        if rank == 0:
+            print(f"  dp={world} zero={zero} {'warm-up' if r is None else f'round {r}'}: {wall:.2f} s "
+                  f"(CPU {own:.2f} s over {world} ranks; other processes "
+                  f"{'?' if foreign is None else f'{foreign:.2f}'} cores; loss {loss:.4f})", flush=True)
+        if r is not None:
+            records.append(dict(round=r, zero=zero, wall_s=wall, cpu_s=own, foreign_cores=foreign))
+    counts = {}
+    if opts["bytes"]:
+        for zero in zeros:
+            counts[zero] = _gather(_byte_counts(trainers[zero], batches[0]))
+    hwm = _gather(_status_kib("VmHWM") * 1024)
+    trainers.clear()
+    gc.collect()
+    return dict(records=records, counts=counts, world=world, peak_rss=max(hwm))
 
 
 def _worker_rss(opts: dict) -> dict:
@@ -352,29 +359,38 @@ def _print_bytes(counts: dict, world: int, summary: list) -> None:
 
 
 def _print_times(results: dict, warnings: list) -> None:
-    print("\n### 2. Step time per stage (timed steps between barriers, slowest rank; median over timed steps) "
-          "against zero=0\n")
-    print("| dp | zero | step s (median) | timed steps s | zero_k / zero_0 | CPU s per step, all ranks (median) | "
-          "CPU zero_k / zero_0 |")
-    print("|---:|---:|---:|---|---:|---:|---:|")
+    print("\n### 2. Step time per stage against zero=0 (each step between barriers, slowest rank; interleaved rounds, "
+          "one step per stage each)\n")
+    print("| dp | zero | step s (median) | per round | zero_k / zero_0 (median of paired) | ratio of medians | "
+          "CPU s per step, all ranks (median) | CPU zero_k / zero_0 (median of paired) | other processes, cores "
+          "(median) |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for world, res in sorted(results.items()):
-        recs = res["records"]
         by = {}
-        for r in recs:
-            by.setdefault(r["zero"], []).append(r)
+        for r in res["records"]:
+            by.setdefault(r["zero"], {})[r["round"]] = r
         if 0 not in by:
             continue
-        base_wall = statistics.median(r["wall_s"] for r in by[0])
-        base_cpu = statistics.median(r["cpu_s"] for r in by[0])
+        base = by[0]
+        base_wall = statistics.median(r["wall_s"] for r in base.values())
         for zero in sorted(by):
-            walls = [r["wall_s"] for r in by[zero]]
-            med, cpu = statistics.median(walls), statistics.median(r["cpu_s"] for r in by[zero])
-            print(f"| {world} | {zero} | {med:.2f} | {' / '.join(f'{w:.2f}' for w in walls)} | "
-                  f"{med / base_wall:.2f}x | {cpu:.2f} | {cpu / base_cpu:.2f}x |")
-            for r in by[zero]:
-                if r["foreign_cores"] is not None and r["foreign_cores"] > IDLE_CORES:
-                    warnings.append(f"dp={world} zero={zero} round {r['round']}: other processes used "
-                                    f"{r['foreign_cores']:.2f} cores during a timed step")
+            recs = by[zero]
+            walls = [recs[k]["wall_s"] for k in sorted(recs)]
+            med = statistics.median(walls)
+            paired = statistics.median(recs[k]["wall_s"] / base[k]["wall_s"] for k in recs)
+            cpu = statistics.median(r["cpu_s"] for r in recs.values())
+            cpu_paired = statistics.median(recs[k]["cpu_s"] / base[k]["cpu_s"] for k in recs)
+            foreign = [r["foreign_cores"] for r in recs.values() if r["foreign_cores"] is not None]
+            print(f"| {world} | {zero} | {med:.2f} | {' / '.join(f'{w:.2f}' for w in walls)} | {paired:.2f}x | "
+                  f"{med / base_wall:.2f}x | {cpu:.2f} | {cpu_paired:.2f}x | "
+                  f"{statistics.median(foreign) if foreign else float('nan'):.2f} |")
+            busy = [f for f in foreign if f > IDLE_CORES]
+            if busy:
+                warnings.append(f"dp={world} zero={zero}: other processes used more than {IDLE_CORES} cores during "
+                                f"{len(busy)} of {len(recs)} timed steps (up to {max(busy):.2f})")
+        if res.get("peak_rss"):
+            print(f"|  | (dp={world}: peak RSS of a rank holding all four trainers {res['peak_rss'] / MIB:,.0f} MiB) "
+                  "| | | | | | | |")
 
 
 def _print_rss(rss: dict, layers: int, skipped: dict, summary: list) -> None:
@@ -410,20 +426,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny BERTs (hidden 64/128, 2 layers, vocab "
-                                                        "1000), 8 x 32 tokens, 2 timed steps")
+                                                        "1000), 8 x 32 tokens, 2 rounds")
     p.add_argument("--parts", default="bytes,time,rss", help="comma-separated from bytes, time, rss (bytes runs "
                                                               "with the dp=4 timing launch)")
     p.add_argument("--dps", default="2,4", help="dp sizes for the step times (bytes: always dp=4)")
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; --quick 32)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per stage and round (default 3; --quick 2)")
-    p.add_argument("--rounds", type=int, default=1, help="passes over the stages, alternating order (default 1)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds, one timed step per stage each "
+                                                             "(default 3; --quick 2)")
     p.add_argument("--large-layers", type=int, default=24, help="BERT-large layers for part 3 (default 24)")
     p.add_argument("--no-memory-check", action="store_true", help="launch part 3 even where the estimate says "
                                                                    "it does not fit in MemAvailable")
     p.add_argument("--wait-idle", type=float, default=None, metavar="SECONDS",
-                   help="before each launch wait up to this long for other processes to go quiet (default 20; "
+                   help="before each launch wait up to this long for other processes to go quiet (default 10; "
                         "--quick 0; 0: don't)")
     p.add_argument("--worker", choices=["steps", "rss"], help=argparse.SUPPRESS)
     p.add_argument("--opts", help=argparse.SUPPRESS)
@@ -440,8 +456,8 @@ def main(argv=None) -> int:
     if "bytes" in parts and 4 not in dps:
         dps.append(4)
     seq = args.seq or (32 if args.quick else 128)
-    steps = args.steps or (2 if args.quick else 3)
-    wait = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 20.0)
+    rounds = args.rounds or (2 if args.quick else 3)
+    wait = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 10.0)
     args.wait_idle = wait
     if any(args.batch % d for d in dps) or args.batch % 4:
         p.error("--batch must divide by every dp size (and by 4 for part 3)")
@@ -462,7 +478,7 @@ def main(argv=None) -> int:
     try:
         step_results = {}
         for dp in dps:
-            opts = dict(model=base, batch=args.batch, seq=seq, warmup=args.warmup, steps=steps, rounds=args.rounds,
+            opts = dict(model=base, batch=args.batch, seq=seq, warmup=args.warmup, rounds=rounds,
                         zeros=list(STAGES), bytes=("bytes" in parts and dp == 4))
             _wait(args, f"dp={dp}", warnings)
             res = _launch(dp, "steps", opts, tmp, f"steps_dp{dp}")

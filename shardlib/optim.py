@@ -119,6 +119,7 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
         self.params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         index = {id(p): i for i, p in enumerate(self.params)}
         mine = [index[id(p)] for p, _ in param_pairs(self.optim)]
+        self._mine = {id(self.params[i]) for i in mine}
         # every rank learns every parameter's owner from the owners themselves (public state only)
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
@@ -129,7 +130,8 @@ class PartitionedOptimizer(ZeroRedundancyOptimizer):
         self.dp_rank = dist.get_rank(group)
 
     def owns(self, param) -> bool:
-        return any(p is param for p, _ in param_pairs(self.optim))
+        """Whether this dp rank steps (and holds the state of) ``param``."""
+        return id(param) in self._mine
 
 
 def param_pairs(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -200,3 +202,34 @@ def build_optimizer(factory, params: list, *, master_weights: bool, zero: int, d
     if zero == 0:
         return local(groups, **defaults)
     return PartitionedOptimizer(groups, local, dp_group, **defaults)
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool = False) -> None:
+    """``zero`` and ``offload`` against the mesh, before anything is built (one-line errors)."""
+    if zero not in ZERO_STAGES or isinstance(zero, bool):
+        raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+    if zero and mesh.dp == 1:
+        raise ValueError(f"zero={zero} partitions over data-parallel ranks, but this mesh has dp=1 "
+                         f"(dp={mesh.dp}, pp={mesh.pp}, sp={mesh.sp}, tp={mesh.tp}): use zero=0")
+    if zero and optimizer is None:
+        raise ValueError(f"zero={zero} partitions an optimizer: pass Trainer(model, optimizer=lambda params: ...)")
+    if zero == 3 and split is not None:
+        raise ValueError("zero=3 (FSDP2) does not compose with shardlib's pipeline stages (pp > 1): torch's schedules "
+                         "would have to unshard every stage per microbatch; use zero=1 or 2 with pipelines "
+                         "(docs/training.md)")
+    if zero == 3 and master_weights:
+        raise ValueError("zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype; give the "
+                         "model fp32 weights and train with precision='fp16' or 'bf16' (autocast) instead")
+    if offload and zero != 3:
+        raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); torch's "
+                         "ZeroRedundancyOptimizer has no offload")
+
+
+def owners(optimizer) -> dict[int, int]:
+    """id(param) -> the dp rank stepping it, for a partitioned optimizer ({} otherwise)."""
+    if not isinstance(optimizer, PartitionedOptimizer):
+        return {}
+    return {id(p): owner for p, owner in zip(optimizer.params, optimizer.owner)}

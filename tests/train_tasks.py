@@ -173,25 +173,27 @@ def first_step_stage_forwards(spec: dict) -> list[int]:
 
 
 def inject_inf(spec: dict) -> dict:
-    """Two fp16 steps in which the gradient of one parameter on one rank (``spec["inject"]``: {"tp": 1}, {"pp": 1}
-    or {"dp": 1}, the mesh coordinates picked) is inf, after one clean step: what every rank saw."""
+    """One clean fp16 step, then one step per entry of ``spec["inject"]`` (mesh coordinates, e.g. {"dp": 0, "tp": 1})
+    in which the gradient of one parameter on the rank at those coordinates is inf: what every rank saw."""
     mesh, model = build_sharded(spec)
     trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], max_grad_norm=MAX_GRAD_NORM,
                                precision="fp16", **spec.get("trainer", {}))
     train, _ = dataset(spec, spec["batch_size"])
     batch = shardlib.dp_shard(torch.utils.data.default_collate(train), mesh)
     trainer.train_step(batch)
-    here = all(mesh.local_rank(dim) == index for dim, index in spec["inject"].items())
-    if here:
-        trainer.params[-1].register_hook(lambda grad: grad + float("inf"))
     before = snapshot(trainer)
-    scales = []
-    for _ in range(2):
+    scales, injected = [], []
+    for coordinates in spec["inject"]:
+        here = all(mesh.local_rank(dim) == index for dim, index in coordinates.items())
+        hook = trainer.params[-1].register_hook(lambda grad: grad + float("inf")) if here else None
         trainer.train_step(batch)
+        if hook is not None:
+            hook.remove()
+        injected.append(here)
         scales.append((trainer.scaler.scale, trainer.last_step_skipped, trainer.scaler.skipped))
     after = snapshot(trainer)
     unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    return {"injected": here, "scales": scales, "unchanged": unchanged}
+    return {"injected": injected, "scales": scales, "unchanged": unchanged}
 
 
 def snapshot(trainer) -> dict:

@@ -34,7 +34,7 @@ from ..layout import named_layouts
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharded import shard_state
 from .batches import first_tensor, microbatch_count, split_batch
-from ..optim import PartitionedOptimizer, build_optimizer, copy_grads, param_pairs
+from ..optim import build_optimizer, check_zero, copy_grads, owners, param_pairs
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
 
@@ -135,7 +135,7 @@ class Trainer:
         if optimizer is not None:
             self.optimizer = build_optimizer(optimizer, params, master_weights=master_weights, zero=zero,
                                              dp_group=self.mesh.group("dp") if zero else None)
-        self._owner = _owners(self.optimizer)
+        self._owner = owners(self.optimizer)
         self.runner = None
         if self.split is not None:
             self.runner = PipelineRunner(self.split, schedule, autocast_dtype=AUTOCAST_DTYPES[precision],
@@ -381,33 +381,3 @@ class Trainer:
 
         return fit(self, train_data, **options)
 
-
-ZERO_STAGES = (0, 1, 2, 3)
-
-
-def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool = False) -> None:
-    """``zero`` and ``offload`` against the mesh, before anything is built (one-line errors)."""
-    if zero not in ZERO_STAGES or isinstance(zero, bool):
-        raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
-    if zero and mesh.dp == 1:
-        raise ValueError(f"zero={zero} partitions over data-parallel ranks, but this mesh has dp=1 "
-                         f"(dp={mesh.dp}, pp={mesh.pp}, sp={mesh.sp}, tp={mesh.tp}): use zero=0")
-    if zero and optimizer is None:
-        raise ValueError(f"zero={zero} partitions an optimizer: pass Trainer(model, optimizer=lambda params: ...)")
-    if zero == 3 and split is not None:
-        raise ValueError("zero=3 (FSDP2) does not compose with shardlib's pipeline stages (pp > 1): torch's schedules "
-                         "would have to unshard every stage per microbatch; use zero=1 or 2 with pipelines "
-                         "(docs/training.md)")
-    if zero == 3 and master_weights:
-        raise ValueError("zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype; give the "
-                         "model fp32 weights and train with precision='fp16' or 'bf16' (autocast) instead")
-    if offload and zero != 3:
-        raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); torch's "
-                         "ZeroRedundancyOptimizer has no offload")
-
-
-def _owners(optimizer) -> dict[int, int]:
-    """id(param) -> the dp rank stepping it, for a partitioned optimizer ({} otherwise)."""
-    if not isinstance(optimizer, PartitionedOptimizer):
-        return {}
-    return {id(p): owner for p, owner in zip(optimizer.params, optimizer.owner)}
