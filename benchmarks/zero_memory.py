@@ -25,13 +25,17 @@ process group:
    what the stage partitions (optimizer state for zero >= 1, gradients after the reduction for zero >= 2, parameters
    for zero = 3). The sum over ranks / full shows that nothing is held twice.
 
-2. **Step time** of each stage against zero=0 at dp=2 and dp=4 (``--dps``; one launch per dp). In each launch one
-   Trainer per stage, all four alive at once (fresh models, same seed); ``--warmup`` untimed steps of each, then
-   ``--rounds`` interleaved rounds of one timed ``trainer.train_step`` per stage, the order alternating from round
-   to round (0 1 2 3, 3 2 1 0, ...) so that bursts and drift of other processes' load spread over the stages. Each
-   step runs between two barriers (its time is the slowest rank's); ``trainer.zero_grad()`` after each step, outside
-   the window, so only one stage's gradients exist at a time. Per stage: the median step, the median over rounds
-   of the paired ratio zero_k / zero_0 (same round) and the ratio of the medians. The CPU time of all ranks per
+2. **Step time** of each stage against zero=0 at dp=2 and dp=4 (``--dps``; one launch per dp). Interleaved
+   (``--interleave yes``): one Trainer per stage, all four alive at once (fresh models, same seed); ``--warmup``
+   untimed steps of each, then ``--rounds`` rounds of one timed ``trainer.train_step`` per stage, the order
+   alternating from round to round (0 1 2 3, 3 2 1 0, ...) so that bursts and drift of other processes' load spread
+   over the stages. That holds every stage's parameters and AdamW state at once (BERT-base at dp=4: ~5.2 GiB peak
+   per rank, ~21 GiB in all), so ``--interleave auto`` (the default) does it only where the estimate
+   (:func:`_steps_need`) fits in 70% of MemAvailable, and otherwise runs the stages one after another, each on a fresh
+   model freed before the next (``--warmup`` untimed, then ``--rounds`` timed steps). Each step runs between two
+   barriers (its time is the slowest rank's); ``trainer.zero_grad()`` after each step, outside the window, so only
+   one stage's gradients exist at a time. Per stage: the median step, the median of the ratios zero_k / zero_0
+   paired by round and the ratio of the medians. The CPU time of all ranks per
    step (``time.process_time``, summed over ranks) is given too: waiting in a collective costs little CPU, so its
    ratio is a steadier measure of the work a stage adds on a shared machine (not of its communication time).
    Other processes' CPU use during each step (whole-machine busy time from /proc/stat minus our ranks' CPU) is
@@ -43,8 +47,8 @@ process group:
    mmap and gives it back at free, so the resident set follows the live tensors and a peak is a peak). Per rank,
    after building model and Trainer: ``malloc_trim``, RSS, then VmHWM reset (``/proc/self/clear_refs`` = 5), two
    training steps (the first allocates AdamW's state), VmHWM again: the step peak. Also the process's lifetime
-   peak (``ru_maxrss``): every rank builds the full model before FSDP2 shards it, so zero=3's lifetime peak
-   includes one whole fp32 model. Max over ranks.
+   peak (``ru_maxrss``): every rank builds the full model before FSDP2 shards it, so zero=3's lifetime peak is at
+   least one whole fp32 model plus the runtime (below its step peak in our runs). Max over ranks.
 
    zero=0 at 24 layers needs about 4 x (1.34 GB parameters + 1.34 GB gradients + 1.34 GB of the flat all-reduce
    buffer + 2.7 GB AdamW + AdamW's temporaries) ~ 28 GB: before each launch the script estimates the need
@@ -54,8 +58,8 @@ process group:
 
 How to run
 ----------
-    .venv/bin/python benchmarks/zero_memory.py                      # the full run (BERT-large 24 layers)
-    .venv/bin/python benchmarks/zero_memory.py --large-layers 12    # on a 24 GiB machine (see 3.)
+    .venv/bin/python benchmarks/zero_memory.py                      # BERT-large 24 layers (zero=0 needs ~29 GiB)
+    .venv/bin/python benchmarks/zero_memory.py --large-layers 12    # on a 24 GiB machine (see 3.): ~8 min idle
     .venv/bin/python benchmarks/zero_memory.py --quick              # smoke run: tiny BERTs, ~1.5 minutes
     .venv/bin/python benchmarks/zero_memory.py --parts bytes,time --rounds 5 --batch 16
 
@@ -173,8 +177,8 @@ def _gather(value):
 
 
 def _worker_steps(opts: dict) -> dict:
-    """Part 2 (and 1 with ``opts['bytes']``): a trainer per stage, all alive at once, their steps interleaved;
-    see the module docstring."""
+    """Part 2 (and 1 with ``opts['bytes']``): with ``opts['interleave']`` a trainer per stage, all alive at once,
+    their steps interleaved; else the stages one after another, each on a fresh model. See the module docstring."""
     import torch
     import torch.distributed as dist
 
@@ -182,22 +186,20 @@ def _worker_steps(opts: dict) -> dict:
 
     mesh = shardlib.init_mesh(tp=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    zeros = opts["zeros"]
-    trainers, batches = {}, None
-    for zero in zeros:
+    zeros, warmup, rounds = opts["zeros"], opts["warmup"], opts["rounds"]
+    records, counts = [], {}
+    trainers, batches = {}, []
+
+    def build(zero):
         t_build = time.perf_counter()
         config, _, trainers[zero] = _build(opts, mesh, zero)
-        if batches is None:
-            batches = _batches(opts, mesh, config.vocab_size, opts["warmup"] + opts["rounds"])
+        if not batches:
+            batches.extend(_batches(opts, mesh, config.vocab_size, warmup + rounds))
         dist.barrier()
         if rank == 0:
             print(f"  dp={world} zero={zero}: built in {time.perf_counter() - t_build:.1f} s", flush=True)
-    records = []
-    # warm-up in order, then rounds: one timed step per stage, the order alternating (0 1 2 3, 3 2 1 0, ...)
-    plan = [(None, i, z) for i in range(opts["warmup"]) for z in zeros]
-    for r in range(opts["rounds"]):
-        plan += [(r, opts["warmup"] + r, z) for z in (zeros if r % 2 == 0 else list(reversed(zeros)))]
-    for r, i, zero in plan:
+
+    def step(r, i, zero):
         trainer = trainers[zero]
         gc.collect()
         dist.barrier()
@@ -217,14 +219,35 @@ def _worker_steps(opts: dict) -> dict:
                   f"{'?' if foreign is None else f'{foreign:.2f}'} cores; loss {loss:.4f})", flush=True)
         if r is not None:
             records.append(dict(round=r, zero=zero, wall_s=wall, cpu_s=own, foreign_cores=foreign))
-    counts = {}
-    if opts["bytes"]:
-        for zero in zeros:
+
+    def finish(zero):
+        if opts["bytes"]:
             counts[zero] = _gather(_byte_counts(trainers[zero], batches[0]))
+        del trainers[zero]
+        gc.collect()
+        _malloc_trim()
+
+    if opts["interleave"]:
+        for zero in zeros:
+            build(zero)
+        # warm-up in order, then rounds of one timed step per stage, the order alternating (0 1 2 3, 3 2 1 0, ...)
+        for i in range(warmup):
+            for zero in zeros:
+                step(None, i, zero)
+        for r in range(rounds):
+            for zero in (zeros if r % 2 == 0 else list(reversed(zeros))):
+                step(r, warmup + r, zero)
+        for zero in zeros:
+            finish(zero)
+    else:
+        for zero in zeros:
+            build(zero)
+            for i in range(warmup + rounds):
+                step(i - warmup if i >= warmup else None, i, zero)
+            finish(zero)
+            dist.barrier()
     hwm = _gather(_status_kib("VmHWM") * 1024)
-    trainers.clear()
-    gc.collect()
-    return dict(records=records, counts=counts, world=world, peak_rss=max(hwm))
+    return dict(records=records, counts=counts, world=world, peak_rss=max(hwm), interleave=opts["interleave"])
 
 
 def _worker_rss(opts: dict) -> dict:
@@ -321,6 +344,17 @@ def _param_count(model: dict) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
+def _steps_need(n_params: int, dp: int, interleave: bool) -> float:
+    """Estimated RAM of a part-2 launch (all ranks): zero=0's parameters, AdamW state, gradients, the flat
+    all-reduce buffer and AdamW's temporaries; with ``interleave`` also the other stages' parameters and state;
+    10% for the allocator's slack."""
+    pb = 4.0 * n_params
+    per_rank = pb * 6
+    if interleave:
+        per_rank += pb * (2 * (1 + 3 / dp) + 4 / dp)
+    return dp * (1.1 * per_rank + RSS_BASE)
+
+
 def _wait(args, what: str, warnings: list) -> None:
     if args.wait_idle > 0:
         load = wait_idle(args.wait_idle, IDLE_CORES)
@@ -359,12 +393,11 @@ def _print_bytes(counts: dict, world: int, summary: list) -> None:
 
 
 def _print_times(results: dict, warnings: list) -> None:
-    print("\n### 2. Step time per stage against zero=0 (each step between barriers, slowest rank; interleaved rounds, "
-          "one step per stage each)\n")
-    print("| dp | zero | step s (median) | per round | zero_k / zero_0 (median of paired) | ratio of medians | "
+    print("\n### 2. Step time per stage against zero=0 (each step between barriers, slowest rank)\n")
+    print("| dp | zero | rounds | step s (median) | per round | zero_k / zero_0 (median of paired) | ratio of medians | "
           "CPU s per step, all ranks (median) | CPU zero_k / zero_0 (median of paired) | other processes, cores "
           "(median) |")
-    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---|---:|---:|---:|---:|---:|")
     for world, res in sorted(results.items()):
         by = {}
         for r in res["records"]:
@@ -381,16 +414,21 @@ def _print_times(results: dict, warnings: list) -> None:
             cpu = statistics.median(r["cpu_s"] for r in recs.values())
             cpu_paired = statistics.median(recs[k]["cpu_s"] / base[k]["cpu_s"] for k in recs)
             foreign = [r["foreign_cores"] for r in recs.values() if r["foreign_cores"] is not None]
-            print(f"| {world} | {zero} | {med:.2f} | {' / '.join(f'{w:.2f}' for w in walls)} | {paired:.2f}x | "
+            mode = "interleaved" if res.get("interleave") else "sequential"
+            print(f"| {world} | {zero} | {mode} | {med:.2f} | {' / '.join(f'{w:.2f}' for w in walls)} | {paired:.2f}x | "
                   f"{med / base_wall:.2f}x | {cpu:.2f} | {cpu_paired:.2f}x | "
-                  f"{statistics.median(foreign) if foreign else float('nan'):.2f} |")
+                  f"{f'{statistics.median(foreign):.2f}' if foreign else 'n/a'} |")
             busy = [f for f in foreign if f > IDLE_CORES]
             if busy:
                 warnings.append(f"dp={world} zero={zero}: other processes used more than {IDLE_CORES} cores during "
                                 f"{len(busy)} of {len(recs)} timed steps (up to {max(busy):.2f})")
+    print()
+    for world, res in sorted(results.items()):
         if res.get("peak_rss"):
-            print(f"|  | (dp={world}: peak RSS of a rank holding all four trainers {res['peak_rss'] / MIB:,.0f} MiB) "
-                  "| | | | | | | |")
+            print(f"dp={world}: peak RSS of a rank {res['peak_rss'] / MIB:,.0f} MiB"
+                  f"{' (all four trainers alive)' if res.get('interleave') else ''}")
+    print("(interleaved: round r = one step of every stage, order alternating, paired within the round; "
+          "sequential: the stages one after another, round r = the stage's r-th timed step)")
 
 
 def _print_rss(rss: dict, layers: int, skipped: dict, summary: list) -> None:
@@ -435,6 +473,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds, one timed step per stage each "
                                                              "(default 3; --quick 2)")
+    p.add_argument("--interleave", choices=["auto", "yes", "no"], default="auto",
+                   help="part 2: all four trainers alive at once with interleaved rounds (yes), the stages one "
+                        "after another (no), or interleaved where the estimate fits in 70%% of MemAvailable (auto)")
     p.add_argument("--large-layers", type=int, default=24, help="BERT-large layers for part 3 (default 24)")
     p.add_argument("--no-memory-check", action="store_true", help="launch part 3 even where the estimate says "
                                                                    "it does not fit in MemAvailable")
@@ -477,9 +518,20 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="zero_memory_")
     try:
         step_results = {}
+        n_base = _param_count(base) if dps else 0
         for dp in dps:
+            avail = _mem_available()
+            need = {mode: _steps_need(n_base, dp, mode) for mode in (True, False)}
+            interleave = args.interleave == "yes" or (args.interleave == "auto" and need[True] <= 0.7 * avail)
+            print(f"\ndp={dp}: estimated need {need[True] / 2**30:.1f} GiB with the four trainers alive at once, "
+                  f"{need[False] / 2**30:.1f} GiB one after another; MemAvailable {avail / 2**30:.1f} GiB: "
+                  f"{'interleaved rounds' if interleave else 'stages one after another'}", flush=True)
+            if need[interleave] > 0.9 * avail and not args.no_memory_check:
+                warnings.append(f"dp={dp} skipped: needs ~{need[interleave] / 2**30:.0f} GiB")
+                print(f"  SKIPPED: {warnings[-1]}", flush=True)
+                continue
             opts = dict(model=base, batch=args.batch, seq=seq, warmup=args.warmup, rounds=rounds,
-                        zeros=list(STAGES), bytes=("bytes" in parts and dp == 4))
+                        zeros=list(STAGES), bytes=("bytes" in parts and dp == 4), interleave=interleave)
             _wait(args, f"dp={dp}", warnings)
             res = _launch(dp, "steps", opts, tmp, f"steps_dp{dp}")
             if res is not None:

@@ -107,15 +107,7 @@ class Trainer:
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())
         check_precision(precision, params, master_weights, loss_scaler)
         check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights)
-        if not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-        if optimizer is not None and not callable(optimizer):
-            raise TypeError(f"optimizer must be a function from parameters to an optimizer, got "
-                            f"{type(optimizer).__name__}")
-        if forward_step is not None and loss_fn is not None:
-            raise ValueError("give forward_step or loss_fn, not both")
+        _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn)
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
         check_schedule(schedule, self.split)
         self.microbatches, self.schedule_name = microbatches, schedule
@@ -190,7 +182,7 @@ class Trainer:
         return loss
 
     def optimizer_step(self) -> None:
-        """The optimizer's step (the place a loss scaler or a partitioned optimizer plugs in)."""
+        """The optimizer's step, once the gradients are reduced, unscaled and clipped (override to wrap it)."""
         self.optimizer.step()
 
     def zero_grad(self) -> None:
@@ -381,3 +373,14 @@ class Trainer:
 
         return fit(self, train_data, **options)
 
+
+def _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn) -> None:
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"optimizer must be a function from parameters to an optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if forward_step is not None and loss_fn is not None:
+        raise ValueError("give forward_step or loss_fn, not both")
