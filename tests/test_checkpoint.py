@@ -38,6 +38,7 @@ from transformers import BertConfig, BertForMaskedLM, ViTConfig, ViTModel  # noq
 import shardlib  # noqa: E402
 from shardlib import checkpoint as ckpt  # noqa: E402
 from shardlib.mesh import OfflineMesh  # noqa: E402
+from shardlib import cli as shardlib_cli  # noqa: E402
 
 from checkpoint_helpers import CONFIG, cli, hf_dir  # noqa: E402,F401  (hf_dir: a fixture)
 
@@ -58,8 +59,10 @@ def test_cli_convert_inspect_verify_round_trip(hf_dir, tmp_path):
     back = BertForMaskedLM.from_pretrained(tmp_path / "back")
     for name, value in original.state_dict().items():
         assert torch.equal(back.state_dict()[name], value), name
-    for command in ("convert", "inspect", "verify", "run"):
-        assert cli(command, "--help").returncode == 0
+    for command in ("convert", "inspect", "verify", "run"):  # in this process: each subprocess costs seconds
+        with pytest.raises(SystemExit) as exit_info:
+            shardlib_cli.main([command, "--help"])
+        assert exit_info.value.code == 0, command
 
 
 def test_from_pretrained_single_rank_equals_hf(hf_dir):
@@ -140,13 +143,14 @@ def test_layout_the_model_cannot_take(sharded_dir, tmp_path):
     assert not (tmp_path / "t3").exists()
 
 
-def test_existing_destination_is_refused_unless_overwrite(sharded_dir, hf_dir):
+def test_existing_destination_is_refused_unless_overwrite(sharded_dir, hf_dir, capsys):
     directory, _ = sharded_dir
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
-    result = cli("convert", str(hf_dir[0]), str(directory), "--tp", "4")
-    assert result.returncode == 1 and "exists" in result.stderr
+    # the CLI in this process (a subprocess costs seconds; test_cli_convert_inspect_verify_round_trip runs them)
+    assert shardlib_cli.main(["convert", str(hf_dir[0]), str(directory), "--tp", "4"]) == 1
+    assert "exists" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
-    assert cli("convert", str(hf_dir[0]), str(directory), "--tp", "4", "--overwrite").returncode == 0
+    assert shardlib_cli.main(["convert", str(hf_dir[0]), str(directory), "--tp", "4", "--overwrite"]) == 0
     assert json.loads((directory / "shardlib.json").read_text())["tp"] == 4
 
 

@@ -60,7 +60,7 @@ def _assert_pieces_equal(directory, state):
             assert torch.equal(files[piece["file"]][name], expected), (name, piece)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [2, 4])  # tp=1 is the same path with one piece per tensor (12 s of the suite)
 def test_kernel_copy_convert_loads_bitwise_equal_and_verifies(hf_dir, tmp_path, kernel_copies, tp):
     src, original = hf_dir
     out = ckpt.convert(src, tmp_path / "out", tp=tp)
