@@ -63,3 +63,22 @@ def print_traceback(worker, rank: int, *args) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         raise
+
+
+def status_kib(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM, ...), 0 when absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def print_closing(summary: list[str], warnings: list[str], started: float) -> None:
+    """A benchmark's last lines: its summary, its warnings, the total wall time since ``started``."""
+    print()
+    for line in summary:
+        print(line)
+    for line in warnings:
+        print("WARNING:", line)
+    print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")

@@ -71,7 +71,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from _workloads import classification_samples  # noqa: E402
 from _machine import (  # noqa: E402
-    free_port, loopback_ifname, machine_busy_s, print_traceback, wait_idle,
+    free_port, loopback_ifname, machine_busy_s, print_closing, print_traceback, wait_idle,
 )
 
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2)}
@@ -263,12 +263,7 @@ def main(argv=None) -> int:
         norm = statistics.median(r["norm_ms_per_step"] for r in fits)
         bare_step_ms = statistics.median(r["wall_s"] for r in recs if r["variant"] == "bare") * 1e3 / opts["steps"]
         print(f"| {layout} | {outside:.2f} | {norm:.2f} | {(outside + norm) / bare_step_ms:.2%} |")
-    print()
-    for line in summary:
-        print(line)
-    for line in warnings:
-        print("WARNING:", line)
-    print(f"\ntotal wall time {time.perf_counter() - t_all:.0f} s")
+    print_closing(summary, warnings, t_all)
     return 0
 
 

@@ -95,7 +95,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_busy_s, wait_idle  # noqa: E402
+from _machine import machine_busy_s, status_kib, wait_idle  # noqa: E402
 
 import shardlib  # noqa: E402
 from shardlib.runtime import Trainer  # noqa: E402
@@ -235,27 +235,19 @@ class _Holder:
             self.counter.release(self.key)
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def rss_growth(fn) -> float | None:
     """Peak RSS during ``fn()`` minus RSS before it (bytes), or None where VmHWM cannot be reset."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         fn()
         return None
     fn()
-    return (_status_kib("VmHWM") - before) * 1024.0
+    return (status_kib("VmHWM") - before) * 1024.0
 
 
 def parameter_storages(model) -> set[int]:

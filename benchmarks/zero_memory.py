@@ -86,7 +86,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import loopback_ifname, machine_busy_s, wait_idle  # noqa: E402
+from _machine import loopback_ifname, machine_busy_s, print_closing, status_kib, wait_idle  # noqa: E402
 
 BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
 LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522)
@@ -104,14 +104,6 @@ PARTITIONED = {"opt": 1, "grad_after": 2, "param": 3}  # quantity -> the lowest 
 
 
 # ================================================================================================== rank side
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _malloc_trim() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -246,7 +238,7 @@ def _worker_steps(opts: dict) -> dict:
                 step(i - warmup if i >= warmup else None, i, zero)
             finish(zero)
             dist.barrier()
-    hwm = _gather(_status_kib("VmHWM") * 1024)
+    hwm = _gather(status_kib("VmHWM") * 1024)
     return dict(records=records, counts=counts, world=world, peak_rss=max(hwm), interleave=opts["interleave"])
 
 
@@ -265,8 +257,8 @@ def _worker_rss(opts: dict) -> dict:
     gc.collect()
     _malloc_trim()
     build_s = time.perf_counter() - t0
-    build_hwm = _status_kib("VmHWM") * 1024
-    before = _status_kib("VmRSS") * 1024
+    build_hwm = status_kib("VmHWM") * 1024
+    before = status_kib("VmRSS") * 1024
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -279,8 +271,8 @@ def _worker_rss(opts: dict) -> dict:
         t1 = time.perf_counter()
         trainer.train_step(batch)
         step_s.append(time.perf_counter() - t1)
-    step_hwm = _status_kib("VmHWM") * 1024
-    after = _status_kib("VmRSS") * 1024
+    step_hwm = status_kib("VmHWM") * 1024
+    after = status_kib("VmRSS") * 1024
     lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mine = dict(param_bytes=param_bytes, build_hwm=build_hwm, before=before, step_hwm=step_hwm, after=after,
                 lifetime=lifetime, reset=reset, build_s=build_s, step_s=step_s)
@@ -569,12 +561,7 @@ def main(argv=None) -> int:
         if large["num_hidden_layers"] != LARGE["num_hidden_layers"] and not args.quick:
             print(f"\nNOTE: part 3 ran BERT-large with {large['num_hidden_layers']} layers, not 24 "
                   f"(--large-layers {large['num_hidden_layers']}).")
-    print()
-    for line in summary:
-        print(line)
-    for line in warnings:
-        print("WARNING:", line)
-    print(f"\ntotal wall time {time.perf_counter() - t_all:.0f} s")
+    print_closing(summary, warnings, t_all)
     return 0 if (not dps or len(step_results) == len(dps)) else 1
 
 

@@ -93,7 +93,7 @@ class MasterWeightsOptimizer(Optimizer):
         state = dict(state)
         master = self._master_of[id(param)]
         with torch.no_grad():
-            master.copy_(state.pop(MASTER_KEY, None) if MASTER_KEY in state else param)
+            master.copy_(state.pop(MASTER_KEY, param))
         if state:
             self.inner.state[master] = state
 
@@ -143,40 +143,42 @@ def param_pairs(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(p, p) for g in optimizer.param_groups for p in g["params"]]
 
 
+def _local(optimizer):
+    """The optimizer that steps this rank's parameters: a partitioned optimizer's local one, or itself."""
+    return optimizer.optim if isinstance(optimizer, PartitionedOptimizer) else optimizer
+
+
 def copy_grads(optimizer) -> None:
     """Move the model's gradients to where the step reads them (master weights), before unscaling / clipping."""
-    local = optimizer.optim if isinstance(optimizer, PartitionedOptimizer) else optimizer
-    if isinstance(local, MasterWeightsOptimizer):
-        local.copy_grads()
+    if isinstance(_local(optimizer), MasterWeightsOptimizer):
+        _local(optimizer).copy_grads()
+
+
+def holds_state(optimizer, param) -> bool:
+    """Whether this rank steps ``param`` (and so holds its state)."""
+    return optimizer.owns(param) if isinstance(optimizer, PartitionedOptimizer) else True
 
 
 def param_state(optimizer, param) -> dict:
     """The optimizer state of model parameter ``param`` held on this rank ({} when another rank holds it)."""
-    local = optimizer.optim if isinstance(optimizer, PartitionedOptimizer) else optimizer
-    if isinstance(local, MasterWeightsOptimizer):
-        return local.param_state(param) if id(param) in local._master_of else {}
-    return local.state.get(param, {})
+    if not holds_state(optimizer, param):
+        return {}
+    local = _local(optimizer)
+    return local.param_state(param) if isinstance(local, MasterWeightsOptimizer) else local.state.get(param, {})
 
 
 def set_param_state(optimizer, param, state: dict) -> None:
     """Restore ``param``'s state where this rank steps it (other ranks' parameters are skipped); a master weight
     missing from ``state`` (a checkpoint saved without master weights) is taken from the parameter."""
-    local = optimizer.optim if isinstance(optimizer, PartitionedOptimizer) else optimizer
-    if isinstance(local, MasterWeightsOptimizer):
-        if id(param) in local._master_of:
-            local.set_param_state(param, state)
+    if not holds_state(optimizer, param):
         return
-    if isinstance(optimizer, PartitionedOptimizer) and not optimizer.owns(param):
+    local = _local(optimizer)
+    if isinstance(local, MasterWeightsOptimizer):
+        local.set_param_state(param, state)
         return
     state = {k: v for k, v in state.items() if k != MASTER_KEY}
     if state:
         local.state[param] = state
-
-
-def holds_state(optimizer, param) -> bool:
-    if isinstance(optimizer, PartitionedOptimizer):
-        return optimizer.owns(param)
-    return True
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict:
