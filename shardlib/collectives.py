@@ -148,9 +148,10 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, inplace):
-        if inplace:
+        out = all_reduce(x, group, inplace=inplace)
+        if out is x:  # reduced in place (eager only: under torch.compile the functional collective returns a new one)
             ctx.mark_dirty(x)
-        return all_reduce(x, group, inplace=inplace)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -10,6 +10,7 @@ everything that communicates.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -155,9 +156,33 @@ def init_mesh(
     # DeviceMesh creates its dimension groups with torch's default timeout (30 min for gloo), not the world's:
     # bound every wait on them too, so a dead peer ends a pipeline recv or a TP all-reduce with an error
     for dim in DIM_NAMES:
-        if mesh.size(dim) > 1:
+        if mesh.size(dim) > 1 and dist.get_backend() != FAKE_BACKEND:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.group(dim))
     return mesh
+
+
+FAKE_BACKEND = "fake"
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0):
+    """Within the block, this process is rank ``rank`` of a world of ``world_size`` ranks that exist only on paper:
+    torch's fake process group (the one torch's own tests use), on which every collective returns at once without
+    moving data. :func:`init_mesh` then builds any mesh of that size, so a model (usually on the meta device) can
+    be sharded, traced, exported or planned exactly as a real rank would, with no ranks started. The default
+    process group is destroyed on exit; refused when one already exists (it would be replaced)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise MeshError("fake_world: torch.distributed is already initialized in this process (a real run); plan or "
+                        "export from a separate process, e.g. the `shardlib plan` command")
+    if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+        raise MeshError(f"fake_world needs world_size >= 1 and 0 <= rank < world_size, got {world_size}, {rank}")
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
