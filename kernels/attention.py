@@ -27,6 +27,7 @@ T5's relative position bias is computed for the whole sequence ([1, h, L, L], ea
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -36,9 +37,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from shardlib.collectives import all_to_all, all_to_all_single
+from shardlib.random import LOCAL_STREAM_ATTR, local_dropout
 
 IMPLEMENTATIONS = ("sdpa", "eager")
 ALL_TO_ALL_PREFIX = "shardlib_all_to_all_"
+LOCAL_RNG_PREFIX = "shardlib_local_rng_"
 CONTEXT_ATTR = "_shardlib_all_to_all"
 
 
@@ -59,6 +62,57 @@ def inner_attention(module: nn.Module, implementation: str):
     if implementation == "eager":
         return sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+# ------------------------------------------------------------------------------ per-rank dropout under compile
+def call_attention(module: nn.Module, implementation: str, query, key, value, attention_mask, **kwargs):
+    """``implementation``'s attention for ``module``. One case differs: compiled training with attention dropout on
+    a module whose heads are sharded (``LocalRNG`` left its stream on it): the probabilities are computed
+    explicitly and dropped with this rank's mask (:func:`_stream_dropout_attention`), since compiled code cannot
+    swap in the per-rank generator as eager mode does around the fused kernel."""
+    stream = module.__dict__.get(LOCAL_STREAM_ATTR)
+    if kwargs.get("dropout") and stream is not None and torch.compiler.is_compiling():
+        tracker, name = stream
+        return _stream_dropout_attention(module, implementation, query, key, value, attention_mask,
+                                         ranks=tracker.ranks[name], **kwargs)
+    return inner_attention(module, implementation)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _stream_dropout_attention(module, implementation, query, key, value, attention_mask, *, ranks,
+                              dropout: float, scaling: float | None = None, position_bias=None,
+                              is_causal: bool | None = None, **kwargs):
+    """softmax(q k^T * scaling + position bias + mask) with this rank's dropout mask (``ranks`` = (index, count),
+    :func:`shardlib.random.local_dropout`), times v: the math of the
+    model files' ``eager_attention_forward`` (BERT, ViT, T5 share it), taking the mask as the implementation built
+    it (SDPA's: boolean, or None for a causal module, which SDPA then masks by ``is_causal``)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * (query.size(-1) ** -0.5 if scaling is None else scaling)
+    if position_bias is not None:
+        scores = scores + position_bias
+    if attention_mask is None and implementation != "eager" and query.shape[2] > 1:
+        if is_causal if is_causal is not None else getattr(module, "is_causal", True):
+            q, k = query.shape[2], key.shape[2]
+            attention_mask = torch.arange(q, device=query.device)[:, None] >= torch.arange(k, device=query.device)
+    if attention_mask is not None:
+        scores = (scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+                  if attention_mask.dtype == torch.bool else scores + attention_mask)
+    probs = local_dropout(torch.softmax(scores, dim=-1), dropout, *ranks)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def local_rng_name(implementation: str) -> str:
+    """Register (once) and return the attention-interface name of ``implementation`` run through
+    :func:`call_attention` (masks built as the implementation builds them)."""
+    if implementation.startswith(LOCAL_RNG_PREFIX):
+        return implementation
+    name = LOCAL_RNG_PREFIX + implementation
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, functools.partial(_local_rng_attention, implementation=implementation))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
+    return name
+
+
+def _local_rng_attention(module, query, key, value, attention_mask, *, implementation: str, **kwargs):
+    return call_attention(module, implementation, query, key, value, attention_mask, **kwargs)
 
 
 @dataclass
@@ -96,7 +150,7 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         # cross-attention has no relative bias (T5 passes zeros shaped by the local query chunk): drop it
         kwargs["position_bias"] = None if ctx.cross else (
             bias.narrow(1, ctx.rank * share, share) if bias.shape[1] == heads else bias)
-    out, _ = inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
+    out, _ = call_attention(module, ctx.implementation, query, key, value, attention_mask, **kwargs)
     sp = ctx.stream.sp
     exchanged = all_to_all((sp.pad(out),), ctx.group, scatter_dim=1, gather_dim=2)[0]  # [b, L, h/n, d] padded
     # the output projection saves ``exchanged``; keep ``out`` (which SDPA's fused kernel saves anyway) instead

@@ -14,8 +14,9 @@ All-to-all sequence parallelism (mesh dimension ``sp``) adds a third kind: activ
 but replicated over the TP group (the residual stream inside the layers) draw from the "sequence-parallel" stream,
 seeded per sp rank; the "tensor-parallel" stream is then seeded per (sp, tp) rank, since its heads differ on both.
 
-torch's offset-based RNG tracker (``torch.distributed.tensor._random``) is CUDA-only, hence this one. It keeps
-plain generator states (``torch.get_rng_state`` / ``torch.cuda.get_rng_state``) so it works on any device.
+torch's offset-based RNG tracker (``torch.distributed.tensor._random``) is CUDA-only, hence this one. Its streams
+are plain ``torch.Generator`` objects, so it works on any device, and under ``torch.compile`` (see
+:func:`local_dropout`).
 """
 
 from __future__ import annotations
@@ -31,44 +32,82 @@ SP_SEED_OFFSET = 3141
 
 
 class RNGStatesTracker:
-    """Named RNG states that can be swapped in around a region of code."""
+    """Named random streams, each a ``torch.Generator`` per device type (CPU, and CUDA on first use), swapped in as
+    the default generator around a region of code (:meth:`fork`).
+
+    Compiled code cannot swap generators (dynamo graph-breaks on it, and does not pass a generator object to a
+    random op), so there a stream is drawn from torch's default generator instead: ``ranks[name] = (index, count)``
+    says which of ``count`` equal draws this rank keeps (:func:`local_dropout`)."""
 
     def __init__(self):
-        self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._seeds: dict[str, int] = {}
+        self._generators: dict[str, dict[str, torch.Generator]] = {}
+        self.ranks: dict[str, tuple[int, int]] = {}
 
-    def add(self, name: str, seed: int) -> None:
-        if name in self._states:
+    def add(self, name: str, seed: int, *, index: int = 0, count: int = 1) -> None:
+        """Add stream ``name`` seeded with ``seed``; this rank is ``index`` of the ``count`` ranks whose draws must
+        differ (used only by compiled code)."""
+        if name in self._seeds:
             raise ValueError(f"RNG state {name!r} already exists")
-        with _preserve_default_rng():
-            torch.manual_seed(seed)
-            self._states[name] = _get_state()
+        if not 0 <= index < count:
+            raise ValueError(f"RNG stream {name!r}: rank index {index} is not in [0, {count})")
+        self._seeds[name] = seed
+        self._generators[name] = {"cpu": torch.Generator().manual_seed(seed)}
+        self.ranks[name] = (index, count)
 
     def has(self, name: str) -> bool:
-        return name in self._states
+        return name in self._seeds
+
+    def generator(self, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+        """The named stream's generator on ``device`` (a CUDA one is created on first use, seeded like the CPU one,
+        as ``torch.manual_seed`` seeds both)."""
+        if name not in self._seeds:
+            raise KeyError(f"RNG state {name!r} was never added; call shardlib.manual_seed(seed, mesh) first")
+        kind = torch.device(device).type
+        generators = self._generators[name]
+        if kind not in generators:
+            generators[kind] = torch.Generator(device=kind).manual_seed(self._seeds[name])
+        return generators[kind]
 
     @contextlib.contextmanager
     def fork(self, name: str = "tensor-parallel"):
         """Run the block with the named stream as the default generator; advance that stream, not the default."""
-        if name not in self._states:
-            raise KeyError(f"RNG state {name!r} was never added; call shardlib.manual_seed(seed, mesh) first")
+        cpu = self.generator(name)
+        cuda = self.generator(name, "cuda") if _cuda_in_use() else None
         outer = _get_state()
-        _set_state(self._states[name])
+        _set_state((cpu.get_state(), cuda.get_state() if cuda is not None else None))
         try:
             yield
         finally:
-            self._states[name] = _get_state()
+            cpu_state, cuda_state = _get_state()
+            cpu.set_state(cpu_state)
+            if cuda is not None:
+                cuda.set_state(cuda_state)
             _set_state(outer)
 
     def get_states(self) -> dict:
-        return dict(self._states)
+        """{name: (CPU state, CUDA state or None)}: a copy, for checkpoints and replays."""
+        return {name: (gens["cpu"].get_state(), gens["cuda"].get_state() if "cuda" in gens else None)
+                for name, gens in self._generators.items()}
 
     def set_states(self, states: dict) -> None:
-        self._states = dict(states)
+        """Restore :meth:`get_states`' output (streams not named in ``states`` are dropped)."""
+        seeds, self._seeds, self._generators = self._seeds, {}, {}
+        for name, (cpu, cuda) in states.items():
+            self._seeds[name] = seeds.get(name, 0)
+            self.ranks.setdefault(name, (0, 1))
+            self._generators[name] = {"cpu": torch.Generator()}
+            self._generators[name]["cpu"].set_state(cpu)
+            if cuda is not None:
+                self.generator(name, "cuda").set_state(cuda)
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _get_state():
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if _cuda_in_use() else None
 
 
 def _set_state(state) -> None:
@@ -92,15 +131,6 @@ def preserved_rng(tracker: RNGStatesTracker | None = None):
             tracker.set_states(streams)
 
 
-@contextlib.contextmanager
-def _preserve_default_rng():
-    state = _get_state()
-    try:
-        yield
-    finally:
-        _set_state(state)
-
-
 def manual_seed(seed: int, mesh=None, tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
     """Seed the default generator with ``seed`` (same on every rank) and return a tracker whose
     "tensor-parallel" stream is seeded with ``seed + 2718 + tp_rank``.
@@ -119,6 +149,24 @@ def rng_streams(tracker: RNGStatesTracker, seed: int, mesh=None) -> RNGStatesTra
     sp, sp_rank = getattr(mesh, "sp", 1), 0
     if sp > 1:
         sp_rank = mesh.sp_rank
-        tracker.add("sequence-parallel", seed + SP_SEED_OFFSET + sp_rank)
-    tracker.add("tensor-parallel", seed + TP_SEED_OFFSET + tp_rank + tp * sp_rank)
+        tracker.add("sequence-parallel", seed + SP_SEED_OFFSET + sp_rank, index=sp_rank, count=sp)
+    tracker.add("tensor-parallel", seed + TP_SEED_OFFSET + tp_rank + tp * sp_rank, index=tp_rank + tp * sp_rank,
+                count=tp * sp)
     return tracker
+
+
+#: Module attribute naming the per-rank stream a module's sharded activations draw from (set by ``LocalRNG``).
+LOCAL_STREAM_ATTR = "_shardlib_local_stream"
+
+
+def local_dropout(x: torch.Tensor, p: float, index: int, count: int) -> torch.Tensor:
+    """``F.dropout(x, p, training=True)`` whose mask differs across the ``count`` ranks of a stream: every rank draws
+    ``count`` masks from torch's default generator (the same draw everywhere, so replicated streams stay in step)
+    and keeps mask ``index``. What compiled code runs for a dropout on sharded activations, in place of eager
+    mode's swap of the per-rank generator (which dynamo cannot trace). It draws ``count`` times the numbers one
+    rank needs: as many as the unsharded model draws for the same activations. Same law as eager mode's masks,
+    not the same masks."""
+    if p >= 1:
+        return x * 0
+    keep = torch.rand((count, *x.shape), device=x.device)[index] >= p
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

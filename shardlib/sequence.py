@@ -85,7 +85,10 @@ class SequenceParallel:
     def recomputable(self, full: torch.Tensor, source: torch.Tensor, recompute) -> None:
         """Remember that ``full`` (fresh, contiguous) is ``recompute(source)`` (a collective over this group), until
         ``full`` is collected (its address cannot be reused before): a layer that saves ``full`` for backward then
-        keeps ``source`` instead (see :meth:`saving_shards`)."""
+        keeps ``source`` instead (see :meth:`saving_shards`). Eager mode only: compiled code has no storages to
+        match (its partitioner decides what backward keeps), so there nothing is recorded."""
+        if torch.compiler.is_compiling():
+            return
         key = full.untyped_storage().data_ptr()
         self._gathered[key] = _Regather(source.detach(), recompute)
         weakref.finalize(full, self._gathered.pop, key, None)
@@ -166,12 +169,25 @@ class ReplicatedGradSync:
         self.group, self.tp_sharded_too = group, tp_sharded_too
         self.hooked = weakref.WeakValueDictionary()  # id -> parameter (tensors compare elementwise: no WeakSet)
 
-    def __call__(self, layer: torch.nn.Module, args) -> None:
+    def __call__(self, layer: torch.nn.Module, args=()) -> None:
+        """Hook what is not hooked yet (called once at install, then before every eager forward; compiled code
+        skips it: tensor hooks cannot be registered from inside a graph, and those attached eagerly still fire)."""
         from .layout import layout_of
 
+        if torch.compiler.is_compiling():
+            return
         for name, p in layer.named_parameters():
             if self.hooked.get(id(p)) is p or not p.requires_grad:
                 continue
             if self.tp_sharded_too or not layout_of(layer, name).is_sharded:
                 p.register_hook(lambda grad: all_reduce(grad, self.group))
                 self.hooked[id(p)] = p
+
+
+def rehook_replicated_grads(model: torch.nn.Module) -> None:
+    """Attach the sequence-parallel gradient hooks to the parameters that replaced hooked ones (``materialize``),
+    now rather than at the next eager forward: a model compiled right away would otherwise run without them."""
+    for module in model.modules():
+        for hook in list(module._forward_pre_hooks.values()):
+            if isinstance(hook, ReplicatedGradSync):
+                hook(module)

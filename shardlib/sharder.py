@@ -17,13 +17,15 @@ from torch import nn
 
 from . import pipeline
 from .kernels import Kernels
-from .kernels.attention import CONTEXT_ATTR, AllToAllContext, all_to_all_name, set_attention, whole_sequence_bias
+from .kernels.attention import (
+    CONTEXT_ATTR, AllToAllContext, all_to_all_name, local_rng_name, set_attention, whole_sequence_bias,
+)
 from .collectives import all_reduce
 from .layout import LAYOUTS_ATTR, Layout, layout_of, set_layout
 from .losses import install_vocab_parallel_loss
 from .mesh import Mesh
 from .plan import Plan, PlanError, match_modules
-from .random import RNGStatesTracker, rng_streams
+from .random import LOCAL_STREAM_ATTR, RNGStatesTracker, rng_streams
 from .sequence import ReplicatedGradSync, SequenceParallel
 from .sharded import ShardState, shard_state
 from .styles import (
@@ -274,6 +276,8 @@ def shard(
         ] if isinstance(module, (nn.Linear, nn.Embedding)) else []
         report.rows.append(ReportRow(path, " + ".join(style_name(s) for s in styles), tensors))
     _retie(model, ties)
+    if any(LOCAL_STREAM_ATTR in m.__dict__ for m in model.modules()):
+        set_attention(model, local_rng_name(model.config._attn_implementation))
     for path, names in attrs.items():
         module = model.get_submodule(path)
         for name in names:
@@ -287,7 +291,7 @@ def shard(
     if mode == ALL_TO_ALL:
         sp = SequenceParallel(mesh.group("sp"), sp_size)
         _install_sequence_parallel(model, plan, sp, ctx, all_to_all=True)
-        _install_all_to_all_attention(model, plan, sp, kernels.attention or model.config._attn_implementation)
+        _install_all_to_all_attention(model, plan, sp, model.config._attn_implementation)
     if plan.loss is not None:
         install_vocab_parallel_loss(model, plan.loss, gather_logits)
     if check_replicated_inputs and tp > 1:
@@ -399,7 +403,7 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
         seq, saving = sp.stream(k), []
 
         def enter(mod, args, kwargs, _s=seq, _saving=saving):
-            if not sp.saving_managed_outside:
+            if not sp.saving_managed_outside and not torch.compiler.is_compiling():
                 _saving.append(sp.saving_shards())
                 _saving[-1].__enter__()
             return (_s.enter(args[0]), *args[1:]), kwargs
@@ -412,6 +416,7 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
         layers[0].register_forward_pre_hook(enter, with_kwargs=True)
         layers[-1].register_forward_hook(leave, always_call=True)
         for layer in layers:
+            grad_sync(layer)
             layer.register_forward_pre_hook(grad_sync)
 
 

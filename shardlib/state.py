@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .sequence import rehook_replicated_grads
+
 from .collectives import all_gather
 from .layout import layout_of
 from .sharded import shard_state
@@ -85,6 +87,7 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu", *, init: s
             for module in model.modules():
                 if module._non_persistent_buffers_set:
                     model._init_weights(module)
+    rehook_replicated_grads(model)
     return model
 
 

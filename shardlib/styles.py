@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .collectives import Group, copy_to_tp
+from .random import LOCAL_STREAM_ATTR, local_dropout
 from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -151,8 +152,14 @@ class CopyInputs(Style):
 
 @dataclass(frozen=True, kw_only=True)
 class LocalRNG(Style):
-    """The module's dropout acts on TP-sharded activations (e.g. attention probabilities of local heads): run its
-    forward with the per-rank "tensor-parallel" RNG stream so ranks draw different masks."""
+    """The module's dropout acts on TP-sharded activations (e.g. attention probabilities of local heads): its random
+    draws come from the per-rank "tensor-parallel" RNG stream so ranks draw different masks.
+
+    Eager mode runs the module's forward with the stream swapped in as the default generator (hooks around it).
+    Compiled code cannot swap generators (dynamo does not trace it), so there every ``nn.Dropout`` inside the module
+    keeps this rank's share of a draw from the default generator (:func:`shardlib.random.local_dropout`, a forward
+    hook replacing the output), and attention dropout does the same through the attention wrapper
+    (:func:`shardlib.kernels.attention.call_attention`), which finds the stream on the module."""
 
     stream: str = "tensor-parallel"
 
@@ -160,19 +167,39 @@ class LocalRNG(Style):
         tracker, stream = ctx.rng_tracker, self.stream
         if tracker is None:
             return module
+        module.__dict__[LOCAL_STREAM_ATTR] = (tracker, stream)
         active: list = []
 
         def enter(mod, args):
-            cm = tracker.fork(stream)
-            cm.__enter__()
-            active.append(cm)
+            if not torch.compiler.is_compiling():
+                cm = tracker.fork(stream)
+                cm.__enter__()
+                active.append(cm)
 
         def leave(mod, args, output):
-            active.pop().__exit__(None, None, None)
+            if active and not torch.compiler.is_compiling():
+                active.pop().__exit__(None, None, None)
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave, always_call=True)
+        for sub in module.modules():
+            if isinstance(sub, nn.Dropout):
+                sub.register_forward_hook(_compiled_stream_dropout(tracker, stream))
         return module
+
+
+def _compiled_stream_dropout(tracker, stream: str):
+    """Forward hook of an ``nn.Dropout`` (or the fused ``DropoutAdd``, called as ``(x, residual)``) on sharded
+    activations: under torch.compile, recompute its output with this rank's mask of the stream
+    (:func:`shardlib.random.local_dropout`)."""
+
+    def hook(mod, args, output):
+        if not torch.compiler.is_compiling() or not mod.training or mod.p == 0:
+            return None
+        dropped = local_dropout(args[0], mod.p, *tracker.ranks[stream])
+        return dropped if len(args) < 2 or args[1] is None else args[1] + dropped
+
+    return hook
 
 
 def attention_block(block: str, qkv: list[str], out: str, inputs: tuple[str, ...] = ("hidden_states",)) -> dict:
