@@ -90,19 +90,19 @@ def _sum_flat(tensors: list[torch.Tensor], group: Group, dst: int | None) -> Non
 
 def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (same shape on every rank)."""
-    out = funcol.all_gather_single(x.contiguous(), 0, group)
-    out = funcol.wait_tensor(out)
+    out = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group))
     dim = dim % x.dim()
     if dim == 0:
         return out
-    return torch.cat(out.chunk(group_size(group), dim=0), dim=dim)
+    # [n * a, ...] -> [a, ..., n * d, ...] by views and one copy (no chunk + cat: symbolic sizes stay symbolic)
+    return out.unflatten(0, (group_size(group), -1)).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Sum over ranks, then keep this rank's chunk along ``dim`` (``x.shape[dim]`` divisible by the group)."""
     dim = dim % x.dim()
     if dim != 0:
-        x = torch.cat(x.chunk(group_size(group), dim=dim), dim=0)
+        x = x.unflatten(dim, (group_size(group), -1)).movedim(dim, 0).flatten(0, 1)
     return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group))
 
 

@@ -144,11 +144,14 @@ def init_mesh(
     Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible), then
     the all-to-all sequence-parallel peers (``sp``, which also move activations every layer).
     """
+    created = not dist.is_initialized()
     init_distributed(backend, timeout_s)
     world = dist.get_world_size()
     try:
         dp, pp, sp, tp = _resolve_sizes(world, dp, pp, tp, sp)
     except MeshError as exc:
+        if created:  # leave the process as it was: no half-set-up world behind a refused mesh
+            dist.destroy_process_group()
         raise MeshError(f"{exc}{_hint(world)}") from None
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)

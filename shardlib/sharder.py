@@ -413,8 +413,14 @@ def _install_sequence_parallel(model: nn.Module, plan: Plan, sp: SequenceParalle
                 _saving.pop().__exit__(None, None, None)
             return _s.leave(out) if isinstance(out, torch.Tensor) else (_s.leave(out[0]), *out[1:])
 
+        def close(mod, args, out, _saving=saving):  # the stack's owner returned or raised (maybe in a middle layer)
+            while _saving:
+                _saving.pop().__exit__(None, None, None)
+
         layers[0].register_forward_pre_hook(enter, with_kwargs=True)
         layers[-1].register_forward_hook(leave, always_call=True)
+        owner = stack.layers.rpartition(".")[0]
+        (model.get_submodule(owner) if owner else model).register_forward_hook(close, always_call=True)
         for layer in layers:
             grad_sync(layer)
             layer.register_forward_pre_hook(grad_sync)

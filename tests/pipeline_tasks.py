@@ -50,6 +50,11 @@ def pipeline_equivalence(spec: dict) -> dict:
     loose = spec["cls"] in ("BertLMHeadModel", "ViTForMaskedImageModeling")
     dtype = torch.float32 if loose else DTYPES[spec["dtype"]]
     mesh, ref, model, batch = build(spec)
+    if spec.get("compile"):
+        torch._dynamo.reset()
+        compiled = shardlib.compiling.stage_layers(model)
+        shardlib.compiling.compile_model(model, backend=spec["compile"])
+        assert compiled and all(layer._compiled_call_impl is not None for layer in compiled)
     has_loss = not spec["cls"].endswith("Model") or spec["cls"].endswith("LMHeadModel")  # base models: no loss
     trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
                       loss_fn=None if has_loss else first_output_objective)
