@@ -58,8 +58,6 @@ checkout too (``PYTHONPATH=$PWD``, no ``pip install``): ``shardlib.kernels`` / `
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.util
 import json
 import math
 import os
@@ -78,26 +76,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # CUBLAS_WORKSPACE_CONFIG is left alone: it is needed for determinism across streams only (one stream here), and
 # ":4096:8" made a plain bf16 BERT-base step ~40% slower on an H100 (64-68 ms against 42-50 ms)
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-class _RepoLayout(importlib.abc.MetaPathFinder):
-    """``shardlib.kernels`` -> kernels/, ``shardlib.policies`` -> policies/ (pyproject's package-dir) for a checkout
-    that is not pip-installed."""
-
-    DIRS = {"shardlib.kernels": ROOT / "kernels", "shardlib.policies": ROOT / "policies"}
-
-    def find_spec(self, name, path=None, target=None):
-        directory = self.DIRS.get(name)
-        if directory is None or not (directory / "__init__.py").exists():
-            return None
-        return importlib.util.spec_from_file_location(name, directory / "__init__.py",
-                                                      submodule_search_locations=[str(directory)])
-
-
-if (ROOT / "shardlib" / "__init__.py").exists():
-    sys.path.insert(0, str(ROOT))
-    sys.meta_path.insert(0, _RepoLayout())
+import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout)
 
 import torch  # noqa: E402
 

@@ -132,6 +132,10 @@ MODE_TITLES = {"unsharded": "unsharded", "shardlib": "shardlib tp=2", "shardlib_
                "shardlib_a2a": "shardlib sp=2 all-to-all", "hf": "HF DTensor tp=2"}
 WORLD = {"unsharded": 1, "shardlib": 2, "shardlib_sp": 2, "shardlib_a2a": 2, "hf": 2}
 THREADS = {"unsharded": 2, "shardlib": 1, "shardlib_sp": 1, "shardlib_a2a": 1, "hf": 1}
+#: "<mode>_compiled": the same model under torch.compile (Inductor; benchmarks/compile_speed.py runs them)
+for _mode in ("unsharded", "shardlib", "shardlib_sp"):
+    MODE_TITLES[f"{_mode}_compiled"] = MODE_TITLES[_mode] + " compiled"
+    WORLD[f"{_mode}_compiled"], THREADS[f"{_mode}_compiled"] = WORLD[_mode], THREADS[_mode]
 SEED = 1234
 
 
@@ -186,6 +190,10 @@ def describe(size: str, batch: int, seq: int, dec_seq: int) -> str:
 
 # ------------------------------------------------------------------------------------------------------- worker
 def _build_model(mode: str, size: str, config, tmpdir: str):
+    if mode.endswith("_compiled"):
+        import shardlib
+
+        return shardlib.compile_model(_build_model(mode.removesuffix("_compiled"), size, config, tmpdir))
     import transformers
 
     fam = family(size)

@@ -27,12 +27,15 @@ T5's relative position bias is computed for the whole sequence ([1, h, L, L], ea
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -49,6 +52,19 @@ def attention_problems(implementation: str | None) -> list[str]:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         return [f"attention implementation {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}"]
     return []
+
+
+def own_configs(model: nn.Module) -> None:
+    """Give ``model`` its own copy of every config object its modules hold. Switching the attention implementation
+    writes to the config (``set_attn_implementation``), and a config is often shared: two models built from one
+    config object, or the caller's. A sharded model must change nothing outside itself."""
+    copies: dict[int, object] = {}
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if isinstance(config, PreTrainedConfig):
+            if id(config) not in copies:
+                copies[id(config)] = copy.deepcopy(config)
+            module.config = copies[id(config)]
 
 
 def set_attention(model: nn.Module, implementation: str | None) -> None:
@@ -193,5 +209,63 @@ def all_to_all_name(implementation: str) -> str:
     return name
 
 
+# ------------------------------------------------------------------------------------------------ the shard pass
+class AllToAllSequenceParallel:
+    """The pass of ``sequence_parallel="all_to_all"``: every activation in the stacks on 1/sp of the sequence, the
+    attention modules exchanging sequence for heads (module docstring)."""
+
+    def problems(self, r) -> list[str]:
+        from shardlib.sequence import sequence_parallel_problems
+
+        return sequence_parallel_problems(r) + _all_to_all_problems(r)
+
+    def install(self, r) -> None:
+        from shardlib.sequence import SequenceParallel, install_sequence_parallel
+
+        r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
+        install_sequence_parallel(r, r.sequence, all_to_all=True)
+        _install_all_to_all_attention(r, r.sequence, r.model.config._attn_implementation)
+
+
+def _all_to_all_problems(r) -> list[str]:
+    tp, sp = r.tp, getattr(r.mesh, "sp", 1)
+    if sp < 2:
+        return ["sequence_parallel='all_to_all' needs a mesh with sp > 1 ranks per sequence "
+                "(init_mesh(..., sp=N)); this mesh has sp=1"]
+    if not r.plan.attention:
+        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that all-to-all sequence "
+                "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
+    problems = []
+    for pattern, site in r.plan.attention.items():
+        for path in r.match(pattern, "attention"):
+            module = r.modules[path]
+            if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
+                problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
+            heads = getattr(module, site.heads)
+            if heads % (tp * sp):
+                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}:"
+                                " all-to-all gives each sp rank whole heads")
+    return problems
+
+
+def _install_all_to_all_attention(r, sp, implementation: str) -> None:
+    """Each attention module calls all-to-all attention around ``implementation`` with its stack's stream;
+    cross-attention inputs enter the sp region (backward: their gradient, from this rank's heads only, is summed);
+    relative position biases are computed for the whole sequence."""
+    from shardlib.styles import CopyInputs, ShardContext
+
+    rank = torch.distributed.get_rank(sp.group)
+    for pattern, site in r.plan.attention.items():
+        for path in r.match(pattern):
+            module, stream = r.modules[path], sp.stream(r.stack_of(path))
+            module.__dict__[CONTEXT_ATTR] = AllToAllContext(sp.group, rank, stream, implementation,
+                                                            cross=site.kv_input is not None)
+            if site.kv_input is not None:
+                CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
+            if site.bias_method is not None:
+                setattr(module, site.bias_method, whole_sequence_bias(getattr(module, site.bias_method), stream))
+    set_attention(r.model, all_to_all_name(implementation))
+
+
 __all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
-           "attention_problems", "whole_sequence_bias"]
+           "attention_problems", "whole_sequence_bias", "AllToAllSequenceParallel", "call_attention", "local_rng_name"]

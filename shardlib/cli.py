@@ -8,6 +8,9 @@ elastic launcher (torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER
 :func:`shardlib.init_mesh`, tears every rank down when one fails and reports the failing rank with its
 traceback. Multi-node: pass ``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint``; anything else before the
 script goes to torchrun unchanged.
+
+``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--json]``: a dry run of a layout with no ranks
+(:mod:`shardlib.dryrun`).
 """
 
 from __future__ import annotations
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("directory")
     p_verify = sub.add_parser("verify", help=verify.__doc__, description=verify.__doc__)
     p_verify.add_argument("directory")
+    from .dryrun import add_plan_parser, plan_command
+
+    add_plan_parser(sub)
     args, launcher_args = parser.parse_known_args(argv)
     if args.command != "run" and launcher_args:
         parser.error(f"unrecognized arguments: {' '.join(launcher_args)}")
@@ -146,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             message = " ".join(" ".join(lines).split())
             print(f"shardlib {args.command}: {message}", file=sys.stderr)
             return 1
+    if args.command == "plan":
+        return plan_command(args)
     if args.command == "run":
         if args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")

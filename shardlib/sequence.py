@@ -68,7 +68,7 @@ class SequenceParallel:
 
         def pack(t):
             # matched by storage: the layer may save a view of the gathered tensor (linear saves a 2-D view)
-            regather = self._gathered.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+            regather = self._gathered.get(_storage_key(t))
             # detached: a pack hook that returns a node's own output keeps the node alive through that output (a
             # reference cycle through C++ that gc cannot see), leaking the graph of a forward never backpropagated
             stored = regather.shard if regather is not None else t.detach()
@@ -89,7 +89,7 @@ class SequenceParallel:
         match (its partitioner decides what backward keeps), so there nothing is recorded."""
         if torch.compiler.is_compiling():
             return
-        key = full.untyped_storage().data_ptr()
+        key = _storage_key(full)
         self._gathered[key] = _Regather(source.detach(), recompute)
         weakref.finalize(full, self._gathered.pop, key, None)
 
@@ -135,6 +135,12 @@ class SequenceStream:
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """Leave a tensor-parallel region with partial sums. fwd reduce-scatter (padded), bwd all-gather."""
         return reduce_scatter_to_tp(self.sp.pad(y), self.sp.group, SEQ_DIM)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage, shared by its views: the storage object's address, which unlike its data
+    pointer also tells meta tensors apart (all of theirs are 0), so a dry run on meta records what a real run does."""
+    return t.untyped_storage()._cdata
 
 
 class _Regather:
@@ -191,3 +197,93 @@ def rehook_replicated_grads(model: torch.nn.Module) -> None:
         for hook in list(module._forward_pre_hooks.values()):
             if isinstance(hook, ReplicatedGradSync):
                 hook(module)
+
+
+# ------------------------------------------------------------------------------------------------ the shard pass
+MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"
+
+
+def sequence_mode(value, problems: list[str]) -> str | None:
+    """``shard(sequence_parallel=...)`` as None / MEGATRON / ALL_TO_ALL (an unknown value is a problem)."""
+    if value is False or value is None:
+        return None
+    if value is True or value == MEGATRON:
+        return MEGATRON
+    if value == ALL_TO_ALL:
+        return ALL_TO_ALL
+    problems.append(f"sequence_parallel={value!r}: expected False, True (Megatron, on the TP group) or "
+                    f"'{ALL_TO_ALL}' (Ulysses, on the mesh's sp dimension)")
+    return None
+
+
+def sequence_parallel_problems(r) -> list[str]:
+    """What stops either kind of sequence parallelism on ``r`` (a :class:`shardlib.passes.Resolved`)."""
+    problems = [] if r.plan.trunk else ["sequence_parallel needs the policy's layer trunk (Plan.trunk)"]
+    for pattern in r.plan.sequence_dropout:
+        problems += [f"{p}: sequence_dropout applies to nn.Dropout, found {type(r.modules[p]).__name__}"
+                     for p in r.match(pattern, "sequence_dropout") if not isinstance(r.modules[p], torch.nn.Dropout)]
+    return problems
+
+
+class MegatronSequenceParallel:
+    """The pass of ``sequence_parallel=True``: norms, dropout and residuals on 1/tp of the sequence (module
+    docstring). ``prepare`` runs before the styles, which route their collectives through ``r.sequence``."""
+
+    def problems(self, r) -> list[str]:
+        return sequence_parallel_problems(r)
+
+    def prepare(self, r) -> None:
+        if r.tp > 1:
+            r.sequence = SequenceParallel(r.group, r.tp)
+
+    def install(self, r) -> None:
+        if r.sequence is not None:
+            install_sequence_parallel(r, r.sequence)
+
+
+def install_sequence_parallel(r, sp: SequenceParallel, *, all_to_all: bool = False) -> None:
+    """Scatter the sequence at each stack's first layer and gather it after the last; per-rank dropout streams on
+    sequence-sharded activations; one all-reduce over the sequence group of the gradient of every parameter in the
+    layers that the group replicates (Megatron: the TP-replicated ones; all-to-all: all)."""
+    from .styles import LocalRNG
+
+    model, stream = r.model, "sequence-parallel" if all_to_all else "tensor-parallel"
+    for pattern in r.plan.sequence_dropout:
+        for path in r.match(pattern):
+            LocalRNG(stream=stream).apply(path, model.get_submodule(path), r.shard_context(""))
+    grad_sync = ReplicatedGradSync(sp.group, tp_sharded_too=all_to_all)
+    for k, stack in enumerate(r.plan.trunk):
+        layers = list(model.get_submodule(stack.layers)._modules.values())
+        if not layers:
+            continue
+        owner = stack.layers.rpartition(".")[0]
+        _hook_stack(sp, k, layers, model.get_submodule(owner) if owner else model)
+        for layer in layers:
+            grad_sync(layer)
+            layer.register_forward_pre_hook(grad_sync)
+
+
+def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Module) -> None:
+    """Stack ``k``: scatter before its first layer, gather after its last; in eager mode saved activations are kept
+    as shards (:meth:`SequenceParallel.saving_shards`) from the first layer until the stack's owner returns or
+    raises, whichever layer raised."""
+    seq, saving = sp.stream(k), []
+
+    def enter(mod, args, kwargs):
+        if not sp.saving_managed_outside and not torch.compiler.is_compiling():
+            saving.append(sp.saving_shards())
+            saving[-1].__enter__()
+        return (seq.enter(args[0]), *args[1:]), kwargs
+
+    def leave(mod, args, out):
+        if saving:
+            saving.pop().__exit__(None, None, None)
+        return seq.leave(out) if isinstance(out, torch.Tensor) else (seq.leave(out[0]), *out[1:])
+
+    def close(mod, args, out):
+        while saving:
+            saving.pop().__exit__(None, None, None)
+
+    layers[0].register_forward_pre_hook(enter, with_kwargs=True)
+    layers[-1].register_forward_hook(leave, always_call=True)
+    owner.register_forward_hook(close, always_call=True)

@@ -50,14 +50,15 @@ def pipeline_equivalence(spec: dict) -> dict:
     loose = spec["cls"] in ("BertLMHeadModel", "ViTForMaskedImageModeling")
     dtype = torch.float32 if loose else DTYPES[spec["dtype"]]
     mesh, ref, model, batch = build(spec)
-    if spec.get("compile"):
+    compile = {"backend": spec["compile"]} if spec.get("compile") else False
+    if compile:
         torch._dynamo.reset()
-        compiled = shardlib.compiling.stage_layers(model)
-        shardlib.compiling.compile_model(model, backend=spec["compile"])
-        assert compiled and all(layer._compiled_call_impl is not None for layer in compiled)
     has_loss = not spec["cls"].endswith("Model") or spec["cls"].endswith("LMHeadModel")  # base models: no loss
     trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
-                      loss_fn=None if has_loss else first_output_objective)
+                      loss_fn=None if has_loss else first_output_objective, compile=compile)
+    if compile:  # the Trainer compiled each layer of this rank's stages in place
+        layers = shardlib.compiling.stage_layers(model)
+        assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     loss = trainer.forward_backward(dp_shard(batch, mesh))
     trainer.reduce_gradients()
     ref_loss = reference_loss(ref, batch, has_loss)

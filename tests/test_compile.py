@@ -9,17 +9,14 @@ mappings are traced and functionalized), without Inductor's code generation, whi
 pipeline); the CI profile adds the other layouts, Inductor, T5 generation and more property examples.
 """
 
-import os
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compile_tasks
 import pipeline_tasks
+from profiles import CI, ci_only
 from strategies import bert_specs, t5_specs, vit_specs
-
-CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
 
 BERT = {"family": "bert", "cls": "BertForMaskedLM", "tp": 2, "seq": 7, "batch": 2, "padding": True,
         "dtype": "float32", "seed": 3,
@@ -37,9 +34,9 @@ ALL_KERNELS = {"kernels": {"fused_qkv": True, "dropout_add": True, "bias_gelu": 
 #: None today: a break listed here would be tolerated, any other fails the test.
 TRANSFORMERS_BREAKS: dict[str, int] = {}
 
-LAYOUTS = {"bert-tp-all-kernels": {**BERT, **ALL_KERNELS}, "t5-megatron-sp": {**T5, "sp": True}}
+LAYOUTS = {"bert-tp-all-kernels": {**BERT, **ALL_KERNELS}, "vit-all-to-all": {**VIT, **ALL_TO_ALL, "tp": 1}}
 if CI:
-    LAYOUTS |= {"bert-megatron-sp": {**BERT, "sp": True}, "vit-all-to-all": {**VIT, **ALL_TO_ALL, "tp": 1},
+    LAYOUTS |= {"bert-megatron-sp": {**BERT, "sp": True}, "t5-megatron-sp": {**T5, "sp": True},
                 "bert-all-to-all": {**BERT, **ALL_TO_ALL, "tp": 1}, "vit-tp-eval": {**VIT, "eval": True},
                 "vit-megatron-all-kernels": {**VIT, "sp": True, **ALL_KERNELS},
                 "t5-tp-kernels": {**T5, "kernels": {"fused_qkv": True, "dropout_add": True}},
@@ -77,7 +74,7 @@ def test_compiled_training_step_matches_eager(pool, spec):
         assert compared["outputs"] >= 1
 
 
-@pytest.mark.skipif(not CI, reason="CI profile only (about 35 s on two cores)")
+@ci_only("about 35 s on two cores")
 @pytest.mark.parametrize("spec", [pytest.param({**_no_dropout(BERT), "compile": "inductor"}, id="bert-tp-inductor"),
                                   pytest.param({**_no_dropout(VIT), **ALL_TO_ALL, "tp": 1, "compile": "aot_eager"},
                                                id="vit-all-to-all")])
@@ -93,7 +90,7 @@ def test_compiled_dropout_keeps_replicas_in_step(pool, backend):
     assert results[0]["losses"] == results[1]["losses"]  # the TP pair computes one loss
 
 
-@pytest.mark.skipif(not CI, reason="CI profile only (about 20 s on two cores)")
+@ci_only("about 20 s on two cores")
 def test_compiled_t5_generate_equals_eager(pool):
     results = pool.run(compile_tasks.compiled_generate, {**_no_dropout(T5), "compile": "aot_eager"}, timeout_s=300)
     assert results[0] == results[1]

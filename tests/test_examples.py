@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+
+from profiles import ci_only
 import sys
 from pathlib import Path
 
@@ -36,6 +38,7 @@ def test_vit_digits_demo_tp2_pp2_matches_unsharded_loss():
     assert re.search(r"final test accuracy \d+\.\d%", out), out
 
 
+@ci_only("about 28 s; one script from one process to a mesh is also test_train_processes' world-of-one test")
 def test_t5_seq2seq_same_first_losses_in_one_process_and_on_dp2_tp2():
     options = ["examples/t5_seq2seq.py", "--max-steps", "3", "--eval-interval", "3", *QUIET]
     alone = _run(options)

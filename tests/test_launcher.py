@@ -7,6 +7,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from profiles import ci_only
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARDLIB = [sys.executable, "-m", "shardlib.cli"]
 
@@ -23,6 +25,7 @@ def test_demo_losses_match_on_two_ranks():
     assert "MATCH" in result.stdout and "tp=2 loss" in result.stdout
 
 
+@ci_only("about 13 s; all-to-all equivalence runs on the rank pool in test_all_to_all.py")
 def test_demo_all_to_all_sequence_parallel_matches_on_two_ranks():
     result = _run(["run", "--nproc", "2", "examples/bert_tp_demo.py", "--layers", "2", "--hidden", "64",
                    "--heads", "4", "--vocab", "1001", "--steps", "3", "--seq", "15", "--sp", "2"])

@@ -81,6 +81,7 @@ class TrainingArguments:
                                                    "(FSDP2)"})
     offload: bool = field(default=False, metadata={"help": "zero=3: parameters and optimizer state in CPU memory"})
     activation_checkpointing: bool = False
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model (pipeline stages: their layers)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
 
     def __post_init__(self):
@@ -101,7 +102,7 @@ class TrainingArguments:
         return {"microbatches": self.microbatches, "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "zero": self.zero, "offload": self.offload,
                 "master_weights": self.master_weights, "loss_scaler": self.loss_scaler(),
-                "activation_checkpointing": self.activation_checkpointing}
+                "activation_checkpointing": self.activation_checkpointing, "compile": self.compile}
 
     def loss_scaler(self) -> dict | None:
         """The fp16 loss scaler's settings (:class:`shardlib.train.DynamicLossScaler`), None for other precisions."""

@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.utils import get_total_norm
 
 from ..collectives import all_reduce_flat, reduce_flat
+from ..compiling import compile_model
 from ..fsdp import apply_fsdp, local, reshard
 from ..layout import named_layouts
 from ..pipeline import PipelineRunner, check_schedule
@@ -87,7 +88,9 @@ class Trainer:
     ``loss_scaler=DynamicLossScaler(...)`` or a dict of its settings; a step with an inf/nan gradient anywhere in
     the mesh is skipped everywhere, ``last_step_skipped``). ``master_weights``: the optimizer steps fp32 copies of
     fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too, 3 the parameters too
-    (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only).
+    (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
+    ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages compile their
+    layers; see :mod:`shardlib.compiling` and docs/compile.md).
 
     Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
     subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
@@ -100,7 +103,7 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: Callable | None = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", max_grad_norm: float | None = None,
                  precision: str = "fp32", loss_scaler=None, master_weights: bool = False, zero: int = 0,
-                 offload: bool = False, activation_checkpointing: bool = False,
+                 offload: bool = False, activation_checkpointing: bool = False, compile: bool | dict = False,
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward_step: Callable | None = None):
         state = shard_state(model)
@@ -119,6 +122,10 @@ class Trainer:
         self.custom_forward = forward_step is not None or type(self).forward_step is not Trainer.forward_step
         if activation_checkpointing:
             rng_safe_checkpointing(model)
+        if compile:  # after checkpointing, before FSDP, as torchtitan orders them
+            if zero == 3:
+                raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
+            compile_model(model, **(compile if isinstance(compile, dict) else {}))
         self.fsdp = apply_fsdp(model, offload=offload) if zero == 3 else []
         if self.fsdp:
             params = list(model.parameters())  # dp-sharded DTensors now

@@ -1,0 +1,28 @@
+"""Import shardlib from this checkout without ``pip install`` (the GPU machine runs benchmarks from a plain copy):
+``shardlib.kernels`` -> kernels/, ``shardlib.policies`` -> policies/, as pyproject's package-dir maps them. Importing
+this module installs the mapping (once)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _RepoLayout(importlib.abc.MetaPathFinder):
+    DIRS = {"shardlib.kernels": ROOT / "kernels", "shardlib.policies": ROOT / "policies"}
+
+    def find_spec(self, name, path=None, target=None):
+        directory = self.DIRS.get(name)
+        if directory is None or not (directory / "__init__.py").exists():
+            return None
+        return importlib.util.spec_from_file_location(name, directory / "__init__.py",
+                                                      submodule_search_locations=[str(directory)])
+
+
+if (ROOT / "shardlib" / "__init__.py").exists() and not any(isinstance(f, _RepoLayout) for f in sys.meta_path):
+    sys.path.insert(0, str(ROOT))
+    sys.meta_path.insert(0, _RepoLayout())

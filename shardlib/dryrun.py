@@ -1,0 +1,334 @@
+"""``shardlib.plan`` / ``shardlib plan``: what a layout costs on every rank, without starting any ranks.
+
+The model is built on the meta device from its config and sharded by :func:`shardlib.shard` inside
+:func:`shardlib.mesh.fake_world` (torch's fake process group: collectives return at once), so the numbers come
+from the code a real rank runs, not from a model of it:
+
+* rewrites: the :class:`~shardlib.sharder.ShardReport` of the sharded model (pipeline rank 0's; the rewrites are
+  the same on every rank);
+* bytes per rank of each pipeline stage (every dp, sp and tp rank of a stage holds as many: tp shards are padded
+  to equal shapes): parameters (``ShardReport.local_bytes``), gradients (the parameters requiring grad), AdamW
+  state (``torch.optim.AdamW`` stepped once on the meta gradients of the Trainer's parameter list: exp_avg,
+  exp_avg_sq and the step tensor of every parameter that got a gradient, as a real step allocates them); with
+  dp > 1 also under ZeRO 1 and 2 (the partition torch's ``ZeroRedundancyOptimizer`` computes over the dp group,
+  as the Trainer builds it; zero-2 gradients: those a rank keeps after the reduce) and, without a pipeline, 3
+  (FSDP2's local shards: dim 0 of every tensor cut like ``torch.chunk``; computed from that rule, not run);
+* collectives: one forward and backward of a generated batch (meta tensors, :func:`~shardlib.metarun.
+  example_batch`) per pipeline stage, each stage on its own rank's sharded model, run by its
+  :class:`~shardlib.pipeline.StageModule` as in a real step (the previous stage's outputs as its inputs, meta
+  gradients for its outputs): exact per stage, and no stage is inferred from another. Every collective is
+  recorded with its op, mesh dim, and the bytes this rank puts in, and attributed to the innermost module whose
+  forward ran it or created the autograd node whose backward runs it
+  (:class:`~shardlib.metarun.CollectiveRecorder`), hence to a trunk layer. Then the step's collectives run the
+  same way: the pipeline's tied-gradient sum and the Trainer's dp all-reduce of the gradients (``all_reduce_flat``,
+  without ZeRO); the Trainer's scalar all-reduces (loss, item counts, used flags) are left out;
+* pipeline boundaries: the tensors a stage sends on per microbatch (forward) and the gradients it gets back.
+
+Under sequence parallelism a real backward all-gathers each saved sequence again (Megatron; all-to-all exchanges
+its saved attention output again, ``SequenceParallel.saving_shards``); those are matched by storage identity, which
+meta tensors have too, so the dry run records them as a real run does (tests/test_plan.py compares them).
+
+When torch.distributed is already initialized (a real run), ``fake_world`` cannot be used in this process and the
+dry run is done by ``python -m shardlib.cli plan ... --json`` in a subprocess, rebuilt from its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import all_reduce_flat
+from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
+    Collective, LayerCollectives, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
+)
+from .mesh import fake_world, init_mesh
+from .metarun import CollectiveRecorder, PlanInputError, example_batch, group_dims, meta_model, tensor_spec
+from .plan import PlanError
+from .sharded import shard_state
+from .sharder import shard
+
+MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"  # shard(sequence_parallel=...)'s modes (True is Megatron too)
+
+
+# ------------------------------------------------------------------------------------------- running a stage
+def _objective(out) -> torch.Tensor:
+    """What backward starts from: the model's loss, else the sum of its first output (a Trainer ``loss_fn``)."""
+    if not torch.is_tensor(out):
+        out = out["loss"] if out.get("loss") is not None else out[0]
+    return out if out.dim() == 0 else out.float().sum()
+
+
+def _forward_backward(model: nn.Module, inputs: dict, received: tuple) -> tuple:
+    """One microbatch through this rank's stage (the whole model when pp = 1), forward and backward as a training
+    step runs it (:class:`~shardlib.pipeline.StageModule` with the runner's arguments; meta gradients for what the
+    stage sends). Returns the tensors the stage sends on (none from the last stage)."""
+    split = shard_state(model).pipeline
+    if split is None:
+        _objective(model(**inputs)).backward()
+        return ()
+    stage = split.stage_modules[0]
+    if stage.index == 0:
+        stage.input_name = next(iter(inputs))
+        received = (inputs[stage.input_name],)
+    out = stage(*received, **inputs)
+    if stage.route.is_last:
+        _objective(out[0]).backward()
+        return ()
+    needs = [t for t in out if t.requires_grad]
+    torch.autograd.backward(needs, [torch.empty_like(t) for t in needs])
+    return out
+
+
+def _adamw_state(params: list[nn.Parameter]) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> bytes of its AdamW state after one step (only parameters with a gradient get state), as
+    (tensors shaped like the parameter: exp_avg and exp_avg_sq, the others: the step)."""
+    optimizer = torch.optim.AdamW(params, foreach=True)  # the same state as the default, in fewer (meta) ops
+    optimizer.step()
+    state = {}
+    for p, s in optimizer.state.items():
+        tensors = [t for t in s.values() if torch.is_tensor(t)]
+        shaped = _nbytes(t for t in tensors if t.shape == p.shape)
+        state[id(p)] = (shaped, _nbytes(tensors) - shaped)
+    return state
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _fsdp_local(nbytes: int, p: torch.Tensor, dp: int, rank: int) -> int:
+    """Of ``nbytes`` laid out like ``p``, what dp rank ``rank`` holds under FSDP2: dim 0 cut like ``torch.chunk``
+    (``ceil(n / dp)`` rows per rank, the last ranks fewer or none; FSDP2 pads every rank's memory to the first's)."""
+    n = p.shape[0] if p.dim() else 1
+    per = -(-n // dp)
+    return max(0, min(per, n - rank * per)) * (nbytes // n)
+
+
+def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh) -> list[ZeroBytes]:
+    """Bytes per dp rank under ZeRO 1 and 2 (torch's ZeroRedundancyOptimizer partition, as the Trainer builds it)
+    and, without a pipeline, 3 (FSDP2's local shards of parameters, gradients and AdamW state)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dp = mesh.dp
+    if dp == 1:
+        return []
+    parts = ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=mesh.group("dp"))._partition_parameters()
+    owned = [[p for group in part for p in group["params"]] for part in parts]
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = [sum(sum(state.get(id(p), (0, 0))) for p in mine) for mine in owned]
+    zero = [ZeroBytes(1, [_nbytes(params)] * dp, [_nbytes(trainable)] * dp, optimizer),
+            ZeroBytes(2, [_nbytes(params)] * dp, [_nbytes(p for p in mine if p.requires_grad) for mine in owned],
+                      optimizer)]
+    if mesh.pp == 1:
+        ranks = range(dp)
+        zero.append(ZeroBytes(
+            3, [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in params) for r in ranks],
+            [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in trainable) for r in ranks],
+            [sum(_fsdp_local(state[id(p)][0], p, dp, r) + state[id(p)][1] for p in params if id(p) in state)
+             for r in ranks]))
+    return zero
+
+
+def _stage_paths(model: nn.Module, index: int) -> tuple[list[str], list[str]]:
+    """(trunk layers, module paths) of pipeline stage ``index``; without a pipeline, of the whole model."""
+    from .pipeline import stage_plan
+
+    state = shard_state(model)
+    if state.pipeline is not None:
+        plan = state.pipeline.plan
+    else:
+        try:
+            plan = stage_plan(model, state.plan.trunk, 1)
+        except PlanError:  # no trunk: one stage of no layers
+            return [], [""]
+    return list(plan.layers[index]), list(plan.modules[index])
+
+
+def _by_layer(records: list[Collective], layers: list[str]) -> list[LayerCollectives]:
+    """Per-microbatch collectives by trunk layer (the layer whose path prefixes the module), then the rest."""
+    entries = {layer: LayerCollectives(layer) for layer in layers}
+    outside = LayerCollectives("")
+    for c in records:
+        layer = next((la for la in layers if c.module == la or c.module.startswith(la + ".")), None)
+        (entries[layer] if layer is not None else outside).collectives.append(c)
+    return list(entries.values()) + ([outside] if outside.collectives else [])
+
+
+def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, inputs: dict, received: tuple):
+    """Shard ``model`` as the ranks of pipeline stage ``index`` do (fake rank (dp, pp, sp, tp) = (0, index, 0, 0)),
+    run one microbatch through it and the step's collectives. Returns (StageInfo, sent tensors, ShardReport)."""
+    dp, pp, sp, tp = (sizes[d] for d in ("dp", "pp", "sp", "tp"))
+    with fake_world(dp * pp * sp * tp, rank=index * sp * tp):
+        mesh = init_mesh(dp, pp, tp, sp=sp)
+        shard(model, mesh, **shard_options)
+        state = shard_state(model)
+        params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())  # the Trainer's
+        recorder = CollectiveRecorder(model, group_dims(mesh))
+        with recorder:
+            try:
+                sent = _forward_backward(model, inputs, received)
+            except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
+                raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
+                                     f"{str(exc).splitlines()[0]}") from None
+            recorder.phase = "step"
+            if state.pipeline is not None:
+                state.pipeline.sync_tied_grads()
+            if dp > 1:  # the Trainer's reduce_gradients without ZeRO: one flat all-reduce per dtype
+                all_reduce_flat([p.grad for p in params if p.grad is not None], mesh.group("dp"))
+        optimizer = _adamw_state(params)
+        zero = _zero(params, optimizer, mesh)
+    layers, modules = _stage_paths(model, index)
+    per_microbatch = [c for c in recorder.records if c.phase != "step"]
+    info = StageInfo(index=index, layers=layers, modules=modules, parameter_bytes=state.report.local_bytes,
+                     gradient_bytes=_nbytes(p for p in params if p.requires_grad),
+                     optimizer_bytes=sum(a + b for a, b in optimizer.values()), zero=zero,
+                     collectives=_by_layer(per_microbatch, layers),
+                     step=[c for c in recorder.records if c.phase == "step"], sends=[tensor_spec(t) for t in sent])
+    return info, sent, state.report
+
+
+# -------------------------------------------------------------------------------------------------- the API
+def _check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanInputError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _mode(sequence_parallel, sp: int):
+    """shard()'s ``sequence_parallel`` (None: all-to-all when sp > 1, else off) and its name in the report."""
+    if sequence_parallel is None:
+        sequence_parallel = ALL_TO_ALL if sp > 1 else False
+    name = {False: "off", True: MEGATRON, MEGATRON: MEGATRON, ALL_TO_ALL: ALL_TO_ALL}.get(sequence_parallel)
+    return sequence_parallel, name or str(sequence_parallel)
+
+
+def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1, sequence_parallel=None, cls=None,
+         batch: int = 8, seq: int = 128, microbatches: int = 1, dtype=None, policy=None) -> PlanReport:
+    """Dry run of sharding ``model_or_config`` over dp x pp x sp x tp ranks, with no ranks: a :class:`PlanReport`
+    of the rewrites, bytes per rank of every pipeline stage (parameters, gradients, AdamW state, ZeRO), what
+    crosses each stage boundary, and every collective of a training step, per layer (module docstring).
+
+    ``model_or_config``: a model (only its class, config and dtype are used), a transformers config, a model
+    directory or a config.json file. ``cls``: the model class or its name in transformers (default: the model's,
+    else the config's ``architectures[0]``). ``sequence_parallel``, ``policy``: as :func:`shardlib.shard` (default:
+    all-to-all when ``sp > 1``). ``batch`` x ``seq``: one microbatch of one dp rank (the inputs and labels of the
+    model's task, :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the parameters (default: the
+    model's, else torch's default dtype).
+
+    Raises :class:`~shardlib.PlanError` (the one :func:`shardlib.shard` raises) for a refused layout and
+    :class:`PlanInputError` for bad input. Run from a process where torch.distributed is initialized, the dry run
+    happens in a ``python -m shardlib.cli plan`` subprocess (then ``policy`` must be None).
+    """
+    _check_sizes(tp=tp, pp=pp, dp=dp, sp=sp, batch=batch, seq=seq, microbatches=microbatches)
+    if dist.is_initialized():
+        return _plan_in_subprocess(model_or_config, cls, dtype, policy, dict(
+            tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
+            microbatches=microbatches))
+    from shardlib.policies import policy_for
+
+    base = meta_model(model_or_config, cls, dtype)
+    try:
+        policy = policy or policy_for(base)
+    except PlanError as exc:
+        raise PlanInputError(str(exc)) from None
+    inputs = example_batch(base, batch, seq)
+    mode, mode_name = _mode(sequence_parallel, sp)
+    sizes, stages, received, sharding = dict(dp=dp, pp=pp, sp=sp, tp=tp), [], (), None
+    with torch.random.fork_rng(devices=[]):  # shard() seeds its dropout streams; the caller's RNG is left alone
+        for index in range(pp):
+            model = base if pp == 1 else copy.deepcopy(base)
+            info, sent, report = _plan_stage(model, index, sizes, dict(policy=policy, sequence_parallel=mode),
+                                             inputs, received)
+            stages.append(info)
+            sharding = sharding or report
+            received = tuple(t.detach().requires_grad_(t.requires_grad) for t in sent)
+    return PlanReport(model_class=type(base).__name__, policy=policy.name, mesh=sizes, sequence_parallel=mode_name,
+                      microbatches=microbatches, inputs={k: tensor_spec(v) for k, v in inputs.items()},
+                      sharding=sharding, stages=stages)
+
+
+def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> PlanReport:
+    """The dry run in ``python -m shardlib.cli plan ... --json`` (this process is a real rank: fake_world refuses)."""
+    if policy is not None:
+        raise PlanInputError("torch.distributed is initialized here, so the dry run goes to a subprocess, which cannot "
+                             "take a policy object: call shardlib.plan(..., policy=...) before init_mesh")
+    if isinstance(model_or_config, nn.Module):
+        cls = cls or type(model_or_config)
+        dtype = dtype or next(model_or_config.parameters()).dtype
+    sequence_parallel, sp = options.pop("sequence_parallel"), options.pop("sp")
+    argv = [f"--{k}={v}" for k, v in options.items()]
+    if sequence_parallel in (True, MEGATRON):
+        argv += ["--sp", MEGATRON]
+    elif sp > 1 or sequence_parallel == ALL_TO_ALL:
+        argv += ["--sp", ALL_TO_ALL, str(sp)]
+    argv += [f"--class={cls if isinstance(cls, str) else cls.__name__}"] if cls is not None else []
+    argv += [f"--dtype={str(dtype).removeprefix('torch.')}"] if dtype is not None else []
+    with tempfile.TemporaryDirectory() as tmp:
+        source = model_or_config
+        if not isinstance(source, (str, os.PathLike)):
+            config = source.config if isinstance(source, nn.Module) else source
+            config.to_json_file(os.path.join(tmp, "config.json"))
+            source = tmp
+        done = subprocess.run([sys.executable, "-m", "shardlib.cli", "plan", os.fspath(source), *argv, "--json"],
+                              capture_output=True, text=True)
+    if done.returncode:
+        message = done.stderr.rpartition("shardlib plan: ")[2].strip() or done.stderr.strip()
+        raise (PlanError if done.returncode == 2 else PlanInputError)(message)
+    return PlanReport.from_dict(json.loads(done.stdout))
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def add_plan_parser(sub) -> None:
+    """The ``shardlib plan`` subcommand's arguments (``sub``: the CLI's subparsers)."""
+    description = ("Dry run of a layout, no ranks needed: every rewrite, bytes per rank of each pipeline stage "
+                   "(parameters, gradients, AdamW, ZeRO), stage boundaries, and the collectives of one training step "
+                   "per layer. Exit 2 when shard() refuses the layout, 1 on bad input.")
+    p = sub.add_parser("plan", help="dry run of a layout: bytes per rank, stages, collectives", description=description)
+    p.add_argument("source", help="model directory (with config.json) or a config.json file")
+    for dim in ("tp", "pp", "dp"):
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
+    p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
+                   help="sequence parallelism: 'megatron' (on the tp group) or 'all_to_all N' (N ranks per sequence)")
+    p.add_argument("--class", dest="cls", help="model class in transformers (default: the config's architectures[0])")
+    p.add_argument("--batch", type=int, default=8, help="examples per microbatch and dp rank (default 8)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128; image models: the config's)")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _sequence_args(values: list[str] | None) -> tuple[object, int]:
+    """``--sp`` as (sequence_parallel, sp size)."""
+    if not values:
+        return False, 1
+    if values[0] == MEGATRON and len(values) == 1:
+        return True, 1
+    if values[0] == ALL_TO_ALL and len(values) == 2 and values[1].isdigit():
+        return ALL_TO_ALL, int(values[1])
+    raise PlanInputError(f"--sp {' '.join(values)}: expected '--sp {MEGATRON}' (on the tp group) or "
+                         f"'--sp {ALL_TO_ALL} N' (N ranks per sequence)")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``shardlib plan``: print the report (text or JSON); 2 when the layout is refused, 1 on bad input."""
+    try:
+        sequence_parallel, sp = _sequence_args(args.sp)
+        report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
+                      cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype)
+    except PlanError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 2
+    except PlanInputError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+    return 0
