@@ -94,8 +94,10 @@ def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     dim = dim % x.dim()
     if dim == 0:
         return out
-    # [n * a, ...] -> [a, ..., n * d, ...] by views and one copy (no chunk + cat: symbolic sizes stay symbolic)
-    return out.unflatten(0, (group_size(group), -1)).movedim(0, dim).flatten(dim, dim + 1)
+    # [n * a, ...] -> [a, ..., n * d, ...] by views and one copy (no chunk + cat: symbolic sizes stay symbolic).
+    # Contiguous always: with a size-1 dim the flatten can be a strided view, and sequence parallelism re-creates
+    # a saved gathered tensor in backward assuming the contiguous layout
+    return out.unflatten(0, (group_size(group), -1)).movedim(0, dim).flatten(dim, dim + 1).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -208,8 +208,8 @@ def _retie(model: nn.Module, ties) -> None:
 
 # ---------------------------------------------------------------------------------------------- smaller passes
 class KernelsPass:
-    """The attention implementation (first, so that later wrappers wrap it) and the fused kernels (after the
-    styles: they fuse the sharded linears)."""
+    """The attention implementation (``prepare``, before any install, so that later wrappers wrap it) and the fused
+    kernels (``install``, after the styles: they fuse the sharded linears)."""
 
     def __init__(self, kernels: Kernels):
         self.kernels = kernels
@@ -303,7 +303,9 @@ def passes_for(r: Resolved) -> list:
     """The passes this ``shard`` call runs, in install order; problems of the options themselves go to
     ``r.problems``."""
     o, pp, sp = r.options, getattr(r.mesh, "pp", 1), getattr(r.mesh, "sp", 1)
-    passes: list = [KernelsPass(o["kernels"] or Kernels()), TensorParallel(r)]
+    # the kernels' prepare() (the attention implementation) runs before any install; their install() fuses the
+    # linears the styles made, so it comes after TensorParallel's
+    passes: list = [TensorParallel(r), KernelsPass(o["kernels"] or Kernels())]
     mode = o["sequence_mode"]
     if mode == ALL_TO_ALL:
         passes.append(AllToAllSequenceParallel())

@@ -91,7 +91,19 @@ def equivalence(spec: dict) -> dict:
     if spec["cls"] == "BertLMHeadModel":
         dtype = torch.float32  # HF's causal-LM loss runs in float32 (logits.float()), so gradients have fp32 noise
     check_kernels_installed(model, shard_options(spec)["kernels"])
-    return compare_training_step(ref, model, batch, dtype)
+    compared = compare_training_step(ref, model, batch, dtype)
+    check_fused_gemms_ran(model, shard_options(spec)["kernels"])
+    return compared
+
+
+def check_fused_gemms_ran(model, kernels) -> None:
+    """With fused QKV on, the fused GEMMs really ran on the sharded linears (installed before the styles replaced
+    the linears, they would silently never run)."""
+    from shardlib.kernels.fused_qkv import fused_group
+
+    if kernels.fused_qkv and dict(shardlib.shard_state(model).report.kernels).get("fused_qkv"):
+        groups = {id(g): g for m in model.modules() if (g := fused_group(m)) is not None}
+        assert groups and any(g.fused_gemms for g in groups.values()), list(groups.values())
 
 
 def check_kernels_installed(model, kernels) -> None:
