@@ -8,7 +8,9 @@ import os
 import torch
 
 import shardlib
-from rank_tasks import _gathered_copies, cases, scalar_objective, shard_options, spec_mesh
+from rank_tasks import (
+    _gathered_copies, cases, check_replicas_identical, scalar_objective, shard_options, spec_mesh, train_steps,
+)
 
 #: Source folders whose code must cause no graph break: shardlib's own (the package and its policies and kernels).
 _OWN = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
@@ -78,23 +80,8 @@ def compiled_dropout_streams(spec: dict, steps: int = 1) -> dict:
     torch.manual_seed(spec["seed"])
     model = shardlib.shard(cases(spec).make_model(spec), mesh, **shard_options(spec))
     model.train()
-    compiled = torch.compile(model, backend=spec["compile"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        batch = cases(spec).make_batch({**spec, "seed": spec["seed"] + step}, model.config)
-        loss = scalar_objective(compiled(**batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    checked = 0
-    for name, p, layout in shardlib.named_layouts(model):
-        if layout.is_sharded and not all_to_all:
-            continue
-        copies = _gathered_copies(p.detach(), group)
-        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across ranks"
-        checked += 1
+    losses = train_steps(model, torch.compile(model, backend=spec["compile"]), spec, steps)
+    checked = check_replicas_identical(model, group, all_to_all)
     tracker = shardlib.shard_state(model).rng_tracker
     stream = "sequence-parallel" if all_to_all else "tensor-parallel"
     masks = torch.compile(lambda x: shardlib.random.local_dropout(x, 0.5, *tracker.ranks[stream]),

@@ -201,6 +201,33 @@ def _gathered_copies(t: torch.Tensor, group) -> list[torch.Tensor]:
     return copies
 
 
+def train_steps(model, forward, spec: dict, steps: int) -> list[float]:
+    """``steps`` AdamW steps of ``forward`` (the model, or its compiled form) on the spec's batches (seeds + step)."""
+    opt = _adamw(model.parameters())
+    losses = []
+    for step in range(steps):
+        batch = cases(spec).make_batch({**spec, "seed": spec["seed"] + step}, model.config)
+        loss = scalar_objective(forward(**batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def check_replicas_identical(model, group, all_to_all: bool) -> int:
+    """Every parameter the group replicates (all of them under all-to-all) is bitwise equal across its ranks;
+    returns how many were checked."""
+    checked = 0
+    for name, p, layout in shardlib.named_layouts(model):
+        if layout.is_sharded and not all_to_all:
+            continue
+        copies = _gathered_copies(p.detach(), group)
+        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across ranks"
+        checked += 1
+    return checked
+
+
 def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dict:
     """Train with dropout; replicated parameters stay bitwise identical across the TP group, sharded-activation
     dropout draws differ across TP ranks, replicated-activation dropout draws agree. Under all-to-all sequence
@@ -213,22 +240,8 @@ def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dic
     tracker = shardlib.manual_seed(spec["seed"], mesh)
     shardlib.shard(model, mesh, rng_tracker=tracker, **shard_options(spec))
     model.train()
-    opt = _adamw(model.parameters())
-    losses = []
-    for step in range(steps):
-        batch = cases(spec).make_batch({**spec, "seed": spec["seed"] + step}, model.config)
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    checked = 0
-    for name, p, layout in shardlib.named_layouts(model):
-        if layout.is_sharded and not all_to_all:
-            continue
-        copies = _gathered_copies(p.detach(), group)
-        assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across ranks"
-        checked += 1
+    losses = train_steps(model, model, spec, steps)
+    checked = check_replicas_identical(model, group, all_to_all)
     with tracker.fork(stream):
         sharded_draw = torch.rand(64)
     replicated_draw = torch.rand(64)

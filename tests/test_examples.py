@@ -50,6 +50,7 @@ def test_t5_seq2seq_same_first_losses_in_one_process_and_on_dp2_tp2():
         assert out.count("  sort(") == 4, out
 
 
+@ci_only("about 15 s; Trainer.fit at tp=2 is covered by the demo test and test_train.py on the rank pool")
 def test_bert_sst2_short_fit_at_tp2():
     out = _run(["-m", "shardlib.cli", "run", "--nproc", "2", "examples/bert_sst2.py", "--tp", "2", "--max-steps", "4",
                 "--train-samples", "128", "--eval-samples", "50", "--eval-interval", "2", *QUIET])

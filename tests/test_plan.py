@@ -17,6 +17,7 @@ import torch.distributed as dist
 from transformers import BertConfig, T5Config
 
 import shardlib
+from profiles import ci_only
 from rank_tasks import CollectiveCounter
 from shardlib import cli
 from shardlib.dryrun import PlanInputError, PlanReport, TensorSpec
@@ -266,6 +267,7 @@ def test_plan_function_and_plan_module_coexist():
     assert (module.Plan, module.PlanError, module.Stack) == (Plan, Error, Stack) == (shardlib.Plan, PlanError, Stack)
 
 
+@ci_only("about 7 s: a subprocess that imports torch and transformers")
 def test_inside_a_real_run_the_dry_run_goes_to_a_subprocess():
     expected = shardlib.plan(BertConfig(**BERT), tp=2, batch=BATCH, seq=SEQ)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
