@@ -166,7 +166,8 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
         # cross-attention has no relative bias (T5 passes zeros shaped by the local query chunk): drop it
         kwargs["position_bias"] = None if ctx.cross else (
             bias.narrow(1, ctx.rank * share, share) if bias.shape[1] == heads else bias)
-    out, _ = call_attention(module, ctx.implementation, query, key, value, attention_mask, **kwargs)
+    # ctx.implementation is the local-rng wrapper when the heads have a per-rank stream (it handles compiled dropout)
+    out, _ = inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
     sp = ctx.stream.sp
     exchanged = all_to_all((sp.pad(out),), ctx.group, scatter_dim=1, gather_dim=2)[0]  # [b, L, h/n, d] padded
     # the output projection saves ``exchanged``; keep ``out`` (which SDPA's fused kernel saves anyway) instead

@@ -43,14 +43,15 @@ class Resolved:
     model: nn.Module
     mesh: object
     plan: Plan
-    policy_name: str
     options: dict
     report: object  # shardlib.sharder.ShardReport
     modules: dict[str, nn.Module] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     _matches: dict = field(default_factory=dict)
-    #: set while installing: the Megatron sequence-parallel state (styles route their collectives through it)
+    #: set while installing: the sequence-parallel state (Megatron: the styles route their collectives through it)
     sequence: SequenceParallel | None = None
+    #: set by the pipeline pass: this rank's stages
+    split: pipeline.PipelineSplit | None = None
 
     def __post_init__(self):
         self.modules = dict(self.model.named_modules())
@@ -234,17 +235,14 @@ class VocabParallelLoss:
         problems = []
         if spec.kind not in LOSSES:
             problems.append(f"loss kind {spec.kind!r} is not one of {', '.join(sorted(LOSSES))}")
-        if not any(isinstance(s, VocabParallel) for s in as_tuple(_styles_at(r, spec.head))):
+        head_styles = [s for pattern, styles in r.plan.styles.items() if spec.head in r.match(pattern)
+                       for s in as_tuple(styles)]
+        if not any(isinstance(s, VocabParallel) for s in head_styles):
             problems.append(f"loss head {spec.head!r} must be styled VocabParallel in the plan")
         return problems
 
     def install(self, r: Resolved) -> None:
         install_vocab_parallel_loss(r.model, r.plan.loss, r.options["gather_logits"])
-
-
-def _styles_at(r: Resolved, path: str) -> tuple:
-    return tuple(s for pattern, styles in r.plan.styles.items() if path in match_modules(pattern, [path])
-                 for s in as_tuple(styles))
 
 
 class ReplicatedInputCheck:
@@ -296,7 +294,7 @@ class PipelinePass:
         split = pipeline.PipelineSplit(r.model, r.plan.trunk, self.stage_plan, r.mesh, r.options["stages_per_rank"])
         if r.sequence is not None:
             split.sequence, r.sequence.saving_managed_outside = r.sequence, True
-        r.options["split"] = split
+        r.split = split
 
 
 def passes_for(r: Resolved) -> list:

@@ -121,9 +121,9 @@ def shard(
     policy = policy or policy_for(model)
     options = dict(gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
                    stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
-                   sequence_parallel=sequence_parallel, split=None, rng_tracker=rng_tracker)
+                   sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
-    r = Resolved(model, mesh, policy.plan(model, mesh.tp), policy.name, options, report)
+    r = Resolved(model, mesh, policy.plan(model, mesh.tp), options, report)
     options["sequence_mode"] = sequence_mode(sequence_parallel, r.problems)
     passes = passes_for(r)
     problems = [problem for p in passes for problem in p.problems(r)]
@@ -143,10 +143,9 @@ def shard(
             p.prepare(r)
     for p in passes:
         p.install(r)
-    split = options["split"]
-    report.local_bytes = _param_bytes(split.local_parameters() if split else model.parameters())
+    report.local_bytes = _param_bytes(r.split.local_parameters() if r.split else model.parameters())
     ShardState(mesh=mesh, policy=policy, plan=r.plan, report=report, rng_tracker=options["rng_tracker"],
-               pipeline=split).attach(model)
+               pipeline=r.split).attach(model)
     log.info("%s", report)
     return model
 

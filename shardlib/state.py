@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .sequence import rehook_replicated_grads
-
 from .collectives import all_gather
 from .layout import layout_of
+from .sequence import rehook_replicated_grads
 from .sharded import shard_state
 
 

@@ -91,3 +91,22 @@ def test_trainer_refuses_compile_with_zero3():
         model = shardlib.shard(cls(config), shardlib.init_mesh(dp=2))
         with pytest.raises(ValueError, match="compile=True with zero=3"):
             shardlib.Trainer(model, lambda params: torch.optim.AdamW(params), zero=3, compile=True)
+
+
+def test_fake_world_refuses_an_initialized_process_and_bad_sizes():
+    import torch.distributed as dist
+
+    from shardlib.mesh import MeshError
+
+    for world, rank in ((0, 0), (2, 2)):
+        with pytest.raises(MeshError, match="fake_world needs world_size >= 1"):
+            with fake_world(world, rank):
+                pass
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(MeshError, match="already initialized"):
+            with fake_world(2, 0):
+                pass
+        assert dist.get_backend() == "gloo"  # the real group is still there
+    finally:
+        dist.destroy_process_group()

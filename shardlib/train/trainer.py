@@ -111,6 +111,8 @@ class Trainer:
         check_precision(precision, params, master_weights, loss_scaler)
         check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights)
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn)
+        if compile and zero == 3:  # checked before anything changes the model
+            raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
         check_schedule(schedule, self.split)
         self.microbatches, self.schedule_name = microbatches, schedule
@@ -123,8 +125,6 @@ class Trainer:
         if activation_checkpointing:
             rng_safe_checkpointing(model)
         if compile:  # after checkpointing, before FSDP, as torchtitan orders them
-            if zero == 3:
-                raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
             compile_model(model, **(compile if isinstance(compile, dict) else {}))
         self.fsdp = apply_fsdp(model, offload=offload) if zero == 3 else []
         if self.fsdp:
