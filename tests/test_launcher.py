@@ -18,6 +18,7 @@ def _run(args, timeout=240):
     return subprocess.run([*SHARDLIB, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@ci_only("about 15 s; the demo's tp x pp equivalence is test_examples' demo test, the launcher the kill tests here")
 def test_demo_losses_match_on_two_ranks():
     result = _run(["run", "--nproc", "2", "examples/bert_tp_demo.py", "--layers", "2", "--hidden", "64",
                    "--heads", "4", "--vocab", "1001", "--steps", "3", "--seq", "16"])
