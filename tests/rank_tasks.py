@@ -366,12 +366,14 @@ def checkpoint_round_trip(spec: dict, workdir: str) -> dict:
     mesh_a, options_a = layout("a")
     model_a = ckpt.from_pretrained(cls, hf_dir, mesh_a, **options_a)
     n = check_bitwise(model_a, f"HF -> {mesh_a}")
-    write_files, wrote = ckpt._write_files, []
-    ckpt._write_files = lambda *args: wrote.append(True) or write_files(*args)  # which ranks write data files
+    from shardlib.checkpoint import saving as ckpt_save
+
+    write_files, wrote = ckpt_save._write_files, []
+    ckpt_save._write_files = lambda *args: wrote.append(True) or write_files(*args)  # which ranks write data files
     try:
         ckpt.save(model_a, sharded_dir, overwrite=True)
     finally:
-        ckpt._write_files = write_files
+        ckpt_save._write_files = write_files
     mesh_b, options_b = layout("b")
     model_b = ckpt.from_sharded(cls, sharded_dir, mesh_b, **options_b)
     check_bitwise(model_b, f"sharded {mesh_a} -> {mesh_b}")

@@ -1,7 +1,7 @@
 """Checkpoints: HF -> shards, sharded save, reshard, export to HF, on 4 gloo ranks; bad input, single process."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import rank_tasks
 from strategies import bert_specs, t5_specs, vit_specs
@@ -37,6 +37,9 @@ from transformers import BertConfig, BertForMaskedLM, ViTConfig, ViTModel  # noq
 
 import shardlib  # noqa: E402
 from shardlib import checkpoint as ckpt  # noqa: E402
+from shardlib import safetensors_io as sio  # noqa: E402
+from shardlib.checkpoint import saving as ckpt_save  # noqa: E402
+from shardlib.safetensors_io import base as sio_base, reader as sio_reader  # noqa: E402
 from shardlib.mesh import OfflineMesh  # noqa: E402
 from shardlib import cli as shardlib_cli  # noqa: E402
 
@@ -164,7 +167,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(sharded_dir, monkeypatch):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    real_write = ckpt._OutFile.write
+    real_write = sio.OutFile.write
 
     def dying_write(self, view, offset):
         if offset:  # after the header: write part of a block, then the process dies
@@ -172,8 +175,8 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(sharded_dir, monkeypatch):
             raise RuntimeError("rank died")
         real_write(self, view, offset)
 
-    monkeypatch.setattr(ckpt._OutFile, "write", dying_write)
-    with pytest.raises(RuntimeError, match="rank died"):
+    monkeypatch.setattr(sio.OutFile, "write", dying_write)
+    with pytest.raises(ckpt.CheckpointError, match="rank 0: RuntimeError: rank died"):
         ckpt.save(model, directory, overwrite=True)
     assert cli("verify", str(directory)).returncode == 0
     reloaded = BertForMaskedLM(BertConfig(**CONFIG))
@@ -258,23 +261,41 @@ def slice_cases(draw):
 
 @settings(deadline=None)
 @given(case=slice_cases(), small_blocks=st.booleans())
+@example(case=((2, 7, 4), torch.float32, 1, 0, 3, 0), small_blocks=True)  # runs of 48 bytes: read one by one
+@example(case=((6, 5, 1), torch.float32, 1, 1, 2, 0), small_blocks=True)  # 4-byte runs: 64-byte row blocks
 def test_reader_slice_equals_slice_of_the_full_tensor(case, small_blocks):
     """Any dim, any rows, any dtype (bfloat16 included): the bytes read equal the full tensor's slice, into a fresh
-    tensor and into a strided view of a bigger one; with tiny blocks the row-block path and the run-by-run path
-    run too."""
+    tensor and into a strided view of a bigger one; with tiny blocks (64-byte blocks, runs of 16 bytes read one by
+    one) the row-block path and the run-by-run path run too: a strided slice of several rows then takes more than
+    one read, where the default 4 MiB block reads it at once."""
     shape, dtype, dim, start, stop, seed = case
     full = _random_tensor(shape, dtype, seed)
-    with tempfile.TemporaryDirectory() as d:
+    reads = []
+    real_pread = sio_reader.pread_into
+
+    def counting(fd, view, offset, path):
+        reads.append(len(view))
+        return real_pread(fd, view, offset, path)
+
+    with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
         path = Path(d) / "t.safetensors"
         save_file({"x": full, "other": torch.ones(3)}, str(path))
-        old = ckpt.BLOCK, ckpt.DIRECT_ROW
         if small_blocks:
-            ckpt.BLOCK, ckpt.DIRECT_ROW = 64, 16
-        try:
-            f = ckpt.SafetensorsFile(path)
+            mp.setattr(sio_base, "BLOCK", 64)
+            mp.setattr(sio_base, "DIRECT_ROW", 16)
+        with sio.SafetensorsFile(path) as f:
             assert torch.equal(f.read("x"), full)
             expected = full.narrow(dim, start, stop - start)
+            mp.setattr(sio_reader, "pread_into", counting)
             assert torch.equal(f.read("x", dim, start, stop), expected)
+            mp.setattr(sio_reader, "pread_into", real_pread)
+            inner = math.prod(shape[dim + 1:]) * dtype.itemsize
+            rows, run, stride = math.prod(shape[:dim]), (stop - start) * inner, shape[dim] * inner
+            if dim > 0 and rows > 1 and 0 < stop - start < shape[dim] and run:  # a strided read
+                if not small_blocks:
+                    assert len(reads) == 1, reads
+                elif run >= 16 or stride > 64 or rows > 64 // stride:
+                    assert len(reads) > 1, reads  # the patched limits really reached the reader
             padded = list(expected.shape)
             padded[dim] += 2
             holder = torch.zeros(padded, dtype=dtype)
@@ -289,9 +310,6 @@ def test_reader_slice_equals_slice_of_the_full_tensor(case, small_blocks):
                 view = wide.narrow(-1, 2, shape[-1]).narrow(0, rows[0], rows[1] - rows[0])
                 f.read_into("x", view, 0, *rows)
                 assert torch.equal(view, full.narrow(0, rows[0], rows[1] - rows[0]))
-            f.close()
-        finally:
-            ckpt.BLOCK, ckpt.DIRECT_ROW = old
 
 
 @settings(deadline=None, max_examples=50)
@@ -305,7 +323,7 @@ def test_streamed_writer_matches_safetensors_bytes(shapes, transpose):
     if transpose:
         tensors = {k: (v.t() if v.dim() == 2 else v) for k, v in tensors.items()}
     with tempfile.TemporaryDirectory() as d:
-        written = ckpt._write_files(Path(d), {"mine.safetensors": tensors})
+        written = ckpt_save._write_files(Path(d), {"mine.safetensors": tensors})
         save_file({k: v.contiguous() for k, v in tensors.items()}, f"{d}/ref.safetensors",
                   metadata={"format": "pt", "writer": ckpt.FORMAT})
         mine = Path(d, "mine.safetensors").read_bytes()
@@ -377,12 +395,12 @@ def test_save_fsyncs_every_data_file_before_the_metadata(hf_dir, tmp_path, monke
         order.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
-    monkeypatch.setattr(ckpt.os, "fsync", recording_fsync)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
     ckpt.save(model, tmp_path / "saved")
     data = [n for n in order if n.endswith(".safetensors")]
     assert data and order.index("shardlib.json") > max(order.index(n) for n in data)
     document = json.loads((tmp_path / "saved" / "shardlib.json").read_text())
-    assert set(data) == set(document["files"]) and document["format"] == "shardlib-sharded-v2"
+    assert set(data) == set(document["files"]) and document["format"] == "shardlib-sharded-v3"
     assert {f["checksum"]["algorithm"] for f in document["files"].values()} == {"xxh3_128"}
 
 
@@ -392,7 +410,7 @@ def test_v1_checkpoint_with_sha256_checksums_still_loads_and_verifies(sharded_di
     document = json.loads(meta_path.read_text())
     document["format"] = "shardlib-sharded-v1"
     for name, info in document["files"].items():
-        document["files"][name] = {"bytes": info["bytes"], "sha256": ckpt.sha256_of(directory / name)}
+        document["files"][name] = {"bytes": info["bytes"], "sha256": sio.sha256_of(directory / name)}
     meta_path.write_text(json.dumps(document))
     assert ckpt.ShardedCheckpoint(directory).problems() == []
     model = BertForMaskedLM(BertConfig(**CONFIG))
@@ -411,8 +429,8 @@ def test_convert_streams_in_small_blocks_to_identical_files(hf_dir, tmp_path, mo
     block): the files are byte-identical to a convert in one block, and hold exactly the original slices."""
     src, original = hf_dir
     reference = ckpt.convert(src, tmp_path / "big", tp=tp)
-    monkeypatch.setattr(ckpt, "BLOCK", 256)
-    monkeypatch.setattr(ckpt, "DIRECT_ROW", 64)
+    monkeypatch.setattr(sio_base, "BLOCK", 256)
+    monkeypatch.setattr(sio_base, "DIRECT_ROW", 64)
     small = ckpt.convert(src, tmp_path / "small", tp=tp)
     again = ckpt.convert(small, tmp_path / "resharded", tp=tp)  # sharded -> sharded, small blocks too
     for directory in (small, again):

@@ -13,6 +13,7 @@ from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditional
 import shardlib
 from shardlib import checkpoint as ckpt
 from shardlib import safetensors_io as sio
+from shardlib.safetensors_io import base as sio_base, stream as sio_stream, writer as sio_writer
 from shardlib.layout import Layout
 from shardlib.mesh import OfflineMesh
 
@@ -24,7 +25,7 @@ def kernel_copies(monkeypatch):
     """Counts the bytes ``os.copy_file_range`` copied (the real call underneath)."""
     if not hasattr(os, "copy_file_range"):
         pytest.skip("no os.copy_file_range on this platform")
-    monkeypatch.setattr(sio, "_kernel_copy_works", True)
+    monkeypatch.setattr(sio_writer, "_kernel_copy_works", True)
     copied = []
     real = os.copy_file_range
 
@@ -33,7 +34,7 @@ def kernel_copies(monkeypatch):
         copied.append(n)
         return n
 
-    monkeypatch.setattr(sio.os, "copy_file_range", counting)
+    monkeypatch.setattr(sio_writer.os, "copy_file_range", counting)
     return copied
 
 
@@ -87,21 +88,21 @@ def test_fallback_without_kernel_copy_writes_identical_files(hf_dir, tmp_path, k
         calls.append(args)
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(sio.os, "copy_file_range", refusing)
+    monkeypatch.setattr(sio_writer.os, "copy_file_range", refusing)
     fallback = ckpt.convert(src, tmp_path / "fallback", tp=2)
-    assert len(calls) == 1 and sio._kernel_copy_works is False
+    assert len(calls) == 1 and sio_writer._kernel_copy_works is False
     for name in json.loads((reference / "shardlib.json").read_text())["files"]:
         assert (fallback / name).read_bytes() == (reference / name).read_bytes(), name
-    assert (fallback / "shardlib.json").read_text().count("xxh3_128") == 3
+    assert (fallback / "shardlib.json").read_text().count("xxh3_128") == 4  # 3 files + the metadata itself
 
 
 def test_other_copy_errors_are_not_swallowed(hf_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sio, "_kernel_copy_works", True)
+    monkeypatch.setattr(sio_writer, "_kernel_copy_works", True)
 
     def failing(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(sio.os, "copy_file_range", failing)
+    monkeypatch.setattr(sio_writer.os, "copy_file_range", failing)
     with pytest.raises(OSError, match="Input/output error"):
         ckpt.convert(hf_dir[0], tmp_path / "out", tp=2)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
@@ -110,7 +111,7 @@ def test_other_copy_errors_are_not_swallowed(hf_dir, tmp_path, monkeypatch):
 def test_corrupted_kernel_copy_is_caught_by_the_checksum(hf_dir, tmp_path, kernel_copies, monkeypatch):
     """The checksum is computed from the source bytes, not from what the copy wrote: a copy that writes wrong bytes
     gives a checkpoint that ``verify`` and ``load`` refuse (never silently wrong weights)."""
-    real = sio._copy_range
+    real = sio_writer._copy_range
     corrupted = []
 
     def corrupting(src_fd, dst_fd, count, src_offset, dst_offset):
@@ -121,7 +122,7 @@ def test_corrupted_kernel_copy_is_caught_by_the_checksum(hf_dir, tmp_path, kerne
             corrupted.append(os.readlink(f"/proc/self/fd/{dst_fd}"))
         return n
 
-    monkeypatch.setattr(sio, "_copy_range", corrupting)
+    monkeypatch.setattr(sio_writer, "_copy_range", corrupting)
     out = ckpt.convert(hf_dir[0], tmp_path / "out", tp=2)
     victim = os.path.basename(corrupted[0])
     result = cli("verify", str(out))
@@ -135,9 +136,9 @@ def test_small_copy_chunks_and_blocks_give_identical_files(hf_dir, tmp_path, ker
     bytes as one big copy per piece."""
     src, original = hf_dir
     reference = ckpt.convert(src, tmp_path / "reference", tp=2)
-    monkeypatch.setattr(sio, "COPY_CHUNK", 100)
-    monkeypatch.setattr(sio, "HASH_BLOCK", 64)
-    monkeypatch.setattr(ckpt, "BLOCK", 64)
+    monkeypatch.setattr(sio_base, "COPY_CHUNK", 100)
+    monkeypatch.setattr(sio_base, "HASH_BLOCK", 64)
+    monkeypatch.setattr(sio_base, "BLOCK", 64)
     small = ckpt.convert(src, tmp_path / "small", tp=2)
     assert len(kernel_copies) > 100
     for name in json.loads((reference / "shardlib.json").read_text())["files"]:
@@ -149,7 +150,7 @@ def test_source_truncated_during_convert_is_an_error(hf_dir, tmp_path, kernel_co
     """The source shrinks after its header was checked: a clear error naming it, and no destination."""
     src, _ = hf_dir
     source = src / "model.safetensors"
-    real_copy = sio._Writer.copy
+    real_copy = sio.Writer.copy
     seen = []
 
     def shrinking(self, out, file, offset, nbytes):
@@ -158,7 +159,7 @@ def test_source_truncated_during_convert_is_an_error(hf_dir, tmp_path, kernel_co
         seen.append(nbytes)
         return real_copy(self, out, file, offset, nbytes)
 
-    monkeypatch.setattr(sio._Writer, "copy", shrinking)
+    monkeypatch.setattr(sio.Writer, "copy", shrinking)
     with pytest.raises(ckpt.CheckpointError, match=r"model\.safetensors: unexpected end of file"):
         ckpt.convert(src, tmp_path / "out", tp=2)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
@@ -172,19 +173,19 @@ def test_column_scatter_matches_slices(tmp_path, shape, dim, tp, monkeypatch):
     full = torch.randn(shape)
     save_file({"t": full}, str(tmp_path / "src.safetensors"))
     layout = Layout(tuple(shape), shard_dim=dim, num_shards=tp)
-    for block in (sio.BLOCK, 2 * full[0].numel() * 4 + 4):
-        monkeypatch.setattr(ckpt, "BLOCK", block)
+    for block in (sio_base.BLOCK, 2 * full[0].numel() * 4 + 4):
+        monkeypatch.setattr(sio_base, "BLOCK", block)
         directory = tmp_path / f"out{block}"
         directory.mkdir()
         ranges = [(r, *layout.valid_range(r)) for r in range(tp)]
         ranges = [(r, a, b) for r, a, b in ranges if b > a]
-        with sio.SafetensorsFiles(tmp_path, {"t": "src.safetensors"}) as source, sio._Writer(directory) as writer:
+        with sio.SafetensorsFiles(tmp_path, {"t": "src.safetensors"}) as source, sio.Writer(directory) as writer:
             outs = {}
             for r, a, b in ranges:
                 local = list(shape)
                 local[dim] = b - a
                 outs[r] = writer.open(f"r{r}.safetensors", [("t", torch.float32, tuple(local))])
-            assert ckpt._stream_columns(writer, source, "t", torch.float32, layout, ranges, outs)
+            assert sio_stream._copy_columns(writer, source, "t", tuple(shape), torch.float32, dim, ranges, outs)
             info = writer.finish()
         for r, a, b in ranges:
             stored = load_file(str(directory / f"r{r}.safetensors"))["t"]

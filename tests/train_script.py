@@ -64,9 +64,9 @@ def kill_mid_step(trainer, step: int, save_dir: str) -> None:
 
 def kill_mid_save(trainer, step: int) -> None:
     """SIGKILL in the background writer of the checkpoint of step ``step``, after its first tensor is written."""
-    import shardlib.checkpoint as checkpoint
+    import shardlib.checkpoint.saving as checkpoint_save
 
-    original = checkpoint._write_files
+    original = checkpoint_save._write_files
 
     def write_files(directory, files):
         if files and f"step-{step:08d}" in str(directory):
@@ -75,7 +75,7 @@ def kill_mid_save(trainer, step: int) -> None:
             kill_self()
         return original(directory, files)
 
-    checkpoint._write_files = write_files
+    checkpoint_save._write_files = write_files
 
 
 def main():

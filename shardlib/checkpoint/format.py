@@ -1,0 +1,239 @@
+"""The sharded checkpoint format (``docs/checkpoint-format.md``): file names, tensor entries, and ``shardlib.json``
+written with a checksum of its own and read back only after a strict check of every field.
+
+A tensor is stored whole (one piece, ``dim`` None, in a replicated file) or as pieces along one dim that tile it
+exactly: no gap, no overlap, nothing out of range. Everything a reader relies on is checked when the metadata is
+read, so a damaged ``shardlib.json`` is refused with the field it lacks, never half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ..layout import Layout
+from ..safetensors_io import DTYPES, CheckpointError, dtype_name
+
+FORMAT = "shardlib-sharded-v3"
+# v1: SHA-256 file checksums; v2: xxh3-128 file checksums; v3: v2 plus the checksum of shardlib.json itself
+READABLE_FORMATS = ("shardlib-sharded-v1", "shardlib-sharded-v2", FORMAT)
+METADATA = "shardlib.json"
+REPLICATED_FILE = "model-replicated.safetensors"
+OPTIMIZER_PREFIX = "optimizer."
+HEX_DIGITS = {"xxh3_128": 32, "sha256": 64}
+
+
+@dataclass(frozen=True)
+class Piece:
+    file: str
+    dim: int | None
+    start: int
+    stop: int
+
+
+def rank_file(rank: int, tp: int, stage: int | None = None, dp: int | None = None) -> str:
+    """The file of tp rank ``rank``'s pieces; under a pipeline, of pipeline rank ``stage``'s tp rank ``rank``;
+    with ``dp``, of the optimizer state that data-parallel rank holds (an optimizer partitioned over dp)."""
+    prefix = "model" if stage is None else f"model-pp{stage:02d}"
+    return f"{prefix}-tp{rank:02d}-of-{tp:02d}{_dp_suffix(dp)}.safetensors"
+
+
+def replicated_file(stage: int | None = None, dp: int | None = None) -> str:
+    if stage is None and dp is None:
+        return REPLICATED_FILE
+    prefix = "model" if stage is None else f"model-pp{stage:02d}"
+    return f"{prefix}-replicated{_dp_suffix(dp)}.safetensors"
+
+
+def _dp_suffix(dp: int | None) -> str:
+    return "" if dp is None else f"-dp{dp:02d}"
+
+
+def pieces(layout: Layout, stage: int | None = None, dp: int | None = None) -> list[Piece]:
+    if not layout.is_sharded:
+        return [Piece(replicated_file(stage, dp), None, 0, 0)]
+    out = []
+    for r in range(layout.num_shards):
+        start, stop = layout.valid_range(r)
+        if stop > start:
+            out.append(Piece(rank_file(r, layout.num_shards, stage, dp), layout.shard_dim, start, stop))
+    return out
+
+
+def tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None,
+                 dp: int | None = None) -> dict:
+    return {"shape": list(layout.global_shape), "dtype": dtype_name(dtype), "layout": layout.to_dict(),
+            "aliases": aliases, "pieces": [vars(p) for p in pieces(layout, stage, dp)]}
+
+
+def parameter_names(names: list[str]) -> list[str]:
+    """The model tensor names behind saved names (optimizer state ``optimizer.<key>.<param>`` -> ``<param>``)."""
+    return [n[len(OPTIMIZER_PREFIX):].partition(".")[2] if n.startswith(OPTIMIZER_PREFIX) else n for n in names]
+
+
+def hf_class_name(model: nn.Module) -> str:
+    """The HF class of a (possibly loss-wrapped, possibly FSDP2-wrapped) sharded model."""
+    cls = type(model)
+    if issubclass(cls, FSDPModule):  # fully_shard swaps in a class FSDP<name>(FSDPModule, <the model's class>)
+        cls = next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
+    return getattr(cls, "_shardlib_base_class", cls).__name__
+
+
+def hf_config(meta: dict):
+    """The transformers config in a checkpoint's metadata, naming its model class (``architectures``)."""
+    from transformers import AutoConfig
+
+    config_dict = dict(meta["config"])
+    model_type = config_dict.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **config_dict)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{METADATA}: its 'config' is not a transformers config ({exc})") from None
+    config.architectures = [meta["model_class"]]
+    return config
+
+
+# ------------------------------------------------------------------------------------------ writing and reading
+def _digest(document: dict) -> str:
+    """xxh3-128 of the document without its ``metadata_checksum``, in a canonical serialization."""
+    body = {k: v for k, v in document.items() if k != "metadata_checksum"}
+    return xxhash.xxh3_128(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def document_text(document: dict) -> str:
+    """``shardlib.json``'s text for ``document`` (format v3), with the checksum of its own content."""
+    document = {**document, "format": FORMAT}
+    return json.dumps({**document, "metadata_checksum": {"algorithm": "xxh3_128", "value": _digest(document)}},
+                      indent=1)
+
+
+def _strict_json(raw: bytes, path: Path):
+    """JSON with duplicate keys refused (json keeps the last silently: two entries for one tensor would hide one)."""
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise CheckpointError(f"{path}: duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+        return dict(pairs)
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 ({exc})") from None
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+def read_document(path: Path) -> dict:
+    """``shardlib.json`` at ``path``, checked field by field (:func:`document_problems`); a v3 document's own
+    checksum is verified first. Every refusal is a :class:`CheckpointError` naming the file and the field."""
+    document = _strict_json(path.read_bytes(), path)
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{path}: a JSON {type(document).__name__}, expected an object")
+    if document.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{path}: format {document.get('format')!r}, expected one of "
+                              f"{', '.join(READABLE_FORMATS)}")
+    if document["format"] == FORMAT:
+        stored = document.get("metadata_checksum")
+        if not isinstance(stored, dict) or stored.get("algorithm") != "xxh3_128":
+            raise CheckpointError(f"{path}: field 'metadata_checksum' missing or malformed")
+        if stored.get("value") != _digest(document):
+            raise CheckpointError(f"{path}: metadata checksum mismatch (the file was changed or damaged after "
+                                  "it was written)")
+    problems = document_problems(document)
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+    return document
+
+
+def _is_int(value, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def document_problems(document: dict) -> list[str]:
+    """What is wrong with a parsed ``shardlib.json``: missing or mistyped fields, unknown dtypes, files named by
+    no entry or with a checksum of the wrong length, pieces that do not tile their tensor exactly."""
+    out = []
+    for key, kind in (("model_class", str), ("config", dict), ("tp", int), ("tensors", dict), ("files", dict)):
+        if not isinstance(document.get(key), kind):
+            out.append(f"field {key!r} missing or not a {kind.__name__}")
+    if out:
+        return out
+    if not _is_int(document["tp"], 1):
+        out.append(f"field 'tp' is {document['tp']!r}, expected an integer >= 1")
+    if "pp" in document and not _is_int(document["pp"], 1):
+        out.append(f"field 'pp' is {document['pp']!r}, expected an integer >= 1")
+    for name, info in document["files"].items():
+        out += [f"file {name!r}: {p}" for p in _file_problems(info)]
+    for name, entry in document["tensors"].items():
+        out += [f"tensor {name!r}: {p}" for p in _tensor_problems(entry, document["tp"], document["files"])]
+    return out
+
+
+def _file_problems(info) -> list[str]:
+    if not isinstance(info, dict) or not _is_int(info.get("bytes")):
+        return ["'bytes' missing or not a non-negative integer"]
+    if "checksum" in info:
+        checksum = info["checksum"]
+        if not isinstance(checksum, dict) or checksum.get("algorithm") not in HEX_DIGITS:
+            return [f"checksum {checksum!r}: expected {{'algorithm': one of {sorted(HEX_DIGITS)}, 'value': ...}}"]
+        algorithm, value = checksum["algorithm"], checksum.get("value")
+    elif "sha256" in info:
+        algorithm, value = "sha256", info["sha256"]
+    else:
+        return ["no checksum"]
+    if not isinstance(value, str) or len(value) != HEX_DIGITS[algorithm] or \
+            any(c not in "0123456789abcdef" for c in value):
+        return [f"{algorithm} value {value!r} is not {HEX_DIGITS[algorithm]} lowercase hex digits"]
+    return []
+
+
+def _tensor_problems(entry, tp: int, files: dict) -> list[str]:
+    if not isinstance(entry, dict):
+        return ["entry is not an object"]
+    shape, dtype, parts = entry.get("shape"), entry.get("dtype"), entry.get("pieces")
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        return [f"shape {shape!r} is not a list of non-negative integers"]
+    if dtype not in DTYPES:
+        return [f"dtype {dtype!r} is not one of {sorted(DTYPES)}"]
+    if not isinstance(entry.get("aliases", []), list):
+        return ["'aliases' is not a list"]
+    if not isinstance(parts, list) or not parts:
+        return ["no pieces"]
+    for p in parts:
+        if not isinstance(p, dict) or not isinstance(p.get("file"), str) or not _is_int(p.get("start")) or \
+                not _is_int(p.get("stop")) or not (p.get("dim") is None or _is_int(p.get("dim"))):
+            return [f"piece {p!r}: expected {{'file': str, 'dim': int or null, 'start': int, 'stop': int}}"]
+        if p["file"] not in files:
+            return [f"piece file {p['file']!r} is not listed in 'files'"]
+    return _tiling_problems(shape, parts, tp)
+
+
+def _tiling_problems(shape: list[int], parts: list[dict], tp: int) -> list[str]:
+    """The pieces must tile the tensor exactly: one whole piece, or pieces along one dim whose row ranges cover
+    ``[0, shape[dim])`` with neither a gap nor an overlap, at most one per tp rank."""
+    dims = {p["dim"] for p in parts}
+    if None in dims:
+        return [] if len(parts) == 1 else [f"{len(parts)} pieces, one of them whole (dim null)"]
+    if len(dims) != 1:
+        return [f"pieces split along several dims {sorted(dims)}"]
+    dim = dims.pop()
+    if dim >= len(shape):
+        return [f"pieces split along dim {dim} of a {len(shape)}-dim tensor"]
+    if len(parts) > tp:
+        return [f"{len(parts)} pieces for tp={tp}"]
+    covered = 0
+    for p in sorted(parts, key=lambda p: (p["start"], p["stop"])):
+        if p["start"] != covered or p["stop"] <= p["start"]:
+            what = "overlap" if p["start"] < covered else "gap" if p["start"] > covered else "empty piece"
+            return [f"pieces do not tile dim {dim}: {what} at row {min(p['start'], covered)} ({p['file']})"]
+        covered = p["stop"]
+    if covered != shape[dim]:
+        return [f"pieces cover rows [0, {covered}) of dim {dim}, the tensor has {shape[dim]}"]
+    return []

@@ -1,0 +1,52 @@
+"""``save_pretrained`` for a live sharded model: an HF checkpoint written straight from any dp x pp x tp x sp
+layout.
+
+Every rank first writes its own shards into a sharded checkpoint staged inside the destination's staging
+directory (:func:`.saving.commit`: collective, each tensor streamed from the rank that holds it, no gather); rank 0
+then streams that into HF files (:func:`.conversion.export_hf`), one 4 MiB block at a time. No rank ever holds more
+than its own shards plus a few blocks, whatever the layout: the price is writing the bytes twice. (Gathering each
+tensor to rank 0 over the network would write them once but needs one gather per tensor per layout, pipeline
+stages and FSDP2 shards included: the sharded save already does all of that, and is tested for each.)
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from ..safetensors_io import CheckpointError
+from .atomic import recover, scratch_dir
+from .conversion import export_hf
+from .saving import _broadcast_str, commit, stage
+
+
+def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool = False,
+                    max_shard_bytes: int = 2 << 30) -> Path:
+    """Write ``model`` (sharded, any layout) as a plain HF checkpoint that ``from_pretrained`` of transformers or
+    :func:`shardlib.from_pretrained` loads bitwise. Every rank calls it; atomic like every shardlib write."""
+    directory = Path(directory)
+    leader = not dist.is_initialized() or dist.get_rank() == 0
+    status = ""
+    if leader:
+        recover(directory)
+        if directory.exists() and not overwrite:
+            status = f"{directory} exists; pass overwrite=True to replace it"
+    status = _broadcast_str(status)
+    if status:
+        raise CheckpointError(status)
+    scratch = scratch_dir(directory)  # recover() removes it after a kill: it never outlives an interrupted save
+    commit(stage(model), scratch, overwrite=True)
+    if leader:
+        try:
+            export_hf(scratch, directory, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+        except BaseException as exc:
+            status = f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    status = _broadcast_str(status)
+    if status:
+        raise CheckpointError(f"saving {directory} failed: {status}")
+    return directory

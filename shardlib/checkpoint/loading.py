@@ -1,0 +1,207 @@
+"""Loading: HF checkpoints and sharded checkpoints (any tp) straight into a sharded model's local shards, with its
+optimizer state; building a sharded model from either."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..fsdp import like, local
+from ..layout import Layout, layout_of
+from ..optim import holds_state, set_param_state
+from ..safetensors_io import CheckpointError, SafetensorsFiles
+from ..sharded import shard_state
+from ..state import materialize
+from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config
+from .reader import ShardedCheckpoint
+from .tensors import fill_local, local_tensors, tensors_to_load, tp_rank
+
+
+def _unmatched(model: nn.Module, source: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
+    """Refuse (``strict``) or warn about tensors the model lacks in the checkpoint and checkpoint tensors the model
+    does not have, naming them. Unexpected keys the model class itself lists as ignorable on load (HF's
+    ``_keys_to_ignore_on_load_unexpected``) are not reported."""
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = [k for k in unexpected if not any(p.search(k) for p in ignore)]
+    lines = []
+    if missing:
+        lines.append(f"{len(missing)} tensor(s) of {type(model).__name__} missing from {source}"
+                     f"{'' if strict else ' (left as initialized)'}: {_names(missing)}")
+    if unexpected:
+        lines.append(f"{len(unexpected)} tensor(s) in {source} that {type(model).__name__} does not have"
+                     f"{'' if strict else ' (skipped)'}: {_names(unexpected)}")
+    if lines and strict:
+        raise CheckpointError("; ".join(lines) + " (strict=False loads the rest)")
+    for line in lines:
+        warnings.warn(line, stacklevel=3)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" ... ({len(names) - 8} more)" if len(names) > 8 else "")
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
+    """Fill a sharded model (materialized) with its slices of an HF checkpoint, read straight into the parameters;
+    return the names loaded. ``strict``: refuse a checkpoint with missing or extra tensors (else warn, naming
+    them)."""
+    state = shard_state(model, required=False)
+    policy = state.policy if state is not None else None
+    to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
+    rank, loaded, missing = tp_rank(model), [], []
+    for tensor, names in local_tensors(model):
+        key = next((to_hub(n) for n in names if to_hub(n) in files), None)
+        if key is None:
+            missing.append(" = ".join(to_hub(n) for n in names))
+            continue
+        layout = layout_of(model, names[0])
+        shape = files.shape(key)
+        if shape != layout.global_shape:
+            raise CheckpointError(f"tensor {key!r} in {files.weight_map[key].name} has shape {shape}, "
+                                  f"the model expects {layout.global_shape} ({names[0]})")
+        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
+        loaded.append(names[0])
+    known = {to_hub(n) for _, names in tensors_to_load(model) for n in names}
+    _unmatched(model, str(files.directory), missing, sorted(set(files.weight_map) - known), strict)
+    return loaded
+
+
+def _build_sharded(model_class, config, mesh, shard_options: dict, *, init: str = "buffers",
+                   torch_dtype: torch.dtype | None = None) -> nn.Module:
+    from ..sharder import shard
+
+    with torch.device("meta"):
+        is_module_class = isinstance(model_class, type) and issubclass(model_class, nn.Module)
+        model = model_class(config) if is_module_class else model_class.from_config(config)  # Auto classes
+    if torch_dtype is not None:
+        model.to(torch_dtype)  # floating tensors only, still on the meta device
+    shard(model, mesh, **shard_options)
+    materialize(model, init=init)  # "buffers": every parameter comes from the checkpoint, no init to overwrite
+    return model
+
+
+def from_pretrained(model_class, path: str | Path, mesh, *, torch_dtype: torch.dtype | None = None,
+                    strict: bool = True, **shard_options) -> nn.Module:
+    """Build ``model_class`` (an HF model class or Auto class) on the meta device, shard it over ``mesh`` and read
+    each rank's slice of each tensor straight from the HF safetensors checkpoint at ``path`` (single file or
+    index + shards) into the parameters, converted to ``torch_dtype`` when given. ``strict=False``: tensors the
+    checkpoint lacks keep HF's initialization and extra ones are skipped, each named in a warning (a head
+    fine-tuned from a base checkpoint). ``shard_options`` are :func:`shardlib.shard`'s. Returns the model in
+    eval mode, as HF does."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json (not an HF checkpoint directory)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}/config.json: not a transformers config ({exc})") from None
+    model = _build_sharded(model_class, config, mesh, shard_options, init="buffers" if strict else "all",
+                           torch_dtype=torch_dtype)
+    with SafetensorsFiles(path) as files:
+        load_hf_weights(model, files, strict=strict)
+    return model.eval()
+
+
+def whole_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """Where to read a tensor's tp-local rows: the tensor itself, or for a dp-sharded DTensor (FSDP2) a new tensor
+    of its tp-local shape, whose dp slice is then copied in."""
+    if isinstance(tensor, DTensor):
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=local(tensor).device)
+    return tensor
+
+
+def _check_stored_shape(ckpt: ShardedCheckpoint, name: str, layout: Layout) -> None:
+    stored = ckpt.shape(name)
+    if stored != layout.global_shape:
+        raise CheckpointError(f"tensor {name!r} in {ckpt.directory} has shape {stored}, the model expects "
+                              f"{layout.global_shape}")
+
+
+def _read_local(ckpt: ShardedCheckpoint, name: str, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new local tensor for ``layout`` read from ``ckpt`` (optimizer state: there is no tensor to fill yet)."""
+    _check_stored_shape(ckpt, name, layout)
+    out = torch.empty(layout.local_shape, dtype=dtype)
+    return fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, out, name)
+
+
+@torch.no_grad()
+def load(model: nn.Module, directory: str | Path, *, optimizer=None, strict: bool = True) -> nn.Module:
+    """Load a sharded checkpoint into a sharded model of the same architecture under any tp layout (resharding:
+    each rank reads only the overlapping rows of the stored pieces, straight into its parameters); with
+    ``optimizer`` (built over this model's parameters), restore its state and hyperparameters too. ``strict``:
+    refuse a checkpoint that lacks a tensor of the model or holds one the model does not have (else warn, naming
+    them). Optimizer state and carried tensors (:mod:`.conversion`) are never counted as extra."""
+    with ShardedCheckpoint(directory) as ckpt:
+        expected = hf_class_name(model)
+        if ckpt.meta["model_class"] != expected:
+            raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
+        if any(t.device.type == "meta" for t, _ in local_tensors(model)):
+            materialize(model, init="buffers" if strict else "all")  # strict: every parameter is read below
+        known = {n for _, names in tensors_to_load(model) for n in names}
+        extra = sorted(n for n, entry in ckpt.tensors.items()
+                       if n not in known and not n.startswith(OPTIMIZER_PREFIX) and not entry.get("carried"))
+        missing = [names[0] for _, names in local_tensors(model) if not any(n in ckpt.tensors for n in names)]
+        _unmatched(model, str(directory), missing, extra, strict)
+        rank = tp_rank(model)
+        for tensor, names in local_tensors(model):
+            name = next((n for n in names if n in ckpt.tensors), None)
+            if name is None:
+                continue  # named in the warning above
+            layout = layout_of(model, names[0])
+            _check_stored_shape(ckpt, name, layout)
+            target = whole_buffer(tensor)
+            fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, target, name)
+            if target is not tensor:
+                local(tensor).copy_(local(like(target, tensor)))
+        if optimizer is not None:
+            _load_optimizer(model, ckpt, optimizer, rank)
+    return model
+
+
+def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: int) -> None:
+    groups = ckpt.meta.get("optimizer")
+    if groups is None:
+        raise CheckpointError(f"{ckpt.directory} has no optimizer state (saved without optimizer=)")
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{ckpt.directory}: {len(groups)} optimizer param groups, this optimizer has "
+                              f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    stored_state: dict[str, dict[str, str]] = {}  # parameter name -> {state key: stored tensor name}
+    for stored in ckpt.tensors:
+        if stored.startswith(OPTIMIZER_PREFIX):
+            key, _, param = stored[len(OPTIMIZER_PREFIX):].partition(".")  # state keys have no dots
+            stored_state.setdefault(param, {})[key] = stored
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for tensor, names in local_tensors(model):
+        if not holds_state(optimizer, tensor):
+            continue  # another dp rank steps this parameter (a partitioned optimizer)
+        state = {}
+        param_layout = layout_of(model, names[0])
+        for key, stored in stored_state.get(names[0], {}).items():
+            shape = tuple(ckpt.tensors[stored]["shape"])
+            layout = param_layout if shape == param_layout.global_shape else Layout.replicated(shape)
+            value = _read_local(ckpt, stored, layout, rank, ckpt.dtype(stored))
+            # on the parameter's device, as torch's Optimizer.load_state_dict places it (a step that is neither
+            # capturable nor fused stays a CPU scalar)
+            group = group_of.get(id(tensor), {})
+            if key != "step" or group.get("capturable") or group.get("fused"):
+                value = like(value.to(tensor.device), tensor)  # FSDP2: this rank's dp shard of it
+            state[key] = value
+        set_param_state(optimizer, tensor, state)
+
+
+def from_sharded(model_class, directory: str | Path, mesh, **shard_options) -> nn.Module:
+    """Build ``model_class`` from the config stored in a sharded checkpoint, shard it over ``mesh`` (any tp) and
+    load it."""
+    with ShardedCheckpoint(directory) as ckpt:
+        config = hf_config(ckpt.meta)
+    model = _build_sharded(model_class, config, mesh, shard_options)
+    return load(model, directory).eval()

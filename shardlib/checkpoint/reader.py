@@ -1,0 +1,154 @@
+"""Reading a sharded checkpoint: its checked metadata, verified files, and slice reads across pieces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..safetensors_io import CheckpointError, ReaderPool, SafetensorsFile, checksum_of, file_checksum, inside
+from .atomic import recover
+from .format import METADATA, read_document
+
+
+class ShardedCheckpoint(ReaderPool):
+    """A sharded checkpoint directory: its metadata, verified files, and slice reads across pieces."""
+
+    def __init__(self, directory: str | Path, *, verify: bool = True):
+        super().__init__()
+        self.directory = Path(directory)
+        meta_path = self.directory / METADATA
+        if not meta_path.exists():
+            recover(self.directory)  # a save killed between its two renames left the checkpoint aside
+        if not meta_path.exists():
+            raise CheckpointError(f"{self.directory}: no {METADATA} (not a shardlib checkpoint, or an unfinished save)")
+        self.meta = read_document(meta_path)
+        self.tensors = self.meta["tensors"]
+        self._verified: dict[str, Path] = {}  # file name -> checked path
+        self._verify = verify
+        for file in {p["file"] for t in self.tensors.values() for p in t["pieces"]}:
+            inside(self.directory, file)
+
+    def problems(self) -> list[str]:
+        """Completeness and checksums of every file; an empty list when the checkpoint is whole."""
+        out = []
+        needed = {p["file"] for t in self.tensors.values() for p in t["pieces"]}
+        for name in sorted(needed - set(self.meta["files"])):
+            out.append(f"{name}: named by tensors but not listed in {METADATA}")
+        for name, info in sorted(self.meta["files"].items()):
+            try:
+                self._check_file(name, info)
+            except CheckpointError as exc:
+                out.append(str(exc))
+        return out
+
+    def verified_file(self, name: str) -> Path:
+        """The path of file ``name`` listed in the metadata, after checking its size and checksum."""
+        if name not in self.meta["files"]:
+            raise CheckpointError(f"{self.directory / name}: not listed in {METADATA}")
+        return self._check_file(name, self.meta["files"][name])
+
+    def _check_file(self, name: str, info: dict) -> Path:
+        if name in self._verified:
+            return self._verified[name]
+        path = inside(self.directory, name)
+        if not path.exists():
+            raise CheckpointError(f"missing checkpoint file {path}")
+        if path.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path}: {path.stat().st_size} bytes, {METADATA} records {info['bytes']} (truncated?)")
+        if self._verify:
+            algorithm, value = file_checksum(info)
+            if checksum_of(path, algorithm) != value:
+                raise CheckpointError(f"{path}: checksum mismatch (corrupted; {algorithm})")
+        self._verified[name] = path
+        return path
+
+    def _reader(self, file: str) -> SafetensorsFile:
+        """One open reader per file (verified once) for every tensor stored in it."""
+        if file not in self._readers and file not in self.meta["files"]:
+            raise CheckpointError(f"{self.directory / file}: named by tensors but not listed in {METADATA}")
+        return self._reader_for(file, lambda: self._check_file(file, self.meta["files"][file]))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        value = getattr(torch, str(self.tensors[name]["dtype"]), None)
+        if not isinstance(value, torch.dtype):
+            raise CheckpointError(f"{self.directory}: tensor {name!r} has unknown dtype "
+                                  f"{self.tensors[name]['dtype']!r}")
+        return value
+
+    def extents(self, name: str, start: int = 0,
+                stop: int | None = None) -> list[tuple[SafetensorsFile, int, int]] | None:
+        """Where global dim-0 rows ``[start, stop)`` of ``name`` lie, as ``[(file, offset, nbytes)]`` in order
+        (the whole tensor when ``stop`` is None and ``start`` 0), or None when they are not whole byte ranges of
+        the files (pieces split along another dim) or the files store another dtype. Opens (and so verifies) the
+        files."""
+        t = self.tensors[name]
+        pieces, dtype = t["pieces"], self.dtype(name)
+        shape = tuple(t["shape"])
+        whole = next((p for p in pieces if p["dim"] is None), None)
+        if whole is not None:
+            reader = self._reader(whole["file"])
+            if reader.entry(name).dtype != dtype or reader.entry(name).shape != shape:
+                return None
+            return [reader.extent(name, start, stop)]
+        if not shape or any(p["dim"] != 0 for p in pieces):
+            return None
+        stop = shape[0] if stop is None else stop
+        out, covered = [], start
+        for p in sorted(pieces, key=lambda p: p["start"]):
+            lo, hi = max(covered, p["start"]), min(stop, p["stop"])
+            if lo >= hi:
+                continue
+            if lo != covered:
+                return None  # a gap: leave the error to read_into
+            reader = self._reader(p["file"])
+            if reader.entry(name).dtype != dtype or reader.entry(name).shape[1:] != shape[1:]:
+                return None
+            out.append(reader.extent(name, lo - p["start"], hi - p["start"]))
+            covered = hi
+        return out if covered == stop else None
+
+    def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
+        """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), as a new
+        tensor read from the pieces that overlap them."""
+        shape = list(self.shape(name))
+        if dim is not None:
+            shape[dim] = (shape[dim] if stop is None else stop) - start
+        return self.read_into(name, torch.empty(shape, dtype=self.dtype(name)), dim, start, stop)
+
+    def read_into(self, name: str, out: torch.Tensor, dim: int | None = None, start: int = 0,
+                  stop: int | None = None) -> torch.Tensor:
+        """Read global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (all of it when dim is None) into
+        ``out`` (that shape; may be a strided view): each overlapping piece is read straight into its part of
+        ``out``. Pieces split along another dim than ``dim`` each fill their own columns of ``out``."""
+        t = self.tensors[name]
+        pieces = t["pieces"]
+        if any(p["dim"] is None for p in pieces):  # stored whole
+            return self._reader(pieces[0]["file"]).read_into(name, out, dim, start, stop)
+        shape, pdim = tuple(t["shape"]), pieces[0]["dim"]
+        if dim is None:
+            dim, start, stop = pdim, 0, shape[pdim]
+        stop = shape[dim] if stop is None else stop
+        covered = 0
+        for p in pieces:
+            if p["dim"] != pdim:
+                raise CheckpointError(f"{self.directory}: tensor {name!r} has pieces split along dims "
+                                      f"{sorted({q['dim'] for q in pieces})}")
+            if dim == pdim:
+                lo, hi = max(start, p["start"]), min(stop, p["stop"])
+                if lo < hi:
+                    self._reader(p["file"]).read_into(name, out.narrow(dim, lo - start, hi - lo), dim,
+                                                      lo - p["start"], hi - p["start"])
+                    covered += hi - lo
+            else:
+                rows = p["stop"] - p["start"]
+                self._reader(p["file"]).read_into(name, out.narrow(pdim, p["start"], rows), dim, start, stop)
+                covered += rows
+        wanted = stop - start if dim == pdim else shape[pdim]
+        if covered != wanted:
+            raise CheckpointError(f"{self.directory}: the pieces of tensor {name!r} cover {covered} of the {wanted} "
+                                  f"rows [{start if dim == pdim else 0}, ...) of dim {pdim}")
+        return out

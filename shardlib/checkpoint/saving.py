@@ -1,0 +1,196 @@
+"""Saving a live sharded model: every rank stages its own tensors (views, or host copies for an asynchronous
+save) and all ranks commit them into one atomic directory (:mod:`.atomic`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..safetensors_io import CheckpointError, Writer
+from ..sharded import shard_state
+from ..state import _pipeline
+from .atomic import publish, recover, staging_dir
+from .format import (
+    FORMAT, METADATA, document_text, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry,
+)
+from .tensors import saved_tensors
+
+
+def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
+    if optimizer is None:
+        return None
+    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str, type(None),
+                                                                                 list, tuple))}
+            for group in optimizer.param_groups]
+
+
+def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: int | None = 0) -> tuple[dict, dict]:
+    """This rank's file contents: {file: {key: tensor view}} (real rows only, no copies), and the metadata of the
+    tensors this rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is
+    written by the lowest pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
+    its (pp, tp) position that writes (sp rank 0), else None; replicated tensors are written by dp rank 0, the
+    state of a partitioned optimizer by the dp rank holding it."""
+    split = _pipeline(model)
+    stage = split.pp_rank if split is not None else None
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    meta = {}
+    for name, tensor, layout, aliases, partitioned in saved_tensors(model, optimizer):
+        names = [name, *aliases]
+        if split is not None and not split.writer(parameter_names(names)):
+            continue
+        dp = replica if partitioned else None
+        meta[names[0]] = tensor_entry(layout, tensor.dtype, names[1:], stage, dp)
+        if replica is None or (replica != 0 and not partitioned):
+            continue
+        if layout.is_sharded:
+            start, stop = layout.valid_range(rank)
+            if stop > start:
+                files.setdefault(rank_file(rank, layout.num_shards, stage, dp), {})[names[0]] = \
+                    tensor.detach().narrow(layout.shard_dim, 0, stop - start)  # a view: streamed
+        elif rank == 0:
+            files.setdefault(replicated_file(stage, dp), {})[names[0]] = tensor.detach()
+    return files, meta
+
+
+def _broadcast_str(value: str, group=None) -> str:
+    holder = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+    return holder[0]
+
+
+@dataclass
+class StagedSave:
+    """One rank's part of a checkpoint, ready to be written: ``files`` ({file: {key: tensor}}, views of the live
+    tensors or, staged with ``copy=True``, private copies), the metadata of the tensors this rank describes, and
+    the document fields only rank 0 writes."""
+
+    files: dict
+    meta: dict
+    document: dict
+
+
+def _host_copy(tensor: torch.Tensor, buffers: dict | None, key) -> torch.Tensor:
+    """``tensor`` copied to host memory, into ``buffers[key]`` when it fits (reused across saves: no fresh
+    allocation to fault in; pinned for CUDA tensors, so the copy runs asynchronously)."""
+    tensor = tensor.detach()
+    out = buffers.get(key) if buffers is not None else None
+    if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        if buffers is not None:
+            buffers[key] = out
+    out.copy_(tensor, non_blocking=tensor.is_cuda)
+    return out
+
+
+def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: dict | None = None,
+          buffers: dict | None = None) -> StagedSave:
+    """Collect what :func:`save` writes from this rank. ``copy``: copy every tensor to host memory (the model may
+    train on while the copies are written, see :func:`commit`), into ``buffers`` (a dict kept by the caller and
+    reused by its next save, once this one is committed). ``extra_files``: {file: {key: tensor}} this
+    rank writes whatever its mesh position (per-rank state), listed and checksummed like the model files. Local
+    work only, no collective."""
+    state = shard_state(model)
+    mesh = state.mesh
+    # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
+    # (the dp ranks of a partitioned optimizer each write the state they hold)
+    sp_writer = mesh.sp == 1 or mesh.local_rank("sp") == 0
+    dp_rank = mesh.local_rank("dp") if mesh.dp > 1 else 0
+    files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer, replica=dp_rank if sp_writer else None)
+    files |= extra_files or {}
+    if copy:
+        files = {f: {k: _host_copy(t, buffers, (f, k)) for k, t in tensors.items()} for f, tensors in files.items()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the asynchronous copies are complete before anything reads them
+    document = {"model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp,
+                "optimizer": _optimizer_hyperparameters(optimizer)}
+    if state.pipeline is not None:
+        document["pp"] = mesh.pp
+        document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]
+    return StagedSave(files=files, meta=meta, document=document)
+
+
+def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False, group=None,
+           metadata: dict | None = None) -> Path:
+    """Write a :func:`stage`-d checkpoint atomically (module docstring). Every rank of ``group`` (default: the
+    world) calls it; collectives run on ``group`` only, so a background thread can commit on a group of its own
+    while training goes on. ``metadata``: extra top-level fields of ``shardlib.json`` (rank 0's are written).
+    Rank 0 first finishes or cleans what an interrupted save of ``directory`` left (:func:`.atomic.recover`). A
+    failure on any rank (a full disk, say) is raised on every rank, naming it, and leaves ``directory`` as it was."""
+    directory = Path(directory)
+    leader = not dist.is_initialized() or dist.get_rank(group) == 0
+    status = uuid.uuid4().hex[:12]
+    if leader:
+        recover(directory)
+        if directory.exists() and not overwrite:
+            status = f"!{directory} exists; pass overwrite=True to replace it"
+    status = _broadcast_str(status, group)
+    if status.startswith("!"):
+        raise CheckpointError(status[1:])
+    tmp = staging_dir(directory, status)
+    try:  # fsynced before rank 0 writes the metadata
+        outcome = (_write_files(tmp, staged.files) if staged.files else {}, staged.meta, None)
+    except Exception as exc:  # noqa: BLE001  (every rank learns of it below, then raises)
+        outcome = ({}, {}, f"{type(exc).__name__}: {exc}")
+    gathered = [outcome]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size(group)
+        # small dicts between our own ranks: file names, checksums and (under a pipeline) each stage's tensors
+        dist.all_gather_object(gathered, outcome, group=group)
+    failed = [f"rank {r}: {error}" for r, (_, _, error) in enumerate(gathered) if error is not None]
+    status = ""
+    if leader:
+        try:
+            if not failed:
+                all_files = {k: v for files_of_rank, _, _ in gathered for k, v in files_of_rank.items()}
+                all_meta = {k: v for _, meta_of_rank, _ in gathered for k, v in meta_of_rank.items()}
+                document = {**staged.document, "tensors": all_meta, "files": all_files, **(metadata or {})}
+                _write_metadata(tmp, document)
+                publish(tmp, directory)
+        except Exception as exc:  # noqa: BLE001
+            failed.append(f"rank 0: {type(exc).__name__}: {exc}")
+        if failed:
+            shutil.rmtree(tmp, ignore_errors=True)
+        status = "\n".join(failed)
+    status = _broadcast_str(status, group)
+    if status:
+        raise CheckpointError(f"saving {directory} failed, the previous checkpoint (if any) is intact: {status}")
+    return directory
+
+
+def _write_metadata(tmp: Path, document: dict) -> None:
+    """``shardlib.json``, written last (the data files are fsynced already): its presence marks the staged
+    checkpoint complete."""
+    with open(tmp / METADATA, "w") as f:
+        f.write(document_text(document))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: bool = False) -> Path:
+    """Write ``model``'s local shards (no gather, no copies: each tensor is streamed from its own memory) plus
+    ``shardlib.json``; atomic (see module docstring). Every rank of the mesh must call it; replicas other than dp
+    rank 0 and all-to-all sp rank 0 write nothing. With ``optimizer``, its per-parameter state (AdamW moments and
+    step) is saved the same way, keyed by parameter name, and its hyperparameters go into the metadata, so training
+    resumes exactly (also under another tp)."""
+    return commit(stage(model, optimizer=optimizer), directory, overwrite=overwrite)
+
+
+def _write_files(directory: Path, files: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Stream ``{file: {key: tensor}}`` into safetensors files (tensors may be strided views); the files' sizes and
+    checksums. Every file is fsynced when this returns."""
+    with Writer(directory) as writer:
+        for name, tensors in files.items():
+            out = writer.open(name, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
+                              {"format": "pt", "writer": FORMAT})
+            for key in out.order:
+                writer.tensor(out, key, tensors[key])
+        return writer.finish()

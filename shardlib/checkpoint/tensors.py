@@ -1,0 +1,81 @@
+"""The tensors a checkpoint holds, seen from the model: tied tensors once with all their names, this rank's
+pipeline stage only, and reads into a rank's local shard."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..fsdp import whole
+from ..layout import Layout, layout_of
+from ..optim import param_state
+from ..safetensors_io import CheckpointError
+from ..sharded import shard_state
+from ..state import _pipeline
+from .format import OPTIMIZER_PREFIX
+
+
+def fill_local(read_into, layout: Layout, rank: int, out: torch.Tensor, what: str) -> torch.Tensor:
+    """Fill ``out``, this rank's local tensor for ``layout``, in place: ``read_into(dim, start, stop, view)`` reads
+    global rows straight into ``view`` (a narrow of ``out``); padding rows are zeroed in place. No temporary."""
+    if tuple(out.shape) != tuple(layout.local_shape):
+        raise CheckpointError(f"{what}: the local tensor has shape {tuple(out.shape)}, its layout says "
+                              f"{tuple(layout.local_shape)}")
+    if not layout.is_sharded:
+        read_into(None, 0, None, out)
+        return out
+    d = layout.shard_dim
+    start, stop = layout.valid_range(rank)
+    valid = max(stop - start, 0)
+    if valid:
+        read_into(d, start, stop, out.narrow(d, 0, valid))
+    if valid < out.shape[d]:
+        out.narrow(d, valid, out.shape[d] - valid).zero_()
+    return out
+
+
+def tensors_to_load(model: nn.Module):
+    """(tensor, [names]) for every distinct parameter and persistent buffer: tied tensors once, with all names."""
+    seen: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if attr in module._buffers and attr in module._non_persistent_buffers_set:
+            continue
+        seen.setdefault(id(t), (t, []))[1].append(name)
+    return list(seen.values())
+
+
+def local_tensors(model: nn.Module):
+    """:func:`tensors_to_load` without the parameters of other ranks' pipeline stages (meta tensors here)."""
+    split = _pipeline(model)
+    if split is None:
+        return tensors_to_load(model)
+    local = {id(p) for p in split.local_parameters()}
+    return [(t, names) for t, names in tensors_to_load(model)
+            if not isinstance(t, nn.Parameter) or id(t) in local]
+
+
+def tp_rank(model: nn.Module) -> int:
+    state = shard_state(model, required=False)
+    return state.mesh.tp_rank if state is not None else 0
+
+
+def saved_tensors(model: nn.Module, optimizer=None):
+    """(name, tensor, layout, aliases, partitioned) of everything a checkpoint holds: parameters and persistent
+    buffers (tied ones once), then, with an optimizer, each parameter's state tensors held on this rank as
+    ``optimizer.<state>.<param name>`` (master weights: ``optimizer.master.<param name>``): moments shaped like
+    the parameter share its layout, scalars (``step``) are replicated. ``partitioned``: an optimizer partitioned over
+    dp (:class:`shardlib.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters.
+    Parameters sharded over dp by FSDP2 (zero=3) and their states are gathered to their tp-local tensors here (a
+    collective on the dp group: every rank walks the same tensors)."""
+    for tensor, names in tensors_to_load(model):
+        yield names[0], whole(tensor), layout_of(model, names[0]), names[1:], False
+    if optimizer is None:
+        return
+    partitioned = getattr(optimizer, "partitioned", False)
+    for tensor, names in tensors_to_load(model):
+        for key, value in param_state(optimizer, tensor).items():
+            if torch.is_tensor(value):
+                layout = layout_of(model, names[0]) if value.shape == tensor.shape else Layout.replicated(value.shape)
+                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", whole(value), layout, [], partitioned
