@@ -15,6 +15,7 @@ from .state import full_state_dict, load_full_state_dict, materialize
 from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
 from .kernels import Kernels
 from .compiling import compile_model
+from .checkpoint import from_pretrained, save_pretrained
 from . import checkpoint, compiling, export, runtime, train  # noqa: E402  (shardlib.checkpoint.*, shardlib.train.* after `import shardlib`)
 from .train import Trainer, TrainingArguments, dp_shard
 # the function shadows the submodule's attribute on the package; `from shardlib.plan import Plan` still finds the
@@ -28,5 +29,5 @@ __all__ = [
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
     "Trainer", "TrainingArguments", "dp_shard", "checkpoint", "runtime", "train", "Kernels", "shard_state",
-    "ShardState", "plan", "PlanReport", "compile_model", "export",
+    "ShardState", "plan", "PlanReport", "compile_model", "export", "from_pretrained", "save_pretrained",
 ]

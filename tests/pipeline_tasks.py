@@ -201,6 +201,10 @@ def pipelined_checkpoint_resumes(spec: dict, workdir: str) -> dict:
     steps(model, trainer, 0, 2)
     ckpt.save(model, work / "sharded", optimizer=trainer.optimizer, overwrite=True)
     saved = shardlib.full_state_dict(model)
+    shardlib.save_pretrained(model, work / "live", overwrite=True)  # the live pipelined model straight to HF files
+    live = cls.from_pretrained(work / "live").state_dict()
+    for name, value in saved.items():  # this rank's stage
+        assert torch.equal(live[name], value), f"save_pretrained: {name} differs"
     continued = steps(model, trainer, 2, 2)
 
     mesh_b = pool_mesh(pp=b["pp"], tp=b["tp"])

@@ -385,9 +385,13 @@ def checkpoint_round_trip(spec: dict, workdir: str) -> dict:
     torch.testing.assert_close(out[key], out_ref[key], rtol=1e-4, atol=1e-5)
     if rank == 0:
         ckpt.export_hf(sharded_dir, export_dir, overwrite=True, max_shard_bytes=spec.get("max_shard_bytes", 2 << 30))
-        reloaded = cls.from_pretrained(export_dir)
-        for name, value in reloaded.state_dict().items():
-            assert torch.equal(value, expected[name]), f"export: {name} differs"
+    # the live model at layout b straight to HF files (collective)
+    shardlib.save_pretrained(model_b, work / "live", overwrite=True, max_shard_bytes=spec.get("max_shard_bytes", 2 << 30))
+    if rank == 0:
+        for directory in (export_dir, work / "live"):
+            reloaded = cls.from_pretrained(directory)
+            for name, value in reloaded.state_dict().items():
+                assert torch.equal(value, expected[name]), f"{directory.name}: {name} differs"
     dist.barrier()
     return {"tensors": n, "wrote": bool(wrote)}
 

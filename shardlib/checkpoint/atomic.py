@@ -115,9 +115,10 @@ class AtomicDirectory:
     ``dest`` (:func:`publish`), on an exception removed. ``marker``: see :func:`publish`. Single process."""
 
     def __init__(self, destination: str | Path, *, overwrite: bool = False, marker: bool = True,
-                 what: str = "overwrite=True"):
+                 what: str = "overwrite=True", recovered: bool = False):
         self.destination, self.marker = Path(destination), marker
-        recover(self.destination)
+        if not recovered:  # (``recovered``: the caller did it, and its own scratch is in use)
+            recover(self.destination)
         if self.destination.exists() and not overwrite:
             raise CheckpointError(f"{self.destination} exists; pass {what} to replace it")
 

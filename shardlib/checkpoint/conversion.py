@@ -67,31 +67,36 @@ def export_hf(directory: str | Path, destination: str | Path, *, overwrite: bool
     ``config.json`` (and ``generation_config.json``) written by transformers; ``model.safetensors`` or an index
     (with ``metadata.total_size``) + shards of at most ``max_shard_bytes``. Streamed in 4 MiB blocks (a tensor's
     pieces are read straight into the block); atomic; needs no process group. Optimizer state is left out."""
+    with ShardedCheckpoint(directory) as ckpt, AtomicDirectory(destination, overwrite=overwrite) as tmp:
+        write_hf(ckpt, tmp, max_shard_bytes, progress)
+    return Path(destination)
+
+
+def write_hf(ckpt: ShardedCheckpoint, tmp: Path, max_shard_bytes: int, progress=None) -> None:
+    """:func:`export_hf`'s files, into the (staging) directory ``tmp``."""
     from ..policies import policy_for_class_name  # noqa: PLC0415
 
-    with ShardedCheckpoint(directory) as ckpt, AtomicDirectory(destination, overwrite=overwrite) as tmp:
-        parts = _hf_parts(ckpt, policy_for_class_name(ckpt.meta["model_class"]).to_hub_key, max_shard_bytes)
-        files = ["model.safetensors"] if len(parts) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
-        with Writer(tmp, checksum=None) as writer:
-            for file, part in zip(files, parts):
-                out = writer.open(file, [(hub, dtype, shape) for _, hub, dtype, shape in part], {"format": "pt"})
-                by_hub = {hub: (name, dtype, shape) for name, hub, dtype, shape in part}
-                for hub in out.order:
-                    name, dtype, shape = by_hub[hub]
-                    copy_rows(writer, ckpt, name, shape, dtype, 0, shape[0] if shape else 0, out)
-                    if progress:
-                        progress(name, math.prod(shape) * dtype.itemsize)
-            writer.finish()
-        if len(parts) > 1:
-            total = sum(math.prod(shape) * dtype.itemsize for part in parts for _, _, dtype, shape in part)
-            weight_map = {hub: file for file, part in zip(files, parts) for _, hub, _, _ in part}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        floating = [dtype for part in parts for name, _, dtype, _ in part
-                    if dtype.is_floating_point and not ckpt.tensors[name].get("carried")]
-        _write_hf_configs(tmp, ckpt.meta, floating[0] if floating else None)
-    return Path(destination)
+    parts = _hf_parts(ckpt, policy_for_class_name(ckpt.meta["model_class"]).to_hub_key, max_shard_bytes)
+    files = ["model.safetensors"] if len(parts) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    with Writer(tmp, checksum=None) as writer:
+        for file, part in zip(files, parts):
+            out = writer.open(file, [(hub, dtype, shape) for _, hub, dtype, shape in part], {"format": "pt"})
+            by_hub = {hub: (name, dtype, shape) for name, hub, dtype, shape in part}
+            for hub in out.order:
+                name, dtype, shape = by_hub[hub]
+                copy_rows(writer, ckpt, name, shape, dtype, 0, shape[0] if shape else 0, out)
+                if progress:
+                    progress(name, math.prod(shape) * dtype.itemsize)
+        writer.finish()
+    if len(parts) > 1:
+        total = sum(math.prod(shape) * dtype.itemsize for part in parts for _, _, dtype, shape in part)
+        weight_map = {hub: file for file, part in zip(files, parts) for _, hub, _, _ in part}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    floating = [dtype for part in parts for name, _, dtype, _ in part
+                if dtype.is_floating_point and not ckpt.tensors[name].get("carried")]
+    _write_hf_configs(tmp, ckpt.meta, floating[0] if floating else None)
 
 
 class _HFSource(SafetensorsFiles):

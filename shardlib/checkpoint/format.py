@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..layout import Layout
-from ..safetensors_io import DTYPES, CheckpointError, dtype_name
+from ..safetensors_io import DTYPES, CheckpointError, dtype_name, strict_json
 
 FORMAT = "shardlib-sharded-v3"
 # v1: SHA-256 file checksums; v2: xxh3-128 file checksums; v3: v2 plus the checksum of shardlib.json itself
@@ -113,27 +113,10 @@ def document_text(document: dict) -> str:
                       indent=1)
 
 
-def _strict_json(raw: bytes, path: Path):
-    """JSON with duplicate keys refused (json keeps the last silently: two entries for one tensor would hide one)."""
-    def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) != len(keys):
-            raise CheckpointError(f"{path}: duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
-        return dict(pairs)
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: not UTF-8 ({exc})") from None
-    except ValueError as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-
-
 def read_document(path: Path) -> dict:
     """``shardlib.json`` at ``path``, checked field by field (:func:`document_problems`); a v3 document's own
     checksum is verified first. Every refusal is a :class:`CheckpointError` naming the file and the field."""
-    document = _strict_json(path.read_bytes(), path)
+    document = strict_json(path.read_bytes(), str(path))
     if not isinstance(document, dict):
         raise CheckpointError(f"{path}: a JSON {type(document).__name__}, expected an object")
     if document.get("format") not in READABLE_FORMATS:
@@ -169,6 +152,11 @@ def document_problems(document: dict) -> list[str]:
         out.append(f"field 'tp' is {document['tp']!r}, expected an integer >= 1")
     if "pp" in document and not _is_int(document["pp"], 1):
         out.append(f"field 'pp' is {document['pp']!r}, expected an integer >= 1")
+    groups = document.get("optimizer")
+    if groups is not None and (not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups)):
+        out.append(f"field 'optimizer' is {groups!r:.100}, expected a list of parameter groups (objects) or null")
+    if not isinstance(document.get("generation_config", {}), (dict, type(None))):
+        out.append("field 'generation_config' is not an object")
     for name, info in document["files"].items():
         out += [f"file {name!r}: {p}" for p in _file_problems(info)]
     for name, entry in document["tensors"].items():
@@ -181,7 +169,8 @@ def _file_problems(info) -> list[str]:
         return ["'bytes' missing or not a non-negative integer"]
     if "checksum" in info:
         checksum = info["checksum"]
-        if not isinstance(checksum, dict) or checksum.get("algorithm") not in HEX_DIGITS:
+        if not isinstance(checksum, dict) or not isinstance(checksum.get("algorithm"), str) or \
+                checksum["algorithm"] not in HEX_DIGITS:
             return [f"checksum {checksum!r}: expected {{'algorithm': one of {sorted(HEX_DIGITS)}, 'value': ...}}"]
         algorithm, value = checksum["algorithm"], checksum.get("value")
     elif "sha256" in info:
@@ -200,10 +189,16 @@ def _tensor_problems(entry, tp: int, files: dict) -> list[str]:
     shape, dtype, parts = entry.get("shape"), entry.get("dtype"), entry.get("pieces")
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
         return [f"shape {shape!r} is not a list of non-negative integers"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         return [f"dtype {dtype!r} is not one of {sorted(DTYPES)}"]
-    if not isinstance(entry.get("aliases", []), list):
-        return ["'aliases' is not a list"]
+    aliases = entry.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        return ["'aliases' is not a list of names"]
+    if not isinstance(entry.get("carried", False), bool):
+        return [f"'carried' is {entry['carried']!r}, expected true or false"]
+    if not _layout_ok(entry.get("layout"), shape):
+        return [f"layout {entry.get('layout')!r:.200} is not {{'global_shape': the shape, 'shard_dim': a dim or "
+                "null, 'num_shards': int >= 1, 'padded_size': int >= 0}"]
     if not isinstance(parts, list) or not parts:
         return ["no pieces"]
     for p in parts:
@@ -213,6 +208,15 @@ def _tensor_problems(entry, tp: int, files: dict) -> list[str]:
         if p["file"] not in files:
             return [f"piece file {p['file']!r} is not listed in 'files'"]
     return _tiling_problems(shape, parts, tp)
+
+
+def _layout_ok(layout, shape: list[int]) -> bool:
+    """The layout the tensor was saved with (read by ``inspect``): consistent with its shape."""
+    if not isinstance(layout, dict) or layout.get("global_shape") != shape:
+        return False
+    dim = layout.get("shard_dim")
+    return (dim is None or _is_int(dim) and dim < len(shape)) and _is_int(layout.get("num_shards"), 1) and \
+        _is_int(layout.get("padded_size"))
 
 
 def _tiling_problems(shape: list[int], parts: list[dict], tp: int) -> list[str]:
@@ -228,6 +232,8 @@ def _tiling_problems(shape: list[int], parts: list[dict], tp: int) -> list[str]:
         return [f"pieces split along dim {dim} of a {len(shape)}-dim tensor"]
     if len(parts) > tp:
         return [f"{len(parts)} pieces for tp={tp}"]
+    if len({p["file"] for p in parts}) != len(parts):  # a file holds one entry per tensor name
+        return [f"two pieces in one file ({sorted(p['file'] for p in parts)})"]
     covered = 0
     for p in sorted(parts, key=lambda p: (p["start"], p["stop"])):
         if p["start"] != covered or p["stop"] <= p["start"]:

@@ -3,7 +3,7 @@ layout.
 
 Every rank first writes its own shards into a sharded checkpoint staged inside the destination's staging
 directory (:func:`.saving.commit`: collective, each tensor streamed from the rank that holds it, no gather); rank 0
-then streams that into HF files (:func:`.conversion.export_hf`), one 4 MiB block at a time. No rank ever holds more
+then streams that into HF files (:func:`.conversion.write_hf`, as ``export_hf``), one 4 MiB block at a time. No rank ever holds more
 than its own shards plus a few blocks, whatever the layout: the price is writing the bytes twice. (Gathering each
 tensor to rank 0 over the network would write them once but needs one gather per tensor per layout, pipeline
 stages and FSDP2 shards included: the sharded save already does all of that, and is tested for each.)
@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..safetensors_io import CheckpointError
-from .atomic import recover, scratch_dir
-from .conversion import export_hf
+from .atomic import AtomicDirectory, recover, scratch_dir
+from .conversion import write_hf
+from .reader import ShardedCheckpoint
 from .saving import _broadcast_str, commit, stage
 
 
@@ -41,7 +42,9 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool 
     commit(stage(model), scratch, overwrite=True)
     if leader:
         try:
-            export_hf(scratch, directory, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+            with ShardedCheckpoint(scratch) as ckpt, \
+                    AtomicDirectory(directory, overwrite=overwrite, recovered=True) as tmp:
+                write_hf(ckpt, tmp, max_shard_bytes)
         except BaseException as exc:
             status = f"{type(exc).__name__}: {exc}"
         finally:

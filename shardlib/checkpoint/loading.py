@@ -19,7 +19,7 @@ from ..sharded import shard_state
 from ..state import materialize
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config
 from .reader import ShardedCheckpoint
-from .tensors import fill_local, local_tensors, tensors_to_load, tp_rank
+from .tensors import fill_local, local_tensors, model_tensor_names, tp_rank
 
 
 def _unmatched(model: nn.Module, source: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
@@ -45,14 +45,31 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" ... ({len(names) - 8} more)" if len(names) > 8 else "")
 
 
+def _hub_keys(model: nn.Module, files: SafetensorsFiles):
+    """Model tensor name -> the key it has in ``files``: the policy's Hub key, with the base model prefix (``bert.``,
+    ``vit.``) dropped for a base-model checkpoint loaded into a model with a head, or added for the reverse, as
+    transformers' ``from_pretrained`` decides it (for the whole checkpoint at once)."""
+    state = shard_state(model, required=False)
+    policy = state.policy if state is not None else None
+    to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    if prefix == ".":
+        return to_hub
+    model_has = any(to_hub(n).startswith(prefix) for n in model_tensor_names(model))
+    files_have = any(k.startswith(prefix) for k in files.weight_map)
+    if model_has and not files_have:
+        return lambda n: to_hub(n).removeprefix(prefix)
+    if files_have and not model_has:
+        return lambda n: prefix + to_hub(n)
+    return to_hub
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
     """Fill a sharded model (materialized) with its slices of an HF checkpoint, read straight into the parameters;
     return the names loaded. ``strict``: refuse a checkpoint with missing or extra tensors (else warn, naming
     them)."""
-    state = shard_state(model, required=False)
-    policy = state.policy if state is not None else None
-    to_hub = policy.to_hub_key if policy is not None else (lambda n: n)
+    to_hub = _hub_keys(model, files)
     rank, loaded, missing = tp_rank(model), [], []
     for tensor, names in local_tensors(model):
         key = next((to_hub(n) for n in names if to_hub(n) in files), None)
@@ -66,7 +83,7 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
                                   f"the model expects {layout.global_shape} ({names[0]})")
         fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
         loaded.append(names[0])
-    known = {to_hub(n) for _, names in tensors_to_load(model) for n in names}
+    known = {to_hub(n) for n in model_tensor_names(model)}
     _unmatched(model, str(files.directory), missing, sorted(set(files.weight_map) - known), strict)
     return loaded
 
@@ -144,7 +161,7 @@ def load(model: nn.Module, directory: str | Path, *, optimizer=None, strict: boo
             raise CheckpointError(f"{directory} holds a {ckpt.meta['model_class']}, not a {expected}")
         if any(t.device.type == "meta" for t, _ in local_tensors(model)):
             materialize(model, init="buffers" if strict else "all")  # strict: every parameter is read below
-        known = {n for _, names in tensors_to_load(model) for n in names}
+        known = model_tensor_names(model)
         extra = sorted(n for n, entry in ckpt.tensors.items()
                        if n not in known and not n.startswith(OPTIMIZER_PREFIX) and not entry.get("carried"))
         missing = [names[0] for _, names in local_tensors(model) if not any(n in ckpt.tensors for n in names)]

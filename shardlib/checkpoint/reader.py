@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
-from ..safetensors_io import CheckpointError, ReaderPool, SafetensorsFile, checksum_of, file_checksum, inside
+from ..safetensors_io import (
+    CheckpointError, ReaderPool, SafetensorsFile, checksum_of, dtype_name, file_checksum, inside,
+)
 from .atomic import recover
 from .format import METADATA, read_document
 
@@ -69,6 +71,19 @@ class ShardedCheckpoint(ReaderPool):
             raise CheckpointError(f"{self.directory / file}: named by tensors but not listed in {METADATA}")
         return self._reader_for(file, lambda: self._check_file(file, self.meta["files"][file]))
 
+    def _piece_reader(self, name: str, piece: dict) -> SafetensorsFile:
+        """The reader of ``piece``'s file, once the file is known to store that piece of ``name``: the dtype and
+        the rows that the metadata records (a file that disagrees is refused, never read as something else)."""
+        reader = self._reader(piece["file"])
+        entry, meta = reader.entry(name), self.tensors[name]
+        shape = list(meta["shape"])
+        if piece["dim"] is not None:
+            shape[piece["dim"]] = piece["stop"] - piece["start"]
+        if entry.dtype != self.dtype(name) or list(entry.shape) != shape:
+            raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype_name(entry.dtype)} {list(entry.shape)}, "
+                                  f"{METADATA} records {meta['dtype']} {shape} for this piece")
+        return reader
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
 
@@ -83,17 +98,12 @@ class ShardedCheckpoint(ReaderPool):
                 stop: int | None = None) -> list[tuple[SafetensorsFile, int, int]] | None:
         """Where global dim-0 rows ``[start, stop)`` of ``name`` lie, as ``[(file, offset, nbytes)]`` in order
         (the whole tensor when ``stop`` is None and ``start`` 0), or None when they are not whole byte ranges of
-        the files (pieces split along another dim) or the files store another dtype. Opens (and so verifies) the
-        files."""
+        the files (pieces split along another dim). Opens (and so verifies) the files."""
         t = self.tensors[name]
-        pieces, dtype = t["pieces"], self.dtype(name)
-        shape = tuple(t["shape"])
+        pieces, shape = t["pieces"], tuple(t["shape"])
         whole = next((p for p in pieces if p["dim"] is None), None)
         if whole is not None:
-            reader = self._reader(whole["file"])
-            if reader.entry(name).dtype != dtype or reader.entry(name).shape != shape:
-                return None
-            return [reader.extent(name, start, stop)]
+            return [self._piece_reader(name, whole).extent(name, start, stop)]
         if not shape or any(p["dim"] != 0 for p in pieces):
             return None
         stop = shape[0] if stop is None else stop
@@ -104,10 +114,7 @@ class ShardedCheckpoint(ReaderPool):
                 continue
             if lo != covered:
                 return None  # a gap: leave the error to read_into
-            reader = self._reader(p["file"])
-            if reader.entry(name).dtype != dtype or reader.entry(name).shape[1:] != shape[1:]:
-                return None
-            out.append(reader.extent(name, lo - p["start"], hi - p["start"]))
+            out.append(self._piece_reader(name, p).extent(name, lo - p["start"], hi - p["start"]))
             covered = hi
         return out if covered == stop else None
 
@@ -127,7 +134,7 @@ class ShardedCheckpoint(ReaderPool):
         t = self.tensors[name]
         pieces = t["pieces"]
         if any(p["dim"] is None for p in pieces):  # stored whole
-            return self._reader(pieces[0]["file"]).read_into(name, out, dim, start, stop)
+            return self._piece_reader(name, pieces[0]).read_into(name, out, dim, start, stop)
         shape, pdim = tuple(t["shape"]), pieces[0]["dim"]
         if dim is None:
             dim, start, stop = pdim, 0, shape[pdim]
@@ -140,12 +147,12 @@ class ShardedCheckpoint(ReaderPool):
             if dim == pdim:
                 lo, hi = max(start, p["start"]), min(stop, p["stop"])
                 if lo < hi:
-                    self._reader(p["file"]).read_into(name, out.narrow(dim, lo - start, hi - lo), dim,
+                    self._piece_reader(name, p).read_into(name, out.narrow(dim, lo - start, hi - lo), dim,
                                                       lo - p["start"], hi - p["start"])
                     covered += hi - lo
             else:
                 rows = p["stop"] - p["start"]
-                self._reader(p["file"]).read_into(name, out.narrow(pdim, p["start"], rows), dim, start, stop)
+                self._piece_reader(name, p).read_into(name, out.narrow(pdim, p["start"], rows), dim, start, stop)
                 covered += rows
         wanted = stop - start if dim == pdim else shape[pdim]
         if covered != wanted:

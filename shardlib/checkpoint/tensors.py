@@ -56,6 +56,14 @@ def local_tensors(model: nn.Module):
             if not isinstance(t, nn.Parameter) or id(t) in local]
 
 
+def model_tensor_names(model: nn.Module) -> set[str]:
+    """Every name of every tensor the whole model holds, other ranks' pipeline stages included (their layers are
+    released here, but the split remembers their names)."""
+    names = {n for _, names in tensors_to_load(model) for n in names}
+    split = _pipeline(model)
+    return names | set(split.owners) if split is not None else names
+
+
 def tp_rank(model: nn.Module) -> int:
     state = shard_state(model, required=False)
     return state.mesh.tp_rank if state is not None else 0
