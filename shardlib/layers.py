@@ -26,6 +26,26 @@ from .collectives import Group, all_reduce, copy_to_tp, gather_from_tp, group_ra
 from .layout import Layout, set_layout
 
 
+#: ``nn.Embedding`` options the sharded embeddings cannot honour: ``max_norm`` renormalizes the rows it looks up, in
+#: place (a vocab shard looks up its row 0 for every id of another shard; a column shard holds part of each row, so
+#: no rank sees a row's norm); ``scale_grad_by_freq`` would count those stand-in lookups of row 0 too; ``sparse``
+#: gives sparse gradients, which the flat gradient reductions do not take.
+UNSUPPORTED_EMBEDDING_OPTIONS = ("max_norm", "scale_grad_by_freq", "sparse")
+
+
+def unsupported_embedding_options(embedding: nn.Embedding) -> list[str]:
+    """The options of ``embedding`` that a sharded embedding cannot honour, as ``name=value`` (those set)."""
+    return [f"{attr}={getattr(embedding, attr)!r}" for attr in UNSUPPORTED_EMBEDDING_OPTIONS
+            if getattr(embedding, attr)]
+
+
+def _refuse_unsupported_options(cls: type, embedding: nn.Embedding) -> None:
+    """The layers' own guard (for direct use; ``shard()`` finds these before any change, in the styles' checks)."""
+    found = unsupported_embedding_options(embedding)
+    if found:
+        raise ValueError(f"{cls.__name__} does not support {', '.join(found)}")
+
+
 def _new_param(local: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=like.requires_grad)
 
@@ -142,9 +162,7 @@ class VocabParallelEmbedding(_TPModule, nn.Embedding):
     def __init__(self, embedding: nn.Embedding, group: Group | None, *, tp_size: int | None = None,
                  tp_rank: int | None = None):
         nn.Module.__init__(self)
-        for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
-            if getattr(embedding, attr):
-                raise ValueError(f"VocabParallelEmbedding does not support {attr}={getattr(embedding, attr)!r}")
+        _refuse_unsupported_options(type(self), embedding)
         n, r = self._init_tp(group, tp_size, tp_rank)
         layout = Layout(tuple(embedding.weight.shape), shard_dim=0, num_shards=n)
         self.weight = _new_param(layout.shard(embedding.weight.detach(), r), embedding.weight)
@@ -182,9 +200,7 @@ class ColumnParallelEmbedding(_TPModule, nn.Embedding):
     def __init__(self, embedding: nn.Embedding, group: Group | None, *, gather_output=False,
                  tp_size: int | None = None, tp_rank: int | None = None):
         nn.Module.__init__(self)
-        for attr in ("max_norm", "scale_grad_by_freq", "sparse"):
-            if getattr(embedding, attr):
-                raise ValueError(f"ColumnParallelEmbedding does not support {attr}={getattr(embedding, attr)!r}")
+        _refuse_unsupported_options(type(self), embedding)
         n, r = self._init_tp(group, tp_size, tp_rank)
         if embedding.embedding_dim % n:
             raise ValueError(f"embedding_dim {embedding.embedding_dim} is not divisible by tp={n}")

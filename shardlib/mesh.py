@@ -61,6 +61,8 @@ class Mesh:
     pp: int
     tp: int
     sp: int = 1
+    #: the bound on every collective wait, seconds (``init_mesh(timeout_s=...)``; :mod:`shardlib.timeouts`)
+    timeout_s: float = field(default=DEFAULT_TIMEOUT_S, compare=False)
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def group(self, dim: str) -> dist.ProcessGroup:
@@ -155,7 +157,7 @@ def init_mesh(
         raise MeshError(f"{exc}{_hint(world)}") from None
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
-    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp)
+    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s)
     # DeviceMesh creates its dimension groups with torch's default timeout (30 min for gloo), not the world's:
     # bound every wait on them too, so a dead peer ends a pipeline recv or a TP all-reduce with an error
     for dim in DIM_NAMES:

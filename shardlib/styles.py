@@ -15,7 +15,10 @@ from torch import nn
 
 from .collectives import Group, copy_to_tp
 from .random import LOCAL_STREAM_ATTR, local_dropout
-from .layers import ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import (
+    ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+    UNSUPPORTED_EMBEDDING_OPTIONS, unsupported_embedding_options,
+)
 
 
 @dataclass
@@ -52,6 +55,15 @@ class Style:
             problems.append(f"{path}: {attr} {getattr(module, attr)} is not divisible by tp={tp}")
         return problems
 
+    def _embedding_options(self, path, module) -> list[str]:
+        """An embedding whose options a sharded embedding cannot honour (``max_norm``, ``scale_grad_by_freq``,
+        ``sparse``): found here, before any change, not half-way through the rewrite."""
+        found = unsupported_embedding_options(module)
+        if not found:
+            return []
+        return [f"{path}: {type(self).__name__} cannot shard an embedding with {', '.join(found)} "
+                f"(sharded embeddings support none of {', '.join(UNSUPPORTED_EMBEDDING_OPTIONS)}): unset it"]
+
 
 @dataclass(frozen=True, kw_only=True)
 class ColwiseParallel(Style):
@@ -65,9 +77,10 @@ class ColwiseParallel(Style):
 
     def check(self, path, module, tp):
         if isinstance(module, nn.Embedding):
+            problems = self._embedding_options(path, module)
             if module.embedding_dim % tp:
-                return [f"{path}: embedding_dim {module.embedding_dim} is not divisible by tp={tp}"]
-            return []
+                problems.append(f"{path}: embedding_dim {module.embedding_dim} is not divisible by tp={tp}")
+            return problems
         return self._linear_dim_divides(path, module, "out_features", tp)
 
     def apply(self, path, module, ctx):
@@ -98,7 +111,9 @@ class VocabParallel(Style):
     gather_output: bool = False
 
     def check(self, path, module, tp):
-        if isinstance(module, (nn.Embedding, nn.Linear)):
+        if isinstance(module, nn.Embedding):
+            return self._embedding_options(path, module)
+        if isinstance(module, nn.Linear):
             return []
         return [f"{path}: VocabParallel applies to nn.Embedding or nn.Linear, found {type(module).__name__}"]
 

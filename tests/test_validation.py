@@ -13,7 +13,7 @@ from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT
 
 import shardlib
 from shardlib.layers import vocab_parallel_cross_entropy
-from shardlib.mesh import MeshError, _resolve_sizes
+from shardlib.mesh import MeshError, OfflineMesh, _resolve_sizes
 from shardlib.plan import Plan, PlanError, match_modules
 from shardlib.policies import policy_for
 from shardlib.styles import ColwiseParallel, RowwiseParallel
@@ -298,3 +298,36 @@ def test_more_pipeline_stages_than_layers_is_refused_before_any_change():
     with pytest.raises(PlanError, match="3 pipeline stages but only 2 layers"):
         shardlib.shard(model, FakePipelineMesh(tp=1, pp=3))
     assert shardlib.shard_state(model, required=False) is None
+
+
+def _tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=100,
+                                               decoder_start_token_id=0))
+
+
+@pytest.mark.parametrize("option, value", [("max_norm", 1.0), ("scale_grad_by_freq", True), ("sparse", True)])
+@pytest.mark.parametrize("make, path, style", [
+    (tiny_bert, "bert.embeddings.word_embeddings", "VocabParallel"),
+    (_tiny_t5, "shared", "VocabParallel"),
+    (_tiny_t5, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias", "ColwiseParallel"),
+], ids=["bert-word", "t5-shared", "t5-relative-bias"])
+def test_embedding_options_are_refused_before_any_change(make, path, style, option, value):
+    """An embedding option the sharded embeddings cannot honour is one of the problems found before the rewrite
+    (it used to raise half-way through: T5's ``shared`` and the first ``q`` already replaced); the model is left
+    untouched, and once the option is unset the same model shards."""
+    model = make()
+    setattr(model.get_submodule(path), option, value)
+    modules = dict(model.named_modules())
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError) as err:
+        shardlib.shard(model, OfflineMesh(tp=2))
+    assert f"{path}: {style} cannot shard an embedding with {option}={value!r}" in str(err.value)
+    after = dict(model.named_modules())
+    assert after.keys() == modules.keys() and all(after[name] is m for name, m in modules.items())
+    assert_untouched(before, model)
+    setattr(model.get_submodule(path), option, None if option == "max_norm" else False)
+    shardlib.shard(model, OfflineMesh(tp=2))
+    assert shardlib.shard_state(model, required=False) is not None

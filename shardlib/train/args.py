@@ -15,6 +15,7 @@ or torchrun, on one node or several. Mesh sizes default to the environment (``SH
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -87,7 +88,22 @@ class TrainingArguments:
     def __post_init__(self):
         for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("dp", "nproc", "eval_batch_size", "epochs", "max_steps", "save_interval"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1 when given, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{_flag(name)} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"--max-grad-norm must be a positive finite number (or None: no clipping), got "
+                             f"{self.max_grad_norm}")
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"--zero must be one of 0, 1, 2, 3, got {self.zero}")
         if self.sp > 1 and self.sequence_parallel is None:
             self.sequence_parallel = "all_to_all"
         if self.eval_interval is not None and self.eval_interval != "epoch":
@@ -129,6 +145,10 @@ class TrainingArguments:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
 
 
 def check_nproc(nproc: int, args: TrainingArguments) -> None:

@@ -2,24 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 
-def first_tensor(batch: dict) -> torch.Tensor:
-    try:
-        return next(v for v in batch.values() if torch.is_tensor(v))
-    except StopIteration:
-        raise ValueError(f"the batch has no tensors (keys: {sorted(batch)})") from None
+def check_batch(batch, what: str = "the batch") -> int:
+    """The size of dim 0 shared by every tensor of ``batch``, a mapping of names to tensors (other values ride
+    along unsliced): a TypeError naming the type of anything else, a ValueError naming the keys of a batch with no
+    tensor, a 0-dim tensor or tensors that disagree."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{what} must be a dict of tensors (name -> [batch, ...]), got {type(batch).__name__}")
+    tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+    if not tensors:
+        raise ValueError(f"{what} has no tensors (keys: {sorted(map(str, batch))}; "
+                         f"value types: {sorted({type(v).__name__ for v in batch.values()})})")
+    scalars = sorted(str(k) for k, v in tensors.items() if v.dim() == 0)
+    if scalars:
+        raise ValueError(f"{what} has 0-dim tensors ({', '.join(scalars)}); every tensor needs a batch dimension")
+    sizes = {v.shape[0] for v in tensors.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"{what}'s tensors disagree on the batch size: "
+                         f"{', '.join(f'{k}: {v.shape[0]}' for k, v in tensors.items())}")
+    return sizes.pop()
+
+
+def first_tensor(batch) -> torch.Tensor:
+    check_batch(batch)
+    return next(v for v in batch.values() if torch.is_tensor(v))
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:
     """``parts`` equal slices along dim 0 of every tensor (other values are shared)."""
-    sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v)}
-    if not sizes:
-        raise ValueError(f"the batch has no tensors (keys: {sorted(batch)})")
-    if len(sizes) != 1:
-        raise ValueError(f"batch tensors disagree on the batch size: {sorted(sizes)}")
-    (size,) = sizes
+    size = check_batch(batch)
     if size % parts:
         raise ValueError(f"batch size {size} is not divisible by {parts} microbatches")
     step = size // parts

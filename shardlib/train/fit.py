@@ -247,7 +247,10 @@ class FitLoop:
         stepped = False
         for batch in self.data.batches(self.epoch, self.position):
             self.trainer.track_grad_norm = (self.step + 1) % self.log_interval == 0  # logged: compute it
-            loss = self.trainer.train_step(batch)
+            try:
+                loss = self.trainer.train_step(batch)
+            except FloatingPointError as e:  # a non-finite gradient norm: say where the run diverged
+                raise FloatingPointError(f"step {self.step + 1} (epoch {self.epoch}): {e}") from e
             if self.scheduler is not None and not self.trainer.last_step_skipped:
                 self.scheduler.step()  # a skipped fp16 step does not advance the schedule (as in Megatron)
             self.step, self.position, stepped = self.step + 1, self.position + 1, True

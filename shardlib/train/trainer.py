@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Callable
 
 import torch
@@ -34,7 +35,8 @@ from ..fsdp import apply_fsdp, local, reshard
 from ..layout import named_layouts
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharded import shard_state
-from .batches import first_tensor, microbatch_count, split_batch
+from ..timeouts import names_stalled_ranks
+from .batches import check_batch, first_tensor, microbatch_count, split_batch
 from ..optim import build_optimizer, check_zero, copy_grads, owners, param_pairs
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
@@ -159,6 +161,7 @@ class Trainer:
         return shard_state(self.model).plan.loss_items.per_example(batch)
 
     # -- one step ---------------------------------------------------------------------------------------------
+    @names_stalled_ranks
     def train_step(self, batch: dict | list[dict]) -> float:
         """zero grads, forward + backward over all microbatches, reduce and clip gradients, optimizer step.
 
@@ -168,6 +171,10 @@ class Trainer:
         if self.optimizer is None:
             raise ValueError("this Trainer has no optimizer: pass Trainer(model, optimizer=lambda params: ...)")
         batches = batch if isinstance(batch, list) else [batch]
+        if not batches:
+            raise ValueError("train_step got an empty list of batches")
+        for i, b in enumerate(batches):  # before any gradient is touched
+            check_batch(b, "the batch" if len(batches) == 1 else f"batch {i} of {len(batches)}")
         self.zero_grad()
         total = self._global_items(batches)
         loss = sum(self.forward_backward(b, total_items=total) for b in batches)
@@ -206,10 +213,12 @@ class Trainer:
         """(model parameter, the tensor whose gradient the optimizer step reads) for what this rank steps."""
         return param_pairs(self.optimizer) if self.optimizer is not None else [(p, p) for p in self.params]
 
+    @names_stalled_ranks
     def forward_backward(self, batch: dict, *, total_items: float | None = None) -> float:
         """Accumulate the gradients of ``batch`` (call again before :meth:`reduce_gradients` to accumulate more,
         passing the ``total_items`` of all of them, see :meth:`train_step`). Returns the loss of ``batch`` over
         every data-parallel rank (same value on every rank)."""
+        check_batch(batch)
         self.model.train()
         self._total = total_items if total_items is not None else self._global_items([batch])
         weights = self.loss_items(batch)
@@ -291,19 +300,35 @@ class Trainer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``
         rule: by ``max_norm / (norm + 1e-6)`` when that is below 1, applied here to local tensors, which FSDP2's
-        DTensor gradients need); returns the norm before. A non-finite norm is an error (clipping could not bound
-        it)."""
+        DTensor gradients need); returns the norm before.
+
+        A non-finite norm is an error, on every rank alike (the norm is global), naming the parameters whose
+        gradients hold inf/nan on this rank: clipping cannot bound it, and scaling by ``max_norm / nan`` would write
+        nan into every parameter. Nothing is stepped. (Skipping the step instead is the fp16 loss scaler's answer
+        to an overflow that its scale caused; in fp32 / bf16 a non-finite gradient is a diverged run, which
+        Megatron also stops on.)"""
         norm = self.grad_norm()
         value = float(norm)
         if not math.isfinite(value):
-            raise FloatingPointError(f"the gradient norm is {value}: a loss or gradient overflowed (lower the "
-                                     "learning rate, or train in another precision)")
+            raise FloatingPointError(f"the gradient norm is {value} (max_grad_norm={max_norm}); the optimizer did "
+                                     f"not step. Non-finite gradients on this rank: {self._non_finite_grads()}. "
+                                     "Lower the learning rate, or look for an overflowing loss or input")
         grads = self._step_grads()
         if grads:
             coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return value
 
+    def _non_finite_grads(self) -> str:
+        """The names of this rank's parameters whose (stepped) gradient holds an inf or nan, for error messages."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        bad = [names.get(id(p), "?") for p, t in self._pairs()
+               if t.grad is not None and not bool(torch.isfinite(local(t.grad)).all())]
+        if not bad:
+            return "none (they are on another rank)"
+        return ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+
+    @names_stalled_ranks
     def eval_step(self, batch: dict) -> list[dict]:
         """Forward only. On the rank holding the last stage (or every rank without a pipeline) returns each
         microbatch's output (detached; ``microbatch_count(len, microbatches)`` microbatches, so any batch size
@@ -382,12 +407,17 @@ class Trainer:
 
 
 def _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn) -> None:
-    if not isinstance(microbatches, int) or microbatches < 1:
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+    if max_grad_norm is not None and (not isinstance(max_grad_norm, numbers.Real) or isinstance(max_grad_norm, bool)
+                                      or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
         raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-    if optimizer is not None and not callable(optimizer):
-        raise TypeError(f"optimizer must be a function from parameters to an optimizer, got "
-                        f"{type(optimizer).__name__}")
+    for name, value in (("optimizer", optimizer), ("forward_step", forward_step), ("loss_fn", loss_fn)):
+        if value is not None and not callable(value):
+            what = {"optimizer": "a function from parameters to an optimizer (lambda params: torch.optim.AdamW("
+                                 "params, lr=...))",
+                    "forward_step": "a function (model, batch) -> loss or {'loss': ...}",
+                    "loss_fn": "a function from the model's first output to a loss"}[name]
+            raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
     if forward_step is not None and loss_fn is not None:
         raise ValueError("give forward_step or loss_fn, not both")
