@@ -8,8 +8,8 @@ STAMP   := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
-	# torch first, pinned exactly: this pin resolves to the CPU wheel kept on disk
-	$(VPY) -m pip install -q torch==2.13.0
+	# torch first, at its pin in constraints.txt: that version resolves to the CPU wheel kept on disk
+	$(VPY) -m pip install -q -c constraints.txt torch
 	$(VPY) -m pip install -q -c constraints.txt -e ".[test,bench,demo]"
 	touch $(STAMP)
 

@@ -6,35 +6,125 @@ checkpoints (``shardlib.checkpoint``), no process group needed.
 ``shardlib run --nproc N script.py [args...]`` starts N ranks of ``script.py`` on this machine through torch's
 elastic launcher (torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT for
 :func:`shardlib.init_mesh`, tears every rank down when one fails and reports the failing rank with its
-traceback. Multi-node: pass ``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint``; anything else before the
-script goes to torchrun unchanged.
+traceback. On one node the rendezvous store listens on 127.0.0.1 only (:func:`run`). Multi-node: pass
+``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint``; anything else before the script goes to torchrun unchanged.
 
 ``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--json]``: a dry run of a layout with no ranks
 (:mod:`shardlib.dryrun`).
+
+``shardlib --version``: the installed version.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
+import re
+import socket
 import sys
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+LOOPBACK_RENDEZVOUS = "shardlib-loopback"  # torchrun rendezvous backend of a single-node `shardlib run`
+
+
+def version() -> str:
+    """The installed distribution's version, or the package's own when it runs from a source tree."""
+    from importlib.metadata import PackageNotFoundError, version as distribution_version
+
+    try:
+        return distribution_version("shardlib")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+# ---------------------------------------------------------------------------------------------------- run
+def _loopback_store(timeout):
+    """A TCPStore server listening on 127.0.0.1 only, and its port. torch's TCPStore binds its server to every
+    interface whatever host it is given; handed a socket already bound to loopback (``master_listen_fd``), it
+    listens on that one."""
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))  # port 0: the kernel picks a free one, no race with another job
+        sock.listen()
+        port = sock.getsockname()[1]
+        store = TCPStore(LOOPBACK, port, 1, True, timeout, multi_tenant=True, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store, port
+
+
+def _loopback_rendezvous(params):
+    """torchrun's rendezvous handler for :data:`LOOPBACK_RENDEZVOUS`: torch's static TCP rendezvous of one node,
+    its store (which the ranks use as their own: MASTER_ADDR / MASTER_PORT) on a loopback socket."""
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+        def next_rendezvous(self):
+            if self._store is None:
+                self._store, self.master_port = _loopback_store(self.timeout)
+            return super().next_rendezvous()
+
+    if params.max_nodes != 1:
+        raise ValueError(f"the {LOOPBACK_RENDEZVOUS} rendezvous is for one node, got --nnodes {params.max_nodes}")
+    return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.config.get("timeout", 600)))
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface (Linux: the one whose flags have IFF_LOOPBACK), or None."""
+    for flags in sorted(Path("/sys/class/net").glob("*/flags")):
+        with contextlib.suppress(OSError, ValueError):
+            if int(flags.read_text(), 16) & 0x8:
+                return flags.parent.name
+    return None
+
+
+@contextlib.contextmanager
+def _environment(defaults: dict[str, str | None]):
+    """Set the environment variables of ``defaults`` the caller has not set (None: leave unset), then restore."""
+    added = [k for k, v in defaults.items() if v is not None and k not in os.environ]
+    os.environ.update({k: defaults[k] for k in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def run(nproc: int, script: str, script_args: list[str], nnodes: str = "1", node_rank: int = 0,
         rdzv_endpoint: str | None = None, launcher_args: list[str] | None = None) -> int:
-    """Launch ``script`` on ``nproc`` local ranks; return 0 on success, 1 when any rank failed."""
+    """Launch ``script`` on ``nproc`` local ranks; return 0 on success, 1 when any rank failed. On one node (no
+    ``rdzv_endpoint``) nothing listens beyond this machine: the rendezvous store, which the ranks share as their
+    MASTER_ADDR:MASTER_PORT store, is bound to 127.0.0.1, and gloo to the loopback interface (GLOO_SOCKET_IFNAME,
+    unless set). Multi-node: torch's c10d rendezvous at ``rdzv_endpoint``, whose store has no authentication
+    (docs/cli.md, "Network exposure")."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import main as torchrun
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank unless told otherwise
     args = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", "0"]
+    environment: dict[str, str | None] = {"OMP_NUM_THREADS": "1"}  # one thread per rank unless told otherwise
     if nnodes == "1" and rdzv_endpoint is None:
-        args.append("--standalone")
+        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)  # again: a no-op
+        args += ["--rdzv-backend", LOOPBACK_RENDEZVOUS, "--rdzv-endpoint", f"{LOOPBACK}:0"]
+        environment["GLOO_SOCKET_IFNAME"] = _loopback_interface()
     else:
         args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint or ""]
     args += list(launcher_args or [])
     try:
-        torchrun([*args, script, *script_args])
+        with _environment(environment):
+            torchrun([*args, script, *script_args])
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         print(f"shardlib run: rank {rank} of {script} failed (exit code {failure.exitcode}); all ranks stopped",
@@ -43,42 +133,108 @@ def run(nproc: int, script: str, script_args: list[str], nnodes: str = "1", node
     return 0
 
 
-def _progress(total_bytes: int | None, desc: str):
+# ------------------------------------------------------------------------------------------------ convert
+def _source_bytes(src: Path) -> int:
+    """The tensor bytes of a shardlib (``shardlib.json``) or HF (safetensors headers) checkpoint: the total
+    that ``convert`` reports progress against. Reads metadata and headers only."""
+    from .checkpoint import METADATA, ShardedCheckpoint
+    from .safetensors_io import SafetensorsFiles
+
+    if (src / METADATA).exists():
+        reader = ShardedCheckpoint(src, verify=False)
+        keys = list(reader.tensors)
+    else:
+        reader = SafetensorsFiles(src)
+        keys = list(reader.weight_map)
+    with reader:
+        return sum(math.prod(reader.shape(k)) * reader.dtype(k).itemsize for k in keys)
+
+
+@contextlib.contextmanager
+def _progress(total_bytes: int | None, desc: str, show: bool):
+    """A ``progress(name, nbytes)`` callback drawing a tqdm bar on stderr (rate, and with ``total_bytes`` the
+    percentage and the time left), or None when not ``show``."""
+    if not show:
+        yield None
+        return
     from tqdm import tqdm
 
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
-    return bar, (lambda name, nbytes: bar.update(nbytes))
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        yield lambda name, nbytes: bar.update(nbytes)
 
 
-def convert(src: str, dst: str, tp: int, pp: int, to: str, overwrite: bool) -> int:
-    """HF -> sharded, sharded -> sharded (reshard to --tp / --pp), sharded -> HF; no process group needed."""
-    from pathlib import Path
-
+def convert(src: str, dst: str, tp: int, pp: int, to: str, overwrite: bool, progress: bool | None = None) -> int:
+    """HF -> sharded, sharded -> sharded (reshard to --tp / --pp), sharded -> HF; no process group needed.
+    ``progress``: draw a progress bar on stderr (None: when stderr is a terminal)."""
     from .checkpoint import METADATA, convert as convert_checkpoint, export_hf
 
-    bar, tick = _progress(None, f"{Path(src).name} -> {Path(dst).name}")
-    try:
+    show = sys.stderr.isatty() if progress is None else progress
+    total = _source_bytes(Path(src)) if show else None  # known up front: the bar shows a percentage and an ETA
+    with _progress(total, f"{Path(src).name} -> {Path(dst).name}", show) as tick:
         if to == "hf":
             if not (Path(src) / METADATA).exists():
                 raise ValueError(f"{src}: --to hf needs a shardlib checkpoint as the source")
             export_hf(src, dst, overwrite=overwrite, progress=tick)
         else:
             convert_checkpoint(src, dst, tp=tp, pp=pp, overwrite=overwrite, progress=tick)
-    finally:
-        bar.close()
     print(f"wrote {dst}")
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ inspect
+# the data files of the sharded format (docs/checkpoint-format.md): whose rank's tensors each holds
+MODEL_FILE = re.compile(r"model(?:-pp(?P<pp>\d+))?-(?:tp(?P<tp>\d+)-of-\d+|replicated)(?:-dp(?P<dp>\d+))?"
+                        r"\.safetensors")
+
+
+def data_bytes_by_file(ckpt) -> dict[str, int]:
+    """Tensor bytes each file of a :class:`~shardlib.checkpoint.ShardedCheckpoint` holds, from its pieces (rows
+    ``[start, stop)`` of ``dim``) and the tensors' shapes and dtypes."""
+    out: dict[str, int] = {}
+    for name, t in ckpt.tensors.items():
+        itemsize = ckpt.dtype(name).itemsize
+        for piece in t["pieces"]:
+            shape = list(t["shape"])
+            if piece["dim"] is not None:
+                shape[piece["dim"]] = piece["stop"] - piece["start"]
+            out[piece["file"]] = out.get(piece["file"], 0) + math.prod(shape) * itemsize
+    return out
+
+
+def bytes_by_rank(tp: int, per_file: dict[str, int]) -> dict[tuple[int | None, int, int | None], tuple[int, int]]:
+    """(pipeline stage or None, tp rank, dp rank or None) -> (sharded bytes, replicated bytes) each rank of the
+    writing layout stores: its tp rank's file and the replicated file of its stage (and, for an optimizer
+    partitioned over dp, its dp rank's files). A tensor that several stages use (tied embeddings) counts once, in
+    the stage that stores it."""
+    files = {name: m.groupdict() for name in per_file if (m := MODEL_FILE.fullmatch(name))}
+    stages = sorted({int(f["pp"]) for f in files.values() if f["pp"] is not None}) or [None]
+    dps = sorted({int(f["dp"]) for f in files.values() if f["dp"] is not None}) or [None]
+    out = {}
+    for stage in stages:
+        for dp in dps:
+            for rank in range(tp):
+                held = [(name, f) for name, f in files.items()
+                        if all(f[k] is None or int(f[k]) == v for k, v in (("pp", stage), ("tp", rank), ("dp", dp)))]
+                out[stage, rank, dp] = (sum(per_file[n] for n, f in held if f["tp"] is not None),
+                                        sum(per_file[n] for n, f in held if f["tp"] is None))
+    return out
+
+
 def inspect(directory: str) -> int:
-    """A table of the tensors of a sharded checkpoint: shape, dtype, layout, files, bytes per rank."""
-    from .checkpoint import ShardedCheckpoint, file_checksum
+    """The tensors of a sharded checkpoint (shape, dtype, layout, files), the bytes each rank stores, and its
+    files (size, tensor bytes, checksum)."""
+    from .checkpoint import ShardedCheckpoint
+    from .dryrun_report import size_text
+    from .safetensors_io import file_checksum
 
     ckpt = ShardedCheckpoint(directory, verify=False)
     meta = ckpt.meta
-    print(f"{meta['model_class']}  tp={meta['tp']}  {len(ckpt.tensors)} tensors  {len(meta['files'])} files")
+    per_file = data_bytes_by_file(ckpt)
+    pp = f"  pp={meta['pp']}" if "pp" in meta else ""
+    print(f"{meta['model_class']}  tp={meta['tp']}{pp}  {len(ckpt.tensors)} tensors  {len(meta['files'])} files  "
+          f"{size_text(sum(per_file.values()))} of tensors")
     print(f"{'tensor':<60} {'shape':>14} {'dtype':>9}  {'layout':<34} files")
-    per_file: dict[str, int] = {}
     for name, t in ckpt.tensors.items():
         shape = "x".join(map(str, t["shape"]))
         lay = t["layout"]
@@ -87,10 +243,18 @@ def inspect(directory: str) -> int:
                 f" (padded to {lay['padded_size']})" if lay["padded_size"] != t["shape"][lay["shard_dim"]] else "")
         files = sorted({p["file"].replace(".safetensors", "") for p in t["pieces"]})
         print(f"{name:<60} {shape:>14} {t['dtype']:>9}  {layout:<34} {', '.join(files) if len(files) < 3 else files[0] + ' ... ' + files[-1]}")
-    print()
+    of_stage = " of its pipeline stage" if "pp" in meta else ""
+    print(f"\nbytes per rank (the tensors in its tp rank's file and in the replicated file{of_stage}):")
+    print(f"  {'rank':<16} {'sharded':>12} {'replicated':>12} {'total':>12}")
+    for (stage, rank, dp), (sharded, replicated) in bytes_by_rank(meta["tp"], per_file).items():
+        label = " ".join(f"{dim}={i}" for dim, i in (("pp", stage), ("tp", rank), ("dp", dp)) if i is not None)
+        sizes = (size_text(n) for n in (sharded, replicated, sharded + replicated))
+        print(f"  {label:<16} " + " ".join(f"{n:>12}" for n in sizes))
+    print(f"\n{'file':<44} {'bytes':>12} {'tensors':>12}  checksum")
     for name, info in sorted(meta["files"].items()):
         algorithm, value = file_checksum(info)
-        print(f"{name:<40} {info['bytes'] / 2**20:10.2f} MiB  {algorithm} {value[:16]}")
+        tensors = size_text(per_file[name]) if name in per_file else "-"
+        print(f"{name:<44} {size_text(info['bytes']):>12} {tensors:>12}  {algorithm} {value[:16]}")
     return 0
 
 
@@ -106,32 +270,90 @@ def verify(directory: str) -> int:
     return 1 if problems else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardlib", description="Shard HuggingFace models over a device mesh.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="launch a script on N ranks (gloo on CPU, NCCL on GPU)",
-                           description=run.__doc__)
-    p_run.add_argument("--nproc", type=int, required=True, help="ranks to start on this node")
-    p_run.add_argument("--nnodes", default="1", help="number of nodes (or MIN:MAX)")
-    p_run.add_argument("--node-rank", type=int, default=0)
-    p_run.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
-    p_run.add_argument("script", help="the Python script every rank runs")
-    p_run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p_convert = sub.add_parser("convert", help=convert.__doc__, description=convert.__doc__)
-    p_convert.add_argument("src", help="HF checkpoint directory (config.json + safetensors) or shardlib checkpoint")
-    p_convert.add_argument("dst", help="destination directory (must not exist unless --overwrite)")
-    p_convert.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the sharded output")
-    p_convert.add_argument("--pp", type=int, default=1,
-                           help="pipeline stages: each stage's tensors in its own files (any layout loads any file set)")
-    p_convert.add_argument("--to", choices=["sharded", "hf"], default="sharded")
-    p_convert.add_argument("--overwrite", action="store_true")
-    p_inspect = sub.add_parser("inspect", help=inspect.__doc__, description=inspect.__doc__)
-    p_inspect.add_argument("directory")
-    p_verify = sub.add_parser("verify", help=verify.__doc__, description=verify.__doc__)
-    p_verify.add_argument("directory")
-    from .dryrun import add_plan_parser, plan_command
+# --------------------------------------------------------------------------------------------------- main
+RUN_HELP = """\
+Start N ranks of SCRIPT on this node through torch's elastic launcher (torchrun), which sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT for shardlib.init_mesh. When a rank fails, every rank is stopped and the
+failing one is named (exit status 1). Options not listed here go to torchrun unchanged.
+
+One node: the rendezvous store and gloo listen on 127.0.0.1 only. Several nodes (--nnodes, --node-rank,
+--rdzv-endpoint): torch's c10d store has no authentication, anyone reaching its port can join or corrupt the job;
+run on a trusted network and firewall the port (docs/cli.md, "Network exposure")."""
+CONVERT_HELP = """\
+Convert a checkpoint, no process group needed: HF -> sharded, sharded -> sharded (reshard to --tp / --pp), or
+sharded -> HF (--to hf). Written atomically. Progress (bytes, rate, time left) on stderr when it is a terminal,
+or with --progress."""
+INSPECT_HELP = """\
+Print a sharded checkpoint's tensors (shape, dtype, layout, files), the bytes each rank stores (per tp rank, and
+per pipeline stage and dp rank where the checkpoint has them), and its files (size, tensor bytes, checksum)."""
+VERIFY_HELP = """\
+Check that every file shardlib.json names exists with the recorded size and checksum. Prints "DIR: OK" (exit
+status 0) or one line per problem (exit status 1)."""
+
+
+def _examples(*lines: str) -> str:
+    return "example" + ("s" if len(lines) > 1 else "") + ":\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _subcommand(sub, name: str, help: str, description: str, *examples: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description, epilog=_examples(*examples),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shardlib`` argument parser: every subcommand, every option with its help and examples."""
+    from .dryrun import add_plan_parser
+
+    parser = argparse.ArgumentParser(
+        prog="shardlib", description="Shard HuggingFace models over a device mesh.",
+        epilog=_examples("shardlib run --nproc 4 train.py --tp 2", "shardlib convert ./bert-hf ./bert-tp4 --tp 4",
+                         "shardlib plan ./bert-hf --tp 4 --pp 2"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shardlib {version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = _subcommand(sub, "run", "launch a script on N ranks (gloo on CPU, NCCL on GPU)", RUN_HELP,
+                    "shardlib run --nproc 4 examples/bert_tp_demo.py --sp 2",
+                    "shardlib run --nproc 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 train.py  "
+                    "# trusted network only")
+    p.add_argument("--nproc", type=int, required=True, help="ranks to start on this node")
+    p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank among the nodes (default 0)")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="host:port of the multi-node rendezvous store (unauthenticated: a trusted network only); "
+                        "without it the run is single-node, on loopback")
+    p.add_argument("script", help="the Python script every rank runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    p = _subcommand(sub, "convert", "convert or reshard a checkpoint (HF <-> sharded)", CONVERT_HELP,
+                    "shardlib convert ./bert-hf ./bert-tp4 --tp 4", "shardlib convert ./bert-tp4 ./bert-tp2x2 "
+                    "--tp 2 --pp 2", "shardlib convert ./bert-tp4 ./bert-hf-again --to hf")
+    p.add_argument("src", help="HF checkpoint directory (config.json + safetensors) or shardlib checkpoint")
+    p.add_argument("dst", help="destination directory (must not exist unless --overwrite)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the sharded output (default 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: each stage's tensors in its own files (any layout loads any file set)")
+    p.add_argument("--to", choices=["sharded", "hf"], default="sharded",
+                   help="output format: shardlib's sharded format (default) or a plain HF checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing destination (atomically)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr with bytes, rate and time left (default: when stderr is a terminal)")
+
+    p = _subcommand(sub, "inspect", "tensors, layouts and bytes per rank of a sharded checkpoint", INSPECT_HELP,
+                    "shardlib inspect ./bert-tp4")
+    p.add_argument("directory", help="a shardlib checkpoint directory (with shardlib.json)")
+
+    p = _subcommand(sub, "verify", "check a sharded checkpoint's files: complete, sizes, checksums", VERIFY_HELP,
+                    "shardlib verify ./bert-tp4 && echo intact")
+    p.add_argument("directory", help="a shardlib checkpoint directory (with shardlib.json)")
 
     add_plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, launcher_args = parser.parse_known_args(argv)
     if args.command != "run" and launcher_args:
         parser.error(f"unrecognized arguments: {' '.join(launcher_args)}")
@@ -143,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "convert":
                 if args.tp < 1 or args.pp < 1:
                     raise ValueError(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
-                return convert(args.src, args.dst, args.tp, args.pp, args.to, args.overwrite)
+                return convert(args.src, args.dst, args.tp, args.pp, args.to, args.overwrite, args.progress)
             return inspect(args.directory) if args.command == "inspect" else verify(args.directory)
         except (CheckpointError, PlanError, ValueError, OSError) as exc:
             lines = str(exc).splitlines()
@@ -153,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardlib {args.command}: {message}", file=sys.stderr)
             return 1
     if args.command == "plan":
+        from .dryrun import plan_command
+
         return plan_command(args)
     if args.command == "run":
         if args.nproc < 1:

@@ -289,10 +289,13 @@ def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> P
 # ------------------------------------------------------------------------------------------------ the command
 def add_plan_parser(sub) -> None:
     """The ``shardlib plan`` subcommand's arguments (``sub``: the CLI's subparsers)."""
-    description = ("Dry run of a layout, no ranks needed: every rewrite, bytes per rank of each pipeline stage "
-                   "(parameters, gradients, AdamW, ZeRO), stage boundaries, and the collectives of one training step "
+    description = ("Dry run of a layout, no ranks needed: every rewrite, bytes per rank of each pipeline stage\n"
+                   "(parameters, gradients, AdamW, ZeRO), stage boundaries, and the collectives of one training step\n"
                    "per layer. Exit 2 when shard() refuses the layout, 1 on bad input.")
-    p = sub.add_parser("plan", help="dry run of a layout: bytes per rank, stages, collectives", description=description)
+    examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
+                "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json")
+    p = sub.add_parser("plan", help="dry run of a layout: bytes per rank, stages, collectives", description=description,
+                       epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="model directory (with config.json) or a config.json file")
     for dim in ("tp", "pp", "dp"):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")

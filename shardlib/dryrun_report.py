@@ -156,7 +156,8 @@ def _build(hint, value):
 
 
 # ------------------------------------------------------------------------------------------------------- text
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches: ``1.50 MiB``, ``512 B``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -188,22 +189,23 @@ def _header(r: PlanReport) -> list[str]:
 
 
 def _stage_lines(r: PlanReport) -> list[str]:
-    lines = [f"bytes per rank (unsharded parameters {_size(r.sharding.unsharded_bytes)}):",
+    lines = [f"bytes per rank (unsharded parameters {size_text(r.sharding.unsharded_bytes)}):",
              f"  {'stage':<6} {'parameters':>12} {'gradients':>12} {'AdamW state':>12}  layers"]
     for s in r.stages:
         extra = [m or "(the model)" for m in s.modules if m not in s.layers]
-        lines.append(f"  {s.index:<6} {_size(s.parameter_bytes):>12} {_size(s.gradient_bytes):>12} "
-                     f"{_size(s.optimizer_bytes):>12}  {' + '.join([_span(s.layers)] + extra)}")
+        lines.append(f"  {s.index:<6} {size_text(s.parameter_bytes):>12} {size_text(s.gradient_bytes):>12} "
+                     f"{size_text(s.optimizer_bytes):>12}  {' + '.join([_span(s.layers)] + extra)}")
         for z in s.zero:
-            lines.append(f"  {'zero-' + str(z.zero):<6} {_size(max(z.parameters)):>12} {_size(max(z.gradients)):>12} "
-                         f"{_size(max(z.optimizer)):>12}  (largest dp rank)")
+            lines.append(f"  {'zero-' + str(z.zero):<6} {size_text(max(z.parameters)):>12} "
+                         f"{size_text(max(z.gradients)):>12} {size_text(max(z.optimizer)):>12}  (largest dp rank)")
     sends = [s for s in r.stages if s.sends]
     if sends:
         lines += ["", "pipeline boundaries (per microbatch):"]
     for s in sends:
         fwd, bwd = s.send_bytes
         tensors = ", ".join(f"{_shape(t)} {t.dtype}" for t in s.sends)
-        lines.append(f"  stage {s.index} -> {s.index + 1}: {tensors}; forward {_size(fwd)}, backward {_size(bwd)}")
+        lines.append(f"  stage {s.index} -> {s.index + 1}: {tensors}; forward {size_text(fwd)}, "
+                     f"backward {size_text(bwd)}")
     return lines
 
 
@@ -226,7 +228,7 @@ def _layer_lines(r: PlanReport) -> list[str]:
             where = f"{_span(layers)}" + (", each" if len(layers) > 1 else "") if layers[0] else "outside the layers"
             lines.append(f"  stage {s.index}, {where}:" + ("" if sig else " none"))
             itself = "(the layer)" if layers[0] else "(the model)"
-            lines += [f"      {phase:<9} {op:<24} {dim:<3} {_size(n):>11}  {module or itself}"
+            lines += [f"      {phase:<9} {op:<24} {dim:<3} {size_text(n):>11}  {module or itself}"
                       for phase, op, dim, n, module in sig]
     return lines
 
@@ -234,7 +236,7 @@ def _layer_lines(r: PlanReport) -> list[str]:
 def _total_lines(r: PlanReport) -> list[str]:
     lines = ["", f"collectives per step, per rank ({r.microbatches} microbatch(es)):",
              f"  {'stage':<6} {'phase':<9} {'op':<24} {'dim':<4} {'count':>6} {'bytes':>11}"]
-    lines += [f"  {t.stage:<6} {t.phase:<9} {t.op:<24} {t.dim:<4} {t.count:>6} {_size(t.bytes):>11}"
+    lines += [f"  {t.stage:<6} {t.phase:<9} {t.op:<24} {t.dim:<4} {t.count:>6} {size_text(t.bytes):>11}"
               for t in r.totals()]
     return lines
 

@@ -1,12 +1,14 @@
 """Real multi-process runs through the `shardlib` command: the demo end to end, and a failing rank."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from profiles import ci_only
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +95,45 @@ def test_rank_killed_mid_pipeline_step_ends_the_job(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "rank 1" in result.stderr and "failed" in result.stderr
     assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc/net")
+def test_single_node_run_listens_on_loopback_only(tmp_path):
+    """`shardlib run` on one node: MASTER_ADDR is 127.0.0.1, and every socket the launcher (the rendezvous store,
+    which the ranks share as their MASTER_PORT store) and the ranks (gloo) listen on is bound to 127.0.0.1, not
+    to every interface as torch's --standalone store is. About 5 s."""
+    script = tmp_path / "listening.py"
+    script.write_text(textwrap.dedent(r"""
+        import os, torch.distributed as dist
+        dist.init_process_group("gloo")
+        def socket_inodes(pid):
+            out = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:  # the listing's own descriptor is gone by now
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except FileNotFoundError:
+                    continue
+                if link.startswith("socket:["):
+                    out.add(link[len("socket:["):-1])
+            return out
+        ours = socket_inodes(os.getpid()) | socket_inodes(os.getppid())  # this rank and the launcher
+        listening = []  # local addresses (hex ip:port) in state LISTEN (0A)
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for row in open(table).read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in ours:
+                    listening.append(fields[1])
+        line = (f"rank {dist.get_rank()} MASTER_ADDR={os.environ['MASTER_ADDR']} "
+                f"MASTER_PORT={os.environ['MASTER_PORT']} listening={','.join(sorted(listening))}\n")
+        os.write(1, line.encode())  # one write: the ranks' lines do not interleave (python -u writes "\n" apart)
+        dist.barrier()
+    """))
+    result = _run(["run", "--nproc", "2", str(script)], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"^rank (\d) MASTER_ADDR=(\S+) MASTER_PORT=(\d+) listening=(\S*)$", result.stdout, re.M)
+    assert sorted(rank for rank, *_ in lines) == ["0", "1"], result.stdout
+    for _, address, port, listening in lines:
+        assert address == "127.0.0.1"
+        sockets = listening.split(",")
+        assert f"0100007F:{int(port):04X}" in sockets  # the store, on 127.0.0.1:MASTER_PORT
+        assert all(s.startswith("0100007F:") for s in sockets), sockets  # nothing on 0.0.0.0 / [::]

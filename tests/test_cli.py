@@ -1,0 +1,188 @@
+"""The ``shardlib`` command line in this process: --version, help and examples, convert's progress, inspect's bytes
+per rank, and the arguments ``run`` hands torchrun (the real single-node launch on loopback is in
+test_launcher.py)."""
+
+import argparse
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import BertConfig, BertForMaskedLM
+
+from shardlib import cli
+from shardlib.checkpoint import ShardedCheckpoint
+
+CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """An HF checkpoint of a small BERT and its conversion to tp=2 x pp=2 (quietly: stderr is no terminal)."""
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(**CONFIG)).save_pretrained(root / "hf")
+    assert cli.main(["convert", str(root / "hf"), str(root / "tp2pp2"), "--tp", "2", "--pp", "2"]) == 0
+    return root
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_version_in_process_and_from_the_installed_entry_point(capsys):
+    expected = f"shardlib {importlib.metadata.version('shardlib')}"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == expected
+    script = Path(sys.executable).with_name("shardlib")  # the console script pip installed
+    done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr[-2000:]
+
+
+def test_version_without_installed_metadata_is_the_package_version(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    import shardlib
+
+    assert cli.version() == shardlib.__version__
+
+
+def test_every_option_has_help_and_every_subcommand_an_example():
+    parser = cli.build_parser()
+    commands = _subcommands(parser)
+    assert set(commands) == {"run", "convert", "inspect", "verify", "plan"}
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+        assert sub.epilog.startswith("example") and f"\n  shardlib {name} " in sub.epilog, name
+        assert f"\n  shardlib {name} " in sub.format_help(), name  # the example's line breaks survive formatting
+
+
+def _bar_lines(err: str) -> list[str]:
+    return [line for line in re.split(r"[\r\n]", err) if "%|" in line]
+
+
+def test_convert_progress_has_totals_and_time_left(checkpoints, tmp_path, capsys):
+    total = cli._source_bytes(checkpoints / "hf")
+    state = BertForMaskedLM.from_pretrained(checkpoints / "hf").state_dict()
+    stored = {t.data_ptr(): t.numel() * t.element_size() for t in state.values()}  # tied weights once
+    assert total == sum(stored.values()) == cli._source_bytes(checkpoints / "tp2pp2")
+    capsys.readouterr()
+    assert cli.main(["convert", str(checkpoints / "hf"), str(tmp_path / "a"), "--tp", "2", "--progress"]) == 0
+    assert cli.main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--to", "hf", "--progress"]) == 0
+    bars = _bar_lines(capsys.readouterr().err)
+    finished = [line for line in bars if re.match(r"\S+ -> \S+: 100%\|", line)]
+    assert len(finished) == 2, bars  # each run ends at 100% of a total known from the start
+    for line in bars:  # every update, the first included, shows done/total and elapsed<remaining
+        assert re.search(r"\d+(\.\d+)?k?/\d+(\.\d+)?k \[\d\d:\d\d<(\d\d:\d\d|\?)", line), line
+
+
+def test_convert_progress_only_on_a_terminal_unless_asked(checkpoints, tmp_path, capsys, monkeypatch):
+    src = str(checkpoints / "hf")
+    assert cli.main(["convert", src, str(tmp_path / "quiet"), "--tp", "2"]) == 0
+    assert _bar_lines(capsys.readouterr().err) == []  # stderr is no terminal here
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["convert", src, str(tmp_path / "tty"), "--tp", "2"]) == 0
+    assert _bar_lines(capsys.readouterr().err)
+    assert cli.main(["convert", src, str(tmp_path / "off"), "--tp", "2", "--no-progress"]) == 0
+    assert _bar_lines(capsys.readouterr().err) == []
+
+
+def test_convert_with_progress_of_a_missing_source_is_one_line(tmp_path, capsys):
+    assert cli.main(["convert", str(tmp_path / "absent"), str(tmp_path / "out"), "--progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardlib convert: ") and "absent" in err[0]
+
+
+def _stored_bytes(path: Path) -> int:
+    return sum(t.numel() * t.element_size() for t in load_file(path).values())
+
+
+def test_inspect_bytes_per_rank_and_per_file(checkpoints, capsys):
+    directory = checkpoints / "tp2pp2"
+    ckpt = ShardedCheckpoint(directory, verify=False)
+    per_file = cli.data_bytes_by_file(ckpt)
+    # the pieces' arithmetic agrees with the tensors the files really hold
+    assert per_file == {f.name: _stored_bytes(f) for f in directory.glob("*.safetensors")}
+    ranks = cli.bytes_by_rank(2, per_file)
+    assert set(ranks) == {(stage, tp, None) for stage in (0, 1) for tp in (0, 1)}
+    for (stage, tp, _), (sharded, replicated) in ranks.items():
+        assert sharded == per_file[f"model-pp{stage:02d}-tp{tp:02d}-of-02.safetensors"] > 0
+        assert replicated == per_file[f"model-pp{stage:02d}-replicated.safetensors"] > 0
+    capsys.readouterr()
+    assert cli.main(["inspect", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2  pp=2" in out.splitlines()[0]
+    rows = re.findall(r"^  (pp=\d tp=\d)\s+\S+ \w+\s+\S+ \w+\s+\S+ \w+$", out, re.M)
+    assert rows == ["pp=0 tp=0", "pp=0 tp=1", "pp=1 tp=0", "pp=1 tp=1"], out
+    for name in per_file:
+        assert re.search(rf"^{re.escape(name)}\s+\S+ \w+\s+\S+ \w+  xxh3_128 [0-9a-f]{{16}}$", out, re.M), name
+
+
+def test_inspect_without_a_pipeline_lists_tp_ranks(checkpoints, tmp_path, capsys):
+    assert cli.main(["convert", str(checkpoints / "tp2pp2"), str(tmp_path / "tp4"), "--tp", "4"]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "tp4")]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^  (tp=\d) ", out, re.M) == ["tp=0", "tp=1", "tp=2", "tp=3"]
+    assert "pp=" not in out
+
+
+def test_bytes_by_rank_with_optimizer_state_partitioned_over_dp():
+    per_file = {"model-tp00-of-02.safetensors": 10, "model-tp01-of-02.safetensors": 11,
+                "model-replicated.safetensors": 5, "model-tp00-of-02-dp00.safetensors": 100,
+                "model-tp00-of-02-dp01.safetensors": 200, "model-tp01-of-02-dp01.safetensors": 300,
+                "model-replicated-dp01.safetensors": 7, "trainer-state-rank0.pt": 1000}
+    assert cli.bytes_by_rank(2, per_file) == {(None, 0, 0): (110, 5), (None, 1, 0): (11, 5),
+                                              (None, 0, 1): (210, 12), (None, 1, 1): (311, 12)}
+
+
+def _torchrun_arguments(monkeypatch, **kwargs) -> tuple[list[str], dict]:
+    import torch.distributed.run
+
+    seen = {}
+
+    def fake_torchrun(args):
+        seen["args"], seen["env"] = list(args), dict(os.environ)
+
+    monkeypatch.setattr(torch.distributed.run, "main", fake_torchrun)
+    assert cli.run(2, "train.py", ["--tp", "2"], **kwargs) == 0
+    return seen["args"], seen["env"]
+
+
+def test_single_node_run_rendezvous_on_loopback_and_environment_restored(monkeypatch):
+    for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    args, env = _torchrun_arguments(monkeypatch)
+    assert args[args.index("--rdzv-backend") + 1] == cli.LOOPBACK_RENDEZVOUS
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:0" and "--standalone" not in args
+    assert args[-3:] == ["train.py", "--tp", "2"] and env["OMP_NUM_THREADS"] == "1"
+    if Path("/sys/class/net/lo").exists():
+        assert env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "OMP_NUM_THREADS" not in os.environ and "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's own setting wins
+    assert _torchrun_arguments(monkeypatch)[1]["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
+def test_multi_node_run_uses_the_c10d_rendezvous_unchanged(monkeypatch):
+    args, env = _torchrun_arguments(monkeypatch, nnodes="2", node_rank=1, rdzv_endpoint="node0:29400")
+    assert args[args.index("--rdzv-backend") + 1] == "c10d"
+    assert args[args.index("--rdzv-endpoint") + 1] == "node0:29400"
+    assert args[args.index("--node-rank") + 1] == "1"
+    assert env.get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")  # gloo left on the network
+
+
+def test_loopback_rendezvous_refuses_several_nodes():
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    params = RendezvousParameters(cli.LOOPBACK_RENDEZVOUS, "127.0.0.1:0", "run", 1, 2)
+    with pytest.raises(ValueError, match="is for one node"):
+        cli._loopback_rendezvous(params)
