@@ -173,6 +173,9 @@ def convert(src: str, dst: str, tp: int, pp: int, to: str, overwrite: bool, prog
     total = _source_bytes(Path(src)) if show else None  # known up front: the bar shows a percentage and an ETA
     with _progress(total, f"{Path(src).name} -> {Path(dst).name}", show) as tick:
         if to == "hf":
+            if (tp, pp) != (1, 1):
+                raise ValueError(f"--tp {tp} --pp {pp}: an HF checkpoint is unsharded (--tp / --pp set the layout of "
+                                 "--to sharded); drop them, or convert to sharded")
             if not (Path(src) / METADATA).exists():
                 raise ValueError(f"{src}: --to hf needs a shardlib checkpoint as the source")
             export_hf(src, dst, overwrite=overwrite, progress=tick)
@@ -238,7 +241,8 @@ def inspect(directory: str) -> int:
     for name, t in ckpt.tensors.items():
         shape = "x".join(map(str, t["shape"]))
         lay = t["layout"]
-        layout = "replicated" if lay["shard_dim"] is None or lay["num_shards"] == 1 else \
+        layout = "carried (not a model tensor)" if t.get("carried") else \
+            "replicated" if lay["shard_dim"] is None or lay["num_shards"] == 1 else \
             f"dim {lay['shard_dim']} / {lay['num_shards']}" + (
                 f" (padded to {lay['padded_size']})" if lay["padded_size"] != t["shape"][lay["shard_dim"]] else "")
         files = sorted({p["file"].replace(".safetensors", "") for p in t["pieces"]})

@@ -3,6 +3,7 @@ model does not own carried through bitwise, loads that refuse to do less than as
 / ``from_pretrained`` at the top level, and the recovery of what a killed writer left."""
 
 import json
+import re
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from transformers import (
 )
 
 import shardlib
-from shardlib import checkpoint as ckpt
+from shardlib import checkpoint as ckpt, cli
 from shardlib.checkpoint import atomic
 from shardlib.mesh import OfflineMesh
 
@@ -35,7 +36,7 @@ def _assert_same_tensors(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def test_hf_sharded_hf_round_trip_carries_tensors_the_model_does_not_own(hf_dir, tmp_path):  # noqa: F811
+def test_hf_sharded_hf_round_trip_carries_tensors_the_model_does_not_own(hf_dir, tmp_path, capsys):  # noqa: F811
     """An HF checkpoint with a tensor BERT no longer has (an old ``embeddings.position_ids``): carried through
     convert (tp=2), a reshard (tp=1) and the export, every source tensor back bitwise; inspect lists it."""
     src, _ = hf_dir
@@ -45,6 +46,8 @@ def test_hf_sharded_hf_round_trip_carries_tensors_the_model_does_not_own(hf_dir,
     sharded = ckpt.convert(src, tmp_path / "tp2", tp=2)
     entry = json.loads((sharded / "shardlib.json").read_text())["tensors"]["bert.embeddings.position_ids"]
     assert entry["carried"] is True and entry["pieces"][0]["dim"] is None
+    assert cli.main(["inspect", str(sharded)]) == 0
+    assert re.search(r"bert\.embeddings\.position_ids .* carried \(not a model tensor\)", capsys.readouterr().out)
     resharded = ckpt.convert(sharded, tmp_path / "tp1", tp=1)
     out = ckpt.export_hf(resharded, tmp_path / "hf-again")
     _assert_same_tensors(_tensors(out), state)

@@ -186,3 +186,37 @@ def test_loopback_rendezvous_refuses_several_nodes():
     params = RendezvousParameters(cli.LOOPBACK_RENDEZVOUS, "127.0.0.1:0", "run", 1, 2)
     with pytest.raises(ValueError, match="is for one node"):
         cli._loopback_rendezvous(params)
+
+
+def test_convert_to_hf_refuses_a_layout_it_would_ignore(checkpoints, tmp_path, capsys):
+    """``--to hf --tp 4`` once wrote an unsharded checkpoint silently ignoring --tp: now one line, nothing written."""
+    assert cli.main(["convert", str(checkpoints / "tp2pp2"), str(tmp_path / "hf"), "--to", "hf", "--tp", "4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tp 4 --pp 1: an HF checkpoint is unsharded" in err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("damage, field", [
+    (lambda doc: doc.pop("tensors"), "field 'tensors' missing"),
+    (lambda doc: doc["files"].popitem(), "is not listed in 'files'"),
+    (lambda doc: doc.update(tp="two"), "field 'tp' missing or not a int"),
+])
+def test_malformed_metadata_is_one_line_naming_the_file_and_field(checkpoints, tmp_path, capsys, damage, field):
+    import json
+    import shutil
+
+    from shardlib.checkpoint.format import document_text
+
+    directory = tmp_path / "ck"
+    shutil.copytree(checkpoints / "tp2pp2", directory)
+    document = json.loads((directory / "shardlib.json").read_text())
+    damage(document)
+    (directory / "shardlib.json").write_text(document_text({k: v for k, v in document.items()
+                                                            if k != "metadata_checksum"}))
+    for command in ("inspect", "verify"):
+        assert cli.main([command, str(directory)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "shardlib.json" in err and field in err, err
+    (directory / "shardlib.json").write_text("[1, 2]")
+    assert cli.main(["inspect", str(directory)]) == 1
+    assert "a JSON list, expected an object" in capsys.readouterr().err
