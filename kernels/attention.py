@@ -194,7 +194,10 @@ def whole_sequence_bias(compute_bias, stream):
 
     def whole(query_length, key_length, *args, past_seen_tokens=0, **kwargs):
         if past_seen_tokens:
-            raise RuntimeError("all-to-all sequence parallelism does not support incremental decoding (KV cache)")
+            owner = getattr(compute_bias, "__self__", None)
+            where = f"{type(owner).__name__}: " if owner is not None else ""
+            raise RuntimeError(f"{where}all-to-all sequence parallelism does not support incremental decoding "
+                               f"(KV cache): {past_seen_tokens} tokens already seen")
         return compute_bias(stream.length, stream.length, *args, past_seen_tokens=0, **kwargs)
 
     return whole

@@ -370,7 +370,8 @@ def fused_qkv_problems(path: str, linears) -> list[str]:
             problems.append(f"{p}: forward is overridden on the instance ({installed!r}); refusing to replace it")
         w = module.weight
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
-            problems.append(f"{p}: weight is not a 2-D tensor")
+            found = f"shape {tuple(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+            problems.append(f"{p}: weight is not a 2-D tensor ({found})")
             continue
         b = module.bias
         if b is not None and (b.dtype != w.dtype or b.device != w.device):

@@ -179,6 +179,9 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
             except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
                 raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
                                      f"{str(exc).splitlines()[0]}") from None
+            except (AttributeError, ValueError, TypeError) as exc:  # the model's own forward refused its config
+                raise PlanInputError(f"{type(model).__name__}'s forward failed on the planning batch (a config it "
+                                     f"cannot run with?): {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
             recorder.phase = "step"
             if state.pipeline is not None:
                 state.pipeline.sync_tied_grads()

@@ -278,6 +278,8 @@ def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Modu
     def leave(mod, args, out):
         if saving:
             saving.pop().__exit__(None, None, None)
+        if out is None:  # the layer raised (an always_call hook still runs): let its error through unchanged
+            return None
         return seq.leave(out) if isinstance(out, torch.Tensor) else (seq.leave(out[0]), *out[1:])
 
     def close(mod, args, out):

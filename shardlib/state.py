@@ -99,8 +99,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     """
     if any(t.device.type == "meta" for t, _ in _unique_tensors(model)):
         materialize(model)
-    group = _tp_group(model)
-    rank = torch.distributed.get_rank(group) if group is not None else 0
+    state = shard_state(model, required=False)
+    rank = state.mesh.tp_rank if state is not None else 0  # the mesh's: an OfflineMesh has no group to ask
     targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     problems = []
     if strict:

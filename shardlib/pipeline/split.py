@@ -52,10 +52,11 @@ class _Received(nn.Module):
         return self.hidden
 
 
-def _pick(value, index: int):
+def _pick(value, index: int, layer: str = "the layer"):
     if isinstance(value, torch.Tensor):
         if index:
-            raise PlanError(f"a pipeline carry asks for output {index} of a layer that returns one tensor")
+            raise PlanError(f"a pipeline carry (Stack.carry) asks for output {index} of {layer}, which returns one "
+                            "tensor")
         return value
     return value[index]
 
@@ -233,10 +234,10 @@ class PipelineSplit:
                         lambda m, a, out, _k=k: outputs.__setitem__(_k, _pick(out, 0))))
             boundary_outputs = lambda: [outputs[k] for k in route.sends_outputs]  # noqa: E731
             if route.sends_carry:
-                last_layer = list(self.model.get_submodule(stop.layers)._modules.values())[-1]
+                last_key, last_layer = list(self.model.get_submodule(stop.layers)._modules.items())[-1]
 
-                def leave(module, args, kw, out, _spec=stop.carry):
-                    values = [_pick(out, o) if o is not None else args[i] for i, o in _spec]
+                def leave(module, args, kw, out, _spec=stop.carry, _path=f"{stop.layers}.{last_key}"):
+                    values = [_pick(out, o, _path) if o is not None else args[i] for i, o in _spec]
                     if sp is not None:
                         values.append(values[0].new_zeros(1, sp.lengths[route.last[0]]))
                     raise StageExit(tuple(t.contiguous() for t in (*boundary_outputs(), *values)))
