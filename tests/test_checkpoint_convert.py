@@ -103,7 +103,7 @@ def test_other_copy_errors_are_not_swallowed(hf_dir, tmp_path, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(sio_writer.os, "copy_file_range", failing)
-    with pytest.raises(OSError, match="Input/output error"):
+    with pytest.raises(ckpt.CheckpointError, match="Input/output error"):
         ckpt.convert(hf_dir[0], tmp_path / "out", tp=2)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
 

@@ -126,8 +126,11 @@ class AtomicDirectory:
         self.tmp = staging_dir(self.destination)
         return self.tmp
 
-    def __exit__(self, exc_type, *_):
+    def __exit__(self, exc_type, exc, _):
         if exc_type is None:
             publish(self.tmp, self.destination, marker=self.marker)
-        else:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # a full disk, say: one error that says so, and that nothing changed
+            raise CheckpointError(f"writing {self.destination} failed, {self.destination} is as it was before: "
+                                  f"{type(exc).__name__}: {exc}") from exc

@@ -203,7 +203,7 @@ def _tensor_problems(entry, tp: int, files: dict) -> list[str]:
         return ["no pieces"]
     for p in parts:
         if not isinstance(p, dict) or not isinstance(p.get("file"), str) or not _is_int(p.get("start")) or \
-                not _is_int(p.get("stop")) or not (p.get("dim") is None or _is_int(p.get("dim"))):
+                not _is_int(p.get("stop")) or "dim" not in p or not (p["dim"] is None or _is_int(p["dim"])):
             return [f"piece {p!r}: expected {{'file': str, 'dim': int or null, 'start': int, 'stop': int}}"]
         if p["file"] not in files:
             return [f"piece file {p['file']!r} is not listed in 'files'"]

@@ -32,16 +32,26 @@ class ShardedCheckpoint(ReaderPool):
             inside(self.directory, file)
 
     def problems(self) -> list[str]:
-        """Completeness and checksums of every file; an empty list when the checkpoint is whole."""
+        """Completeness and checksums of every file, and that each piece's file stores it (dtype and shape as
+        recorded); an empty list when the checkpoint is whole."""
         out = []
         needed = {p["file"] for t in self.tensors.values() for p in t["pieces"]}
         for name in sorted(needed - set(self.meta["files"])):
             out.append(f"{name}: named by tensors but not listed in {METADATA}")
+        bad = set(needed - set(self.meta["files"]))
         for name, info in sorted(self.meta["files"].items()):
             try:
                 self._check_file(name, info)
             except CheckpointError as exc:
                 out.append(str(exc))
+                bad.add(name)
+        for name, t in self.tensors.items():
+            for piece in t["pieces"]:
+                if piece["file"] not in bad:
+                    try:
+                        self._piece_reader(name, piece)
+                    except CheckpointError as exc:
+                        out.append(str(exc))
         return out
 
     def verified_file(self, name: str) -> Path:

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..mesh import DEFAULT_TIMEOUT_S
 from ..safetensors_io import CheckpointError, Writer
 from ..sharded import shard_state
 from ..state import _pipeline
+from ..timeouts import stalled_ranks_named
 from .atomic import publish, recover, staging_dir
 from .format import (
     FORMAT, METADATA, document_text, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry,
@@ -76,6 +78,7 @@ class StagedSave:
     files: dict
     meta: dict
     document: dict
+    timeout_s: float = DEFAULT_TIMEOUT_S  # the mesh's bound on the commit's collectives (for their errors)
 
 
 def _host_copy(tensor: torch.Tensor, buffers: dict | None, key) -> torch.Tensor:
@@ -115,7 +118,8 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
     if state.pipeline is not None:
         document["pp"] = mesh.pp
         document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]
-    return StagedSave(files=files, meta=meta, document=document)
+    return StagedSave(files=files, meta=meta, document=document,
+                      timeout_s=getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S))
 
 
 def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False, group=None,
@@ -124,7 +128,9 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
     world) calls it; collectives run on ``group`` only, so a background thread can commit on a group of its own
     while training goes on. ``metadata``: extra top-level fields of ``shardlib.json`` (rank 0's are written).
     Rank 0 first finishes or cleans what an interrupted save of ``directory`` left (:func:`.atomic.recover`). A
-    failure on any rank (a full disk, say) is raised on every rank, naming it, and leaves ``directory`` as it was."""
+    failure on any rank (a full disk, say) is raised on every rank, naming it, and leaves ``directory`` as it was;
+    a rank that dies or stalls makes the others raise :class:`~shardlib.timeouts.CollectiveFailure` within the
+    mesh's timeout (rank 0 then removes the staging directory)."""
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank(group) == 0
     status = uuid.uuid4().hex[:12]
@@ -143,8 +149,13 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
     gathered = [outcome]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size(group)
-        # small dicts between our own ranks: file names, checksums and (under a pipeline) each stage's tensors
-        dist.all_gather_object(gathered, outcome, group=group)
+        try:  # small dicts between our own ranks: file names, checksums and (under a pipeline) each stage's tensors
+            with stalled_ranks_named(f"saving {directory}", staged.timeout_s):
+                dist.all_gather_object(gathered, outcome, group=group)
+        except BaseException:
+            if leader:  # a rank died or stalled: nothing was published, its staging directory goes
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     failed = [f"rank {r}: {error}" for r, (_, _, error) in enumerate(gathered) if error is not None]
     status = ""
     if leader:
@@ -159,8 +170,9 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
             failed.append(f"rank 0: {type(exc).__name__}: {exc}")
         if failed:
             shutil.rmtree(tmp, ignore_errors=True)
-        status = "\n".join(failed)
-    status = _broadcast_str(status, group)
+        status = "; ".join(failed)
+    with stalled_ranks_named(f"saving {directory}", staged.timeout_s):
+        status = _broadcast_str(status, group)
     if status:
         raise CheckpointError(f"saving {directory} failed, the previous checkpoint (if any) is intact: {status}")
     return directory

@@ -14,6 +14,7 @@ Modules: :mod:`.base` (limits, errors, dtypes, checksums), :mod:`.reader`, :mod:
 
 from .base import (
     CHECKSUM, DTYPES, CheckpointError, checksum_of, dtype_name, file_checksum, inside, safetensors_order, sha256_of,
+    strict_json,
 )
 from .reader import ReaderPool, SafetensorsFile, SafetensorsFiles
 from .stream import copy_rows, copy_split
@@ -21,6 +22,6 @@ from .writer import OutFile, Writer
 
 __all__ = [
     "CHECKSUM", "DTYPES", "CheckpointError", "checksum_of", "dtype_name", "file_checksum", "inside",
-    "safetensors_order", "sha256_of", "ReaderPool", "SafetensorsFile", "SafetensorsFiles", "copy_rows", "copy_split",
-    "OutFile", "Writer",
+    "safetensors_order", "sha256_of", "strict_json", "ReaderPool", "SafetensorsFile", "SafetensorsFiles", "copy_rows",
+    "copy_split", "OutFile", "Writer",
 ]

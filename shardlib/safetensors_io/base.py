@@ -7,6 +7,7 @@ at once (``monkeypatch.setattr(shardlib.safetensors_io.base, "BLOCK", 64)``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +65,37 @@ def file_checksum(info: dict) -> tuple[str, str]:
     return "sha256", info["sha256"]
 
 
+def strict_json(raw: bytes, where: str):
+    """``raw`` parsed as JSON, read as a hostile file: invalid UTF-8, invalid JSON, ``NaN`` / ``Infinity``, nesting
+    too deep for the parser (``RecursionError``) and duplicate keys (json keeps the last silently: two entries for
+    one tensor would hide one) are each a :class:`CheckpointError` ``"<where> ..."``."""
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise CheckpointError(f"{where} has a duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+        return dict(pairs)
+
+    def no_constant(name):
+        raise CheckpointError(f"{where} is not JSON ({name} is not a JSON number)")
+
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{where} is not UTF-8 ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where} is nested too deeply to be read") from None
+    except CheckpointError:
+        raise
+    except ValueError as exc:
+        raise CheckpointError(f"{where} is not JSON ({exc})") from None
+
+
 def inside(directory: Path, name: str) -> Path:
     """``directory / name``, refusing names that leave the directory (path traversal in an index)."""
-    path = (directory / name).resolve()
+    try:
+        path = (directory / name).resolve()
+    except (ValueError, OSError) as exc:  # a NUL byte in the name, a symlink loop
+        raise CheckpointError(f"{name!r} is not a file name in the checkpoint directory {directory} ({exc})") from None
     if directory.resolve() not in path.parents:
         raise CheckpointError(f"{name!r} points outside the checkpoint directory {directory}")
     return path

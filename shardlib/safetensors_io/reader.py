@@ -3,7 +3,6 @@ into destination tensors."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import base
-from .base import CheckpointError, Entry, ST_DTYPES, inside, pread_into, scatter_read
+from .base import CheckpointError, Entry, ST_DTYPES, inside, pread_into, scatter_read, strict_json
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -76,25 +75,28 @@ class SafetensorsFile:
         prefix = bytearray(8)
         pread_into(self._fd, memoryview(prefix), 0, self.path)
         length = int.from_bytes(prefix, "little")
-        if not 2 <= length <= min(base.MAX_HEADER, size - 8):
+        if not 2 <= length <= size - 8:
             raise self._bad(f"header length {length} is impossible for a file of {size} bytes (corrupt or truncated)")
+        if length > base.MAX_HEADER:  # checked before anything is allocated or read
+            raise self._bad(f"header length {length} exceeds the limit of {base.MAX_HEADER} bytes")
         raw = bytearray(length)
         pread_into(self._fd, memoryview(raw), 8, self.path)
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise self._bad(f"header is not JSON: {exc}") from None
+            header = strict_json(bytes(raw), "header")
+        except CheckpointError as exc:
+            raise self._bad(str(exc)) from None
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict):
-            raise self._bad("__metadata__ is not an object")
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._bad(f"__metadata__ is not an object of strings: {metadata!r:.200}")
         data_start, data_size = 8 + length, size - 8 - length
         entries, ranges = {}, []
         for name, e in header.items():
             if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
-                raise self._bad(f"tensor {name!r}: entry needs dtype, shape and data_offsets, got {e!r}")
-            dtype = ST_DTYPES.get(e["dtype"])
+                raise self._bad(f"tensor {name!r}: entry needs dtype, shape and data_offsets, got {e!r:.200}")
+            dtype = ST_DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
             if dtype is None:
                 raise self._bad(f"tensor {name!r}: unknown dtype {e['dtype']!r}")
             shape, offsets = e["shape"], e["data_offsets"]
@@ -266,6 +268,9 @@ class ReaderPool:
         self.close()
 
 
+INDEX = "model.safetensors.index.json"
+
+
 class SafetensorsFiles(ReaderPool):
     """The tensors of a directory of safetensors files (a single ``model.safetensors``, an HF index + shards, or
     explicit key -> file map), read slice by slice without mmap. Files open lazily (once each); a corrupt or
@@ -274,18 +279,37 @@ class SafetensorsFiles(ReaderPool):
     def __init__(self, directory: str | Path, weight_map: dict[str, str] | None = None):
         super().__init__()
         self.directory = Path(directory)
-        if weight_map is None:
-            weight_map = self._hf_weight_map()
-        paths = {name: inside(self.directory, name) for name in set(weight_map.values())}  # each file once
+        index = self.directory / INDEX
+        if weight_map is None and index.exists():
+            weight_map = self._index_weight_map(index)
+            paths = {}
+            for name in set(weight_map.values()):  # each file once, named with the index that names it
+                try:
+                    paths[name] = inside(self.directory, name)
+                except CheckpointError as exc:
+                    raise CheckpointError(f"{index}: {exc}") from None
+                if not paths[name].is_file():
+                    raise CheckpointError(f"{index}: names shard {name!r}, which is missing from {self.directory}")
+        else:
+            weight_map = self._single_file_map() if weight_map is None else weight_map
+            paths = {name: inside(self.directory, name) for name in set(weight_map.values())}  # each file once
         self.weight_map = {key: paths[name] for key, name in weight_map.items()}
 
-    def _hf_weight_map(self) -> dict[str, str]:
-        index = self.directory / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                return json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+    @staticmethod
+    def _index_weight_map(index: Path) -> dict[str, str]:
+        """The ``weight_map`` of an HF index, checked: an object of tensor name -> file name."""
+        document = strict_json(index.read_bytes(), str(index))
+        if not isinstance(document, dict):
+            raise CheckpointError(f"{index}: a JSON {type(document).__name__}, expected an object with a 'weight_map'")
+        weight_map = document.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' missing or not an object of tensor name -> file name")
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or not name:
+                raise CheckpointError(f"{index}: weight_map[{key!r}] is {name!r:.100}, expected a file name")
+        return weight_map
+
+    def _single_file_map(self) -> dict[str, str]:
         single = self.directory / "model.safetensors"
         if not single.exists():
             raise CheckpointError(f"{self.directory}: no model.safetensors or model.safetensors.index.json")
