@@ -1,7 +1,8 @@
 """Shared by the single-process checkpoint tests: a small BERT config, the CLI runner, an HF checkpoint fixture."""
 
+import contextlib
+import io
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,8 +12,18 @@ CONFIG = dict(vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_
 
 
 def cli(*args):
-    """``shardlib <args>`` in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "shardlib.cli", *args], capture_output=True, text=True, timeout=120)
+    """``shardlib <args>`` run in this process (``shardlib.cli.main``; a subprocess would spend ~5 s importing torch
+    and transformers per call), as a ``CompletedProcess`` with its exit code and output. The entry point itself is
+    run as a subprocess once, in test_cli.py."""
+    from shardlib.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse
+            code = exc.code if isinstance(exc.code, int) else 2
+    return subprocess.CompletedProcess(["shardlib", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

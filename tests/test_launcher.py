@@ -58,10 +58,16 @@ def test_failing_rank_stops_the_job_with_its_rank(tmp_path):
     assert "rank 1" in result.stderr and "failed" in result.stderr
 
 
-def test_help_and_bad_arguments():
-    assert _run(["run", "--help"]).returncode == 0
-    bad = _run(["run", "--nproc", "0", "x.py"])
-    assert bad.returncode != 0 and "--nproc must be >= 1" in bad.stderr
+def test_help_and_bad_arguments(capsys):
+    """In this process (``shardlib.cli.main``): the launches below are the subprocesses."""
+    from shardlib.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--help"])
+    assert exit_info.value.code == 0 and "--nproc" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--nproc", "0", "x.py"])
+    assert exit_info.value.code != 0 and "--nproc must be >= 1" in capsys.readouterr().err
 
 
 def test_rank_killed_mid_pipeline_step_ends_the_job(tmp_path):
