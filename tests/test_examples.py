@@ -38,7 +38,8 @@ def test_vit_digits_demo_tp2_pp2_matches_unsharded_loss():
     assert re.search(r"final test accuracy \d+\.\d%", out), out
 
 
-@ci_only("about 28 s; one script from one process to a mesh is also test_train_processes' world-of-one test")
+@ci_only("about 28 s; one script from one process to a mesh: with test_train_processes' world-of-one test, "
+         "the two CI-profile checks of it")
 def test_t5_seq2seq_same_first_losses_in_one_process_and_on_dp2_tp2():
     options = ["examples/t5_seq2seq.py", "--max-steps", "3", "--eval-interval", "3", *QUIET]
     alone = _run(options)

@@ -87,6 +87,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@ci_only("about 28 s (two launches); the multi-rank launch is the demo test's and the kill tests', the world of one "
+         "is test_trainer_args' (a Trainer without a mesh)")
 def test_world_of_one_and_two_nodes_train_the_same_model(tmp_path):
     """``python train_script.py`` (no launcher: a world of one, tp=1) and tp=2 across two nodes on loopback
     (``shardlib run --nnodes 2 --node-rank K --rdzv-endpoint``) give the same first losses (float32 rounding)."""
