@@ -18,7 +18,9 @@ import torch
 from ..layout import Layout, layout_of
 from ..safetensors_io import CheckpointError, SafetensorsFiles, Writer, copy_rows, copy_split, safetensors_order
 from .atomic import AtomicDirectory
-from .format import FORMAT, METADATA, document_text, hf_config, pieces, rank_file, replicated_file, tensor_entry
+from .format import (
+    FORMAT, METADATA, document_text, hf_config, pieces, rank_file, read_hf_config, replicated_file, tensor_entry,
+)
 from .reader import ShardedCheckpoint
 from .tensors import tensors_to_load
 
@@ -137,7 +139,6 @@ def _config_and_class(source: Path):
     """(HF config, model class name, source) of an HF or sharded checkpoint; the source reads tensors by the key
     that its ``key(names)`` gives (``shape``, ``dtype``, ``read_into``, ``close``)."""
     import transformers
-    from transformers import AutoConfig
 
     from ..policies import policy_for_class_name  # noqa: PLC0415
 
@@ -146,10 +147,7 @@ def _config_and_class(source: Path):
         return hf_config(ckpt.meta), ckpt.meta["model_class"], ckpt
     if not (source / "config.json").exists():
         raise CheckpointError(f"{source}: neither a shardlib checkpoint ({METADATA}) nor an HF one (config.json)")
-    try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{source}/config.json: not a transformers config ({exc})") from None
+    config = read_hf_config(source)
     class_name = (config.architectures or [None])[0]
     if class_name is None or not hasattr(transformers, class_name):
         raise CheckpointError(f"{source}/config.json names no known model class (architectures={config.architectures})")

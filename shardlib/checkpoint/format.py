@@ -99,6 +99,18 @@ def hf_config(meta: dict):
     return config
 
 
+def read_hf_config(directory: Path):
+    """The transformers config of an HF checkpoint directory (its ``config.json``), refused with the file named."""
+    from transformers import AutoConfig
+
+    if not (directory / "config.json").exists():
+        raise CheckpointError(f"{directory}: no config.json (not an HF checkpoint directory)")
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{directory}/config.json: not a transformers config ({exc})") from None
+
+
 # ------------------------------------------------------------------------------------------ writing and reading
 def _digest(document: dict) -> str:
     """xxh3-128 of the document without its ``metadata_checksum``, in a canonical serialization."""

@@ -17,7 +17,7 @@ from ..optim import holds_state, set_param_state
 from ..safetensors_io import CheckpointError, SafetensorsFiles
 from ..sharded import shard_state
 from ..state import materialize
-from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config
+from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .reader import ShardedCheckpoint
 from .tensors import fill_local, local_tensors, model_tensor_names, tp_rank
 
@@ -110,15 +110,8 @@ def from_pretrained(model_class, path: str | Path, mesh, *, torch_dtype: torch.d
     checkpoint lacks keep HF's initialization and extra ones are skipped, each named in a warning (a head
     fine-tuned from a base checkpoint). ``shard_options`` are :func:`shardlib.shard`'s. Returns the model in
     eval mode, as HF does."""
-    from transformers import AutoConfig
-
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{path}: no config.json (not an HF checkpoint directory)")
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}/config.json: not a transformers config ({exc})") from None
+    config = read_hf_config(path)
     model = _build_sharded(model_class, config, mesh, shard_options, init="buffers" if strict else "all",
                            torch_dtype=torch_dtype)
     with SafetensorsFiles(path) as files:
