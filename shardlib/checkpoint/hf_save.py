@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..safetensors_io import CheckpointError
-from .atomic import AtomicDirectory, recover, scratch_dir
+from .atomic import AtomicDirectory, scratch_dir
 from .conversion import write_hf
 from .reader import ShardedCheckpoint
-from .saving import _broadcast_str, commit, stage
+from .saving import _broadcast_str, claim, commit, stage
 
 
 def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool = False,
@@ -30,14 +30,8 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool 
     :func:`shardlib.from_pretrained` loads bitwise. Every rank calls it; atomic like every shardlib write."""
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank() == 0
+    claim(directory, overwrite)
     status = ""
-    if leader:
-        recover(directory)
-        if directory.exists() and not overwrite:
-            status = f"{directory} exists; pass overwrite=True to replace it"
-    status = _broadcast_str(status)
-    if status:
-        raise CheckpointError(status)
     scratch = scratch_dir(directory)  # recover() removes it after a kill: it never outlives an interrupted save
     commit(stage(model), scratch, overwrite=True)
     if leader:

@@ -69,6 +69,21 @@ def _broadcast_str(value: str, group=None) -> str:
     return holder[0]
 
 
+def claim(directory: Path, overwrite: bool, group=None) -> str:
+    """Before a collective write of ``directory``: rank 0 finishes or cleans what an interrupted writer left
+    (:func:`.atomic.recover`) and checks that ``directory`` may be written; every rank gets the same outcome, a
+    token naming this write's staging directory or the same :class:`CheckpointError`."""
+    status = uuid.uuid4().hex[:12]
+    if not dist.is_initialized() or dist.get_rank(group) == 0:
+        recover(directory)
+        if directory.exists() and not overwrite:
+            status = f"!{directory} exists; pass overwrite=True to replace it"
+    status = _broadcast_str(status, group)
+    if status.startswith("!"):
+        raise CheckpointError(status[1:])
+    return status
+
+
 @dataclass
 class StagedSave:
     """One rank's part of a checkpoint, ready to be written: ``files`` ({file: {key: tensor}}, views of the live
@@ -133,15 +148,7 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
     mesh's timeout (rank 0 then removes the staging directory)."""
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank(group) == 0
-    status = uuid.uuid4().hex[:12]
-    if leader:
-        recover(directory)
-        if directory.exists() and not overwrite:
-            status = f"!{directory} exists; pass overwrite=True to replace it"
-    status = _broadcast_str(status, group)
-    if status.startswith("!"):
-        raise CheckpointError(status[1:])
-    tmp = staging_dir(directory, status)
+    tmp = staging_dir(directory, claim(directory, overwrite, group))
     try:  # fsynced before rank 0 writes the metadata
         outcome = (_write_files(tmp, staged.files) if staged.files else {}, staged.meta, None)
     except Exception as exc:  # noqa: BLE001  (every rank learns of it below, then raises)
@@ -156,26 +163,29 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
             if leader:  # a rank died or stalled: nothing was published, its staging directory goes
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-    failed = [f"rank {r}: {error}" for r, (_, _, error) in enumerate(gathered) if error is not None]
-    status = ""
-    if leader:
-        try:
-            if not failed:
-                all_files = {k: v for files_of_rank, _, _ in gathered for k, v in files_of_rank.items()}
-                all_meta = {k: v for _, meta_of_rank, _ in gathered for k, v in meta_of_rank.items()}
-                document = {**staged.document, "tensors": all_meta, "files": all_files, **(metadata or {})}
-                _write_metadata(tmp, document)
-                publish(tmp, directory)
-        except Exception as exc:  # noqa: BLE001
-            failed.append(f"rank 0: {type(exc).__name__}: {exc}")
-        if failed:
-            shutil.rmtree(tmp, ignore_errors=True)
-        status = "; ".join(failed)
+    status = _publish(tmp, directory, gathered, {**staged.document, **(metadata or {})}) if leader else ""
     with stalled_ranks_named(f"saving {directory}", staged.timeout_s):
         status = _broadcast_str(status, group)
     if status:
         raise CheckpointError(f"saving {directory} failed, the previous checkpoint (if any) is intact: {status}")
     return directory
+
+
+def _publish(tmp: Path, directory: Path, gathered: list[tuple], document: dict) -> str:
+    """Rank 0, after every rank wrote its files: the metadata of all of them, then the directory swapped in; or,
+    when any rank (this one included) failed, the staging directory removed. What failed, or ``""``."""
+    failed = [f"rank {r}: {error}" for r, (_, _, error) in enumerate(gathered) if error is not None]
+    try:
+        if not failed:
+            all_files = {k: v for files_of_rank, _, _ in gathered for k, v in files_of_rank.items()}
+            all_meta = {k: v for _, meta_of_rank, _ in gathered for k, v in meta_of_rank.items()}
+            _write_metadata(tmp, {**document, "tensors": all_meta, "files": all_files})
+            publish(tmp, directory)
+    except Exception as exc:  # noqa: BLE001  (raised on every rank by the caller)
+        failed.append(f"rank 0: {type(exc).__name__}: {exc}")
+    if failed:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return "; ".join(failed)
 
 
 def _write_metadata(tmp: Path, document: dict) -> None:
