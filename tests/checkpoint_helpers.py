@@ -13,8 +13,8 @@ CONFIG = dict(vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_
 
 def cli(*args):
     """``shardlib <args>`` run in this process (``shardlib.cli.main``; a subprocess would spend ~5 s importing torch
-    and transformers per call), as a ``CompletedProcess`` with its exit code and output. The entry point itself is
-    run as a subprocess once, in test_cli.py."""
+    and transformers per call), as a ``CompletedProcess`` with its exit code and output. The installed entry point
+    itself runs every launch of test_launcher.py."""
     from shardlib.cli import main
 
     out, err = io.StringIO(), io.StringIO()
