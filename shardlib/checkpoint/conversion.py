@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 
 from ..layout import Layout, layout_of
-from ..safetensors_io import CheckpointError, SafetensorsFiles, Writer, copy_rows, copy_split, safetensors_order
+from ..safetensors_io import (
+    CheckpointError, SafetensorsFiles, Writer, copy_rows, copy_split, safetensors_order, strict_json,
+)
 from .atomic import AtomicDirectory
 from .format import (
-    FORMAT, METADATA, document_text, hf_config, pieces, rank_file, read_hf_config, replicated_file, tensor_entry,
+    FORMAT, METADATA, hf_config, pieces, rank_file, read_hf_config, replicated_file, tensor_entry, write_document,
 )
 from .reader import ShardedCheckpoint
 from .tensors import tensors_to_load
@@ -109,7 +111,8 @@ class _HFSource(SafetensorsFiles):
         super().__init__(directory)
         self._to_hub, self._taken = to_hub, set()
         generation = directory / GENERATION_CONFIG
-        self.generation_config = json.loads(generation.read_text()) if generation.exists() else None
+        self.generation_config = strict_json(generation.read_bytes(), str(generation)) if generation.exists() \
+            else None
 
     def key(self, names: list[str]) -> str:
         key = next((self._to_hub(n) for n in names if self._to_hub(n) in self), None)
@@ -213,7 +216,7 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
                 document["pp"] = pp
             if src.generation_config is not None:
                 document["generation_config"] = src.generation_config
-            (tmp / METADATA).write_text(document_text(document))  # last: marks the staged checkpoint complete
+            write_document(tmp, document)  # last, fsynced: marks the staged checkpoint complete
     return destination
 
 

@@ -9,6 +9,7 @@ read, so a damaged ``shardlib.json`` is refused with the field it lacks, never h
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,15 @@ def document_text(document: dict) -> str:
     document = {**document, "format": FORMAT}
     return json.dumps({**document, "metadata_checksum": {"algorithm": "xxh3_128", "value": _digest(document)}},
                       indent=1)
+
+
+def write_document(directory: Path, document: dict) -> None:
+    """``shardlib.json`` into a staged ``directory``, written last (its data files are fsynced already) and fsynced:
+    its presence marks the staged checkpoint complete (:func:`.atomic.recover`)."""
+    with open(directory / METADATA, "w") as f:
+        f.write(document_text(document))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_document(path: Path) -> dict:

@@ -3,7 +3,6 @@ save) and all ranks commit them into one atomic directory (:mod:`.atomic`)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from ..state import _pipeline
 from ..timeouts import stalled_ranks_named
 from .atomic import publish, recover, staging_dir
 from .format import (
-    FORMAT, METADATA, document_text, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry,
+    FORMAT, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry, write_document,
 )
 from .tensors import saved_tensors
 
@@ -179,22 +178,13 @@ def _publish(tmp: Path, directory: Path, gathered: list[tuple], document: dict) 
         if not failed:
             all_files = {k: v for files_of_rank, _, _ in gathered for k, v in files_of_rank.items()}
             all_meta = {k: v for _, meta_of_rank, _ in gathered for k, v in meta_of_rank.items()}
-            _write_metadata(tmp, {**document, "tensors": all_meta, "files": all_files})
+            write_document(tmp, {**document, "tensors": all_meta, "files": all_files})
             publish(tmp, directory)
     except Exception as exc:  # noqa: BLE001  (raised on every rank by the caller)
         failed.append(f"rank 0: {type(exc).__name__}: {exc}")
     if failed:
         shutil.rmtree(tmp, ignore_errors=True)
     return "; ".join(failed)
-
-
-def _write_metadata(tmp: Path, document: dict) -> None:
-    """``shardlib.json``, written last (the data files are fsynced already): its presence marks the staged
-    checkpoint complete."""
-    with open(tmp / METADATA, "w") as f:
-        f.write(document_text(document))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: bool = False) -> Path:
