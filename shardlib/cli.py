@@ -138,11 +138,12 @@ def _source_bytes(src: Path) -> int:
     """The tensor bytes of a shardlib (``shardlib.json``) or HF (safetensors headers) checkpoint: the total
     that ``convert`` reports progress against. Reads metadata and headers only."""
     from .checkpoint import METADATA, ShardedCheckpoint
+    from .checkpoint.format import OPTIMIZER_PREFIX
     from .safetensors_io import SafetensorsFiles
 
     if (src / METADATA).exists():
         reader = ShardedCheckpoint(src, verify=False)
-        keys = list(reader.tensors)
+        keys = [k for k in reader.tensors if not k.startswith(OPTIMIZER_PREFIX)]  # convert copies no optimizer state
     else:
         reader = SafetensorsFiles(src)
         keys = list(reader.weight_map)
@@ -194,14 +195,14 @@ MODEL_FILE = re.compile(r"model(?:-pp(?P<pp>\d+))?-(?:tp(?P<tp>\d+)-of-\d+|repli
 def data_bytes_by_file(ckpt) -> dict[str, int]:
     """Tensor bytes each file of a :class:`~shardlib.checkpoint.ShardedCheckpoint` holds, from its pieces (rows
     ``[start, stop)`` of ``dim``) and the tensors' shapes and dtypes."""
+    from .checkpoint.format import piece_shape
+
     out: dict[str, int] = {}
     for name, t in ckpt.tensors.items():
         itemsize = ckpt.dtype(name).itemsize
-        for piece in t["pieces"]:
-            shape = list(t["shape"])
-            if piece["dim"] is not None:
-                shape[piece["dim"]] = piece["stop"] - piece["start"]
-            out[piece["file"]] = out.get(piece["file"], 0) + math.prod(shape) * itemsize
+        for p in t["pieces"]:
+            nbytes = math.prod(piece_shape(t["shape"], p["dim"], p["start"], p["stop"])) * itemsize
+            out[p["file"]] = out.get(p["file"], 0) + nbytes
     return out
 
 

@@ -223,3 +223,17 @@ def test_export_and_convert_clean_what_a_killed_run_left(hf_dir, tmp_path):  # n
     (tmp_path / ".hf2.tmp-1" / ".complete").touch()  # a finished export killed before its rename
     (tmp_path / ".hf2.tmp-1" / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
     assert atomic.recover(tmp_path / "hf2") == [f"restored {tmp_path / 'hf2'} from .hf2.tmp-1"]
+
+
+def test_a_refused_hf_load_reads_nothing_into_the_model(tmp_path):
+    """An HF checkpoint with extra tensors (4 layers into 2): refused before the first read, the model as it was."""
+    BertForMaskedLM(BertConfig(**{**CONFIG, "num_hidden_layers": 4})).save_pretrained(tmp_path / "deep")
+    model = BertForMaskedLM(BertConfig(**CONFIG))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(5.0)
+    shardlib.shard(model, OfflineMesh())
+    with ckpt.SafetensorsFiles(tmp_path / "deep") as files, \
+            pytest.raises(ckpt.CheckpointError, match=r"that BertForMaskedLM does not have: bert\.encoder\.layer\.2"):
+        ckpt.load_hf_weights(model, files)
+    assert all((p == 5.0).all() for p in model.parameters())

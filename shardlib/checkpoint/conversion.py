@@ -21,7 +21,7 @@ from ..safetensors_io import (
 )
 from .atomic import AtomicDirectory
 from .format import (
-    FORMAT, METADATA, hf_config, pieces, rank_file, read_hf_config, replicated_file, tensor_entry, write_document,
+    FORMAT, METADATA, OPTIMIZER_PREFIX, hf_config, piece_shape, pieces, rank_file, read_hf_config, replicated_file, tensor_entry, write_document,
 )
 from .reader import ShardedCheckpoint
 from .tensors import tensors_to_load
@@ -53,7 +53,7 @@ def _hf_parts(ckpt: ShardedCheckpoint, to_hub, max_shard_bytes: int) -> list[lis
     parts: list[list[tuple]] = [[]]
     size = 0
     for name, entry in ckpt.tensors.items():
-        if name.startswith("optimizer."):
+        if name.startswith(OPTIMIZER_PREFIX):
             continue  # training state: not part of an HF model checkpoint
         dtype, shape = ckpt.dtype(name), ckpt.shape(name)
         nbytes = math.prod(shape) * dtype.itemsize
@@ -226,11 +226,9 @@ def _write_stage(writer: Writer, src, mine: list[tuple], stage: int | None, tp: 
     mine = sorted(mine, key=lambda e: safetensors_order(e[0][0], e[2]))
     contents: dict[str, list] = {}
     for names, layout, dtype, _, _ in mine:
-        for piece in pieces(layout, stage):
-            shape = list(layout.global_shape)
-            if piece.dim is not None:
-                shape[piece.dim] = piece.stop - piece.start
-            contents.setdefault(piece.file, []).append((names[0], dtype, tuple(shape)))
+        for p in pieces(layout, stage):
+            contents.setdefault(p.file, []).append((names[0], dtype, piece_shape(layout.global_shape, p.dim, p.start,
+                                                                                 p.stop)))
     files = {name: writer.open(name, tensors, {"format": "pt", "writer": FORMAT}) for name, tensors in contents.items()}
     for names, layout, dtype, _, key in mine:
         outs = {None: files.get(replicated_file(stage))} | {r: files.get(rank_file(r, tp, stage)) for r in range(tp)}

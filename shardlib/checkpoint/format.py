@@ -56,6 +56,15 @@ def _dp_suffix(dp: int | None) -> str:
     return "" if dp is None else f"-dp{dp:02d}"
 
 
+def piece_shape(shape, dim: int | None, start: int, stop: int) -> tuple[int, ...]:
+    """The shape a piece of a tensor of ``shape`` is stored with: rows ``[start, stop)`` of ``dim`` (all of it when
+    ``dim`` is None)."""
+    shape = list(shape)
+    if dim is not None:
+        shape[dim] = stop - start
+    return tuple(shape)
+
+
 def pieces(layout: Layout, stage: int | None = None, dp: int | None = None) -> list[Piece]:
     if not layout.is_sharded:
         return [Piece(replicated_file(stage, dp), None, 0, 0)]

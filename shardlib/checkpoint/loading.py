@@ -45,7 +45,7 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:8]) + (f" ... ({len(names) - 8} more)" if len(names) > 8 else "")
 
 
-def _hub_keys(model: nn.Module, files: SafetensorsFiles):
+def _hub_keys(model: nn.Module, files: SafetensorsFiles, model_names: set[str]):
     """Model tensor name -> the key it has in ``files``: the policy's Hub key, with the base model prefix (``bert.``,
     ``vit.``) dropped for a base-model checkpoint loaded into a model with a head, or added for the reverse, as
     transformers' ``from_pretrained`` decides it (for the whole checkpoint at once)."""
@@ -55,7 +55,7 @@ def _hub_keys(model: nn.Module, files: SafetensorsFiles):
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     if prefix == ".":
         return to_hub
-    model_has = any(to_hub(n).startswith(prefix) for n in model_tensor_names(model))
+    model_has = any(to_hub(n).startswith(prefix) for n in model_names)
     files_have = any(k.startswith(prefix) for k in files.weight_map)
     if model_has and not files_have:
         return lambda n: to_hub(n).removeprefix(prefix)
@@ -68,9 +68,10 @@ def _hub_keys(model: nn.Module, files: SafetensorsFiles):
 def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
     """Fill a sharded model (materialized) with its slices of an HF checkpoint, read straight into the parameters;
     return the names loaded. ``strict``: refuse a checkpoint with missing or extra tensors (else warn, naming
-    them)."""
-    to_hub = _hub_keys(model, files)
-    rank, loaded, missing = tp_rank(model), [], []
+    them). Every refusal comes before the first read."""
+    model_names = model_tensor_names(model)
+    to_hub = _hub_keys(model, files, model_names)
+    found, missing = [], []
     for tensor, names in local_tensors(model):
         key = next((to_hub(n) for n in names if to_hub(n) in files), None)
         if key is None:
@@ -81,11 +82,13 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
         if shape != layout.global_shape:
             raise CheckpointError(f"tensor {key!r} in {files.weight_map[key].name} has shape {shape}, "
                                   f"the model expects {layout.global_shape} ({names[0]})")
-        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
-        loaded.append(names[0])
-    known = {to_hub(n) for n in model_tensor_names(model)}
+        found.append((tensor, names[0], key, layout))
+    known = {to_hub(n) for n in model_names}
     _unmatched(model, str(files.directory), missing, sorted(set(files.weight_map) - known), strict)
-    return loaded
+    rank = tp_rank(model)
+    for tensor, name, key, layout in found:
+        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
+    return [name for _, name, _, _ in found]
 
 
 def _build_sharded(model_class, config, mesh, shard_options: dict, *, init: str = "buffers",

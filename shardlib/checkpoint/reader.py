@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from ..safetensors_io import (
-    CheckpointError, ReaderPool, SafetensorsFile, checksum_of, dtype_name, file_checksum, inside,
+    DTYPES, CheckpointError, ReaderPool, SafetensorsFile, checksum_of, dtype_name, file_checksum, inside,
 )
 from .atomic import recover
-from .format import METADATA, read_document
+from .format import METADATA, piece_shape, read_document
 
 
 class ShardedCheckpoint(ReaderPool):
@@ -34,11 +34,9 @@ class ShardedCheckpoint(ReaderPool):
     def problems(self) -> list[str]:
         """Completeness and checksums of every file, and that each piece's file stores it (dtype and shape as
         recorded); an empty list when the checkpoint is whole."""
-        out = []
         needed = {p["file"] for t in self.tensors.values() for p in t["pieces"]}
-        for name in sorted(needed - set(self.meta["files"])):
-            out.append(f"{name}: named by tensors but not listed in {METADATA}")
-        bad = set(needed - set(self.meta["files"]))
+        bad = needed - set(self.meta["files"])
+        out = [f"{name}: named by tensors but not listed in {METADATA}" for name in sorted(bad)]
         for name, info in sorted(self.meta["files"].items()):
             try:
                 self._check_file(name, info)
@@ -86,9 +84,7 @@ class ShardedCheckpoint(ReaderPool):
         the rows that the metadata records (a file that disagrees is refused, never read as something else)."""
         reader = self._reader(piece["file"])
         entry, meta = reader.entry(name), self.tensors[name]
-        shape = list(meta["shape"])
-        if piece["dim"] is not None:
-            shape[piece["dim"]] = piece["stop"] - piece["start"]
+        shape = list(piece_shape(meta["shape"], piece["dim"], piece["start"], piece["stop"]))
         if entry.dtype != self.dtype(name) or list(entry.shape) != shape:
             raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype_name(entry.dtype)} {list(entry.shape)}, "
                                   f"{METADATA} records {meta['dtype']} {shape} for this piece")
@@ -98,17 +94,14 @@ class ShardedCheckpoint(ReaderPool):
         return tuple(self.tensors[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        value = getattr(torch, str(self.tensors[name]["dtype"]), None)
-        if not isinstance(value, torch.dtype):
-            raise CheckpointError(f"{self.directory}: tensor {name!r} has unknown dtype "
-                                  f"{self.tensors[name]['dtype']!r}")
-        return value
+        return DTYPES[self.tensors[name]["dtype"]]  # a known name: read_document checked it
 
     def extents(self, name: str, start: int = 0,
                 stop: int | None = None) -> list[tuple[SafetensorsFile, int, int]] | None:
         """Where global dim-0 rows ``[start, stop)`` of ``name`` lie, as ``[(file, offset, nbytes)]`` in order
         (the whole tensor when ``stop`` is None and ``start`` 0), or None when they are not whole byte ranges of
-        the files (pieces split along another dim). Opens (and so verifies) the files."""
+        the files (pieces split along another dim). Opens (and so verifies) the files. The pieces tile the tensor
+        (:func:`.format.read_document` checked it when the checkpoint was opened)."""
         t = self.tensors[name]
         pieces, shape = t["pieces"], tuple(t["shape"])
         whole = next((p for p in pieces if p["dim"] is None), None)
@@ -117,16 +110,12 @@ class ShardedCheckpoint(ReaderPool):
         if not shape or any(p["dim"] != 0 for p in pieces):
             return None
         stop = shape[0] if stop is None else stop
-        out, covered = [], start
+        out = []
         for p in sorted(pieces, key=lambda p: p["start"]):
-            lo, hi = max(covered, p["start"]), min(stop, p["stop"])
-            if lo >= hi:
-                continue
-            if lo != covered:
-                return None  # a gap: leave the error to read_into
-            out.append(self._piece_reader(name, p).extent(name, lo - p["start"], hi - p["start"]))
-            covered = hi
-        return out if covered == stop else None
+            lo, hi = max(start, p["start"]), min(stop, p["stop"])
+            if lo < hi:
+                out.append(self._piece_reader(name, p).extent(name, lo - p["start"], hi - p["start"]))
+        return out
 
     def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
         """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), as a new
@@ -140,7 +129,8 @@ class ShardedCheckpoint(ReaderPool):
                   stop: int | None = None) -> torch.Tensor:
         """Read global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (all of it when dim is None) into
         ``out`` (that shape; may be a strided view): each overlapping piece is read straight into its part of
-        ``out``. Pieces split along another dim than ``dim`` each fill their own columns of ``out``."""
+        ``out``. Pieces split along another dim than ``dim`` each fill their own columns of ``out``. The pieces
+        tile the tensor along one dim (checked when the checkpoint was opened)."""
         t = self.tensors[name]
         pieces = t["pieces"]
         if any(p["dim"] is None for p in pieces):  # stored whole
@@ -149,23 +139,13 @@ class ShardedCheckpoint(ReaderPool):
         if dim is None:
             dim, start, stop = pdim, 0, shape[pdim]
         stop = shape[dim] if stop is None else stop
-        covered = 0
         for p in pieces:
-            if p["dim"] != pdim:
-                raise CheckpointError(f"{self.directory}: tensor {name!r} has pieces split along dims "
-                                      f"{sorted({q['dim'] for q in pieces})}")
             if dim == pdim:
                 lo, hi = max(start, p["start"]), min(stop, p["stop"])
                 if lo < hi:
                     self._piece_reader(name, p).read_into(name, out.narrow(dim, lo - start, hi - lo), dim,
-                                                      lo - p["start"], hi - p["start"])
-                    covered += hi - lo
+                                                          lo - p["start"], hi - p["start"])
             else:
                 rows = p["stop"] - p["start"]
                 self._piece_reader(name, p).read_into(name, out.narrow(pdim, p["start"], rows), dim, start, stop)
-                covered += rows
-        wanted = stop - start if dim == pdim else shape[pdim]
-        if covered != wanted:
-            raise CheckpointError(f"{self.directory}: the pieces of tensor {name!r} cover {covered} of the {wanted} "
-                                  f"rows [{start if dim == pdim else 0}, ...) of dim {pdim}")
         return out

@@ -334,7 +334,7 @@ class Trainer:
         microbatch's output (detached; ``microbatch_count(len, microbatches)`` microbatches, so any batch size
         runs); elsewhere an empty list."""
         self.model.eval()
-        parts = microbatch_count(first_tensor(batch).shape[0], self.microbatches)
+        parts = microbatch_count(check_batch(batch), self.microbatches)
         with torch.no_grad():
             if self.split is not None:
                 return self.runner.eval(batch, parts)
