@@ -2,7 +2,8 @@
 ForTokenClassification, ForQuestionAnswering), which share one module structure.
 
 Plan, per attention module (``SelfAttention``, and ``EncDecAttention`` in the decoder): the inputs enter the TP
-region once (``CopyInputs``: the hidden states, and the encoder states for cross-attention), q/k/v are
+region once (``CopyInputs``: the hidden states; the encoder states enter once for the whole decoder, at the decoder
+stack, so their backward all-reduce runs once rather than once per cross-attention), q/k/v are
 column-parallel (heads split), o is row-parallel, the relative attention bias table [buckets, heads] is split by
 head (``ColwiseParallel`` on an Embedding: each rank looks up the bias of its own heads, no communication), and
 ``n_heads`` / ``inner_dim`` become per-rank values (T5 builds the zero position bias of layers without a table
@@ -56,7 +57,11 @@ def t5_plan(model, tp: int) -> Plan:
         attention[f"{block}.layer.0.SelfAttention"] = AttentionSite("n_heads", bias_method="compute_bias")
         projections[f"{block}.layer.0.SelfAttention"] = ("q", "k", "v")
         if stack == "decoder":
+            # the encoder states enter the TP region once for the whole decoder (at the decoder stack), not once per
+            # cross-attention: backward sums their gradient over the layers locally and all-reduces it once
+            styles[f"{base}{stack}"] = CopyInputs("encoder_hidden_states")
             styles |= _attention(f"{block}.layer.1.EncDecAttention")
+            styles[f"{block}.layer.1.EncDecAttention"] = (CopyInputs("hidden_states"), LocalRNG())
             heads[f"{block}.layer.1.EncDecAttention"] = ("n_heads", "inner_dim")
             kv_input = "encoder_hidden_states" if "umt5" in type(model).__module__ else "key_value_states"
             attention[f"{block}.layer.1.EncDecAttention"] = AttentionSite("n_heads", kv_input=kv_input)

@@ -70,22 +70,39 @@ def reduce_flat(tensors: list[torch.Tensor], group: Group, dst: int) -> None:
     _sum_flat(tensors, group, dst)
 
 
+#: Largest flat buffer of :func:`all_reduce_flat` / :func:`reduce_flat` (torch DDP's default bucket): the gradients
+#: are summed in buckets of at most this many bytes, so no second full copy of them is ever allocated.
+FLAT_BUCKET_BYTES = 25 * 2**20
+
+
 def _sum_flat(tensors: list[torch.Tensor], group: Group, dst: int | None) -> None:
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     receives = dst is None or dist.get_rank(group) == dst
     for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        if dst is None:
-            dist.all_reduce(flat, group=group)
-        else:
-            dist.reduce(flat, dst=dist.get_global_rank(group, dst), group=group)
-        if receives:
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for bucket in _buckets(same, FLAT_BUCKET_BYTES):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            if dst is None:
+                dist.all_reduce(flat, group=group)
+            else:
+                dist.reduce(flat, dst=dist.get_global_rank(group, dst), group=group)
+            if receives:
+                torch._foreach_copy_(bucket, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in bucket]),
+                                                                             bucket)])
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``limit`` bytes (a larger tensor is a run of its own)."""
+    runs, size = [[]], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if runs[-1] and size + nbytes > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(t)
+        size += nbytes
+    return [r for r in runs if r]
 
 
 def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -21,7 +21,8 @@ from the code a real rank runs, not from a model of it:
   forward ran it or created the autograd node whose backward runs it
   (:class:`~shardlib.metarun.CollectiveRecorder`), hence to a trunk layer. Then the step's collectives run the
   same way: the pipeline's tied-gradient sum and the Trainer's dp all-reduce of the gradients (``all_reduce_flat``,
-  without ZeRO); the Trainer's scalar all-reduces (loss, item counts, used flags) are left out;
+  without ZeRO, in 25 MiB buckets; where the Trainer uses torch's DDP the same bytes go in DDP's buckets, during
+  backward); the Trainer's scalar all-reduces (loss, item counts, used flags) are left out;
 * pipeline boundaries: the tensors a stage sends on per microbatch (forward) and the gradients it gets back.
 
 Under sequence parallelism a real backward all-gathers each saved sequence again (Megatron; all-to-all exchanges
@@ -185,7 +186,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
             recorder.phase = "step"
             if state.pipeline is not None:
                 state.pipeline.sync_tied_grads()
-            if dp > 1:  # the Trainer's reduce_gradients without ZeRO: one flat all-reduce per dtype
+            if dp > 1:  # the Trainer's reduce_gradients without ZeRO: flat all-reduces per dtype
                 all_reduce_flat([p.grad for p in params if p.grad is not None], mesh.group("dp"))
         optimizer = _adamw_state(params)
         zero = _zero(params, optimizer, mesh)

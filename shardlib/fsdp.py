@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .gradsync import unbucket
 from .sharded import shard_state
 
 log = logging.getLogger("shardlib.train")
@@ -50,6 +51,7 @@ def apply_fsdp(model: nn.Module, *, offload: bool = False) -> list[FSDPModule]:
             log.warning("offload=True: no CUDA device, parameters and optimizer state are already in host memory "
                         "(FSDP2's CPUOffloadPolicy skipped)")
     dp_mesh = dp_device_mesh(state.mesh)
+    unbucket(model)  # FSDP2 reads a layer's gradients right after its backward
     modules = []
     for stack in state.plan.trunk:
         for layer in model.get_submodule(stack.layers):

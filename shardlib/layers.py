@@ -24,6 +24,7 @@ from torch import nn
 
 from .collectives import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
 from .layout import Layout, set_layout
+from .overlap import column_linear
 
 
 #: ``nn.Embedding`` options the sharded embeddings cannot honour: ``max_norm`` renormalizes the rows it looks up, in
@@ -106,15 +107,24 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
-        if self.copy_input:
-            x = self.sequence.gather(x) if self.sequence is not None else copy_to_tp(x, self.group)
-        if self.epilogue is None:
-            y = F.linear(x, self.weight, self.bias)
+        if self._overlaps_copy():
+            y = column_linear(x, self.weight, self.bias, self.group)  # the copy's backward overlapped (overlap.py)
         else:
-            y = self.epilogue(F.linear(x, self.weight), self.bias)
+            if self.copy_input:
+                x = self.sequence.gather(x) if self.sequence is not None else copy_to_tp(x, self.group)
+            if self.epilogue is None:
+                y = F.linear(x, self.weight, self.bias)
+            else:
+                y = self.epilogue(F.linear(x, self.weight), self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, -1)[..., : self.global_out_features]
         return y
+
+    def _overlaps_copy(self) -> bool:
+        """Whether this forward enters the TP region with :func:`shardlib.overlap.column_linear` (eager, a replicated
+        input copied here, no epilogue)."""
+        return (self.copy_input and self.sequence is None and self.epilogue is None and self.tp_size > 1
+                and not torch.compiler.is_compiling())
 
     def extra_repr(self) -> str:
         return (

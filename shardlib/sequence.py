@@ -23,7 +23,8 @@ never enters a result). The true length of each stack is recorded at its entry (
 Dropout on sequence-sharded activations must draw different masks per rank: the policies list those dropout
 modules (``Plan.sequence_dropout``) and they run on the per-rank RNG stream. Replicated parameters inside the
 layers (LayerNorm weights, row-parallel biases) now see only this rank's tokens, so their gradients are partial
-sums: each is all-reduced over the TP group once, by a gradient hook.
+sums: they are all-reduced over the TP group in one bucket per layer, started as soon as the layer's last one is
+ready, while backward goes on (:mod:`shardlib.gradsync`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import (
-    Group, all_gather, all_gather_from_tp, all_reduce, gather_from_tp, reduce_scatter_to_tp, scatter_to_tp,
+    Group, all_gather, all_gather_from_tp, gather_from_tp, reduce_scatter_to_tp, scatter_to_tp,
 )
+from .gradsync import ReplicatedGradSync
 
 SEQ_DIM = 1
 
@@ -161,33 +163,6 @@ def _active_saved_tensor_hooks():
     """The (pack, unpack) pair currently active, if any (torch has no public getter)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top(False) if top is not None else None
-
-
-class ReplicatedGradSync:
-    """Forward pre-hook for a layer of a sequence-parallel stack: its parameters replicated over ``group`` see only
-    this rank's tokens, so each gets a gradient hook that all-reduces its gradient over ``group`` once per backward.
-    Megatron style (``group`` = TP): the LayerNorms and row-parallel biases (``tp_sharded_too=False``); all-to-all
-    (``group`` = sp, which shards no parameter): every parameter. Hooks are attached at the layer's first forward
-    and again to any parameter object that replaced one since (materializing a meta model or loading a checkpoint
-    creates new parameters)."""
-
-    def __init__(self, group: Group, *, tp_sharded_too: bool = False):
-        self.group, self.tp_sharded_too = group, tp_sharded_too
-        self.hooked = weakref.WeakValueDictionary()  # id -> parameter (tensors compare elementwise: no WeakSet)
-
-    def __call__(self, layer: torch.nn.Module, args=()) -> None:
-        """Hook what is not hooked yet (called once at install, then before every eager forward; compiled code
-        skips it: tensor hooks cannot be registered from inside a graph, and those attached eagerly still fire)."""
-        from .layout import layout_of
-
-        if torch.compiler.is_compiling():
-            return
-        for name, p in layer.named_parameters():
-            if self.hooked.get(id(p)) is p or not p.requires_grad:
-                continue
-            if self.tp_sharded_too or not layout_of(layer, name).is_sharded:
-                p.register_hook(lambda grad: all_reduce(grad, self.group))
-                self.hooked[id(p)] = p
 
 
 def rehook_replicated_grads(model: torch.nn.Module) -> None:

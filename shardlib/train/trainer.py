@@ -35,6 +35,7 @@ from ..fsdp import apply_fsdp, local, reshard
 from ..layout import named_layouts
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharded import shard_state
+from .dataparallel import ddp_composes, wrap_ddp
 from ..timeouts import names_stalled_ranks
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
 from ..optim import build_optimizer, check_zero, copy_grads, owners, param_pairs
@@ -137,6 +138,9 @@ class Trainer:
             self.optimizer = build_optimizer(optimizer, params, master_weights=master_weights, zero=zero,
                                              dp_group=self.mesh.group("dp") if zero else None)
         self._owner = owners(self.optimizer)
+        self.ddp, self._dp_left_out, self._dp_synced = None, [], False  # torch DDP sums over dp in backward
+        if not self.fsdp and ddp_composes(self.mesh, self.split, zero, self.custom_forward):
+            self.ddp, self._dp_left_out = wrap_ddp(model, self.mesh.group("dp"))
         self.runner = None
         if self.split is not None:
             self.runner = PipelineRunner(self.split, schedule, autocast_dtype=AUTOCAST_DTYPES[precision],
@@ -177,7 +181,7 @@ class Trainer:
             check_batch(b, "the batch" if len(batches) == 1 else f"batch {i} of {len(batches)}")
         self.zero_grad()
         total = self._global_items(batches)
-        loss = sum(self.forward_backward(b, total_items=total) for b in batches)
+        loss = sum(self._forward_backward(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches))
         self.reduce_gradients()
         self.last_grad_norm = None
         copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
@@ -200,6 +204,7 @@ class Trainer:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
+        self._dp_synced = False
         for p in self.params:
             p.grad = None
         for _, stepped in self._pairs():
@@ -217,13 +222,19 @@ class Trainer:
     def forward_backward(self, batch: dict, *, total_items: float | None = None) -> float:
         """Accumulate the gradients of ``batch`` (call again before :meth:`reduce_gradients` to accumulate more,
         passing the ``total_items`` of all of them, see :meth:`train_step`). Returns the loss of ``batch`` over
-        every data-parallel rank (same value on every rank)."""
+        every data-parallel rank (same value on every rank). The gradients are summed over dp by
+        :meth:`reduce_gradients`, after backward (:meth:`train_step` sums them during its last backward)."""
         check_batch(batch)
+        return self._forward_backward(batch, total_items, sync=False)
+
+    def _forward_backward(self, batch: dict, total_items: float | None, *, sync: bool) -> float:
+        """``forward_backward``; ``sync``: the last backward before the optimizer step, whose DDP sums the
+        gradients over dp while it runs."""
         self.model.train()
         self._total = total_items if total_items is not None else self._global_items([batch])
         weights = self.loss_items(batch)
         if self.split is None:
-            loss = self._run_plain(batch, weights)
+            loss = self._run_plain(batch, weights, sync)
         else:
             loss = self.runner.step(batch, self.microbatches, self._pipeline_loss, weights)
         if self.scaler is not None:
@@ -248,16 +259,20 @@ class Trainer:
         """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
         summed over data-parallel replicas: one flat all-reduce per dtype; under zero=1 the gradients of
         parameters another dp rank steps are then dropped; under zero=2 each is summed straight into the dp rank
-        that steps it (one flat reduce per dp rank) and dropped elsewhere."""
+        that steps it (one flat reduce per dp rank) and dropped elsewhere. Buckets of at most 25 MiB
+        (``collectives.FLAT_BUCKET_BYTES``). Where torch's DDP summed them in the step's last backward
+        (:mod:`shardlib.train.dataparallel`), only the parameters left out of DDP are summed here."""
         if self.split is not None:
             self.split.sync_tied_grads()
         if self.mesh.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters in backward
             group = self.mesh.group("dp")
+            candidates = self._dp_left_out if self._dp_synced else self.params
             # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
-            used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8,
+            used = torch.tensor([p.grad is not None for p in candidates], dtype=torch.uint8,
                                 device=self.mesh.device_type)
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
-            params = [p for p, u in zip(self.params, used.tolist()) if u]
+            if candidates:
+                dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+            params = [p for p, u in zip(candidates, used.tolist()) if u]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -267,7 +282,7 @@ class Trainer:
             else:
                 all_reduce_flat([p.grad for p in params], group)
             if self._owner:
-                for p in params:
+                for p in self.params:
                     if self._owner[id(p)] != self.mesh.local_rank("dp"):
                         p.grad = None
 
@@ -351,18 +366,24 @@ class Trainer:
     def _autocast(self, batch):
         return autocast(self.precision, first_tensor(batch).device.type)
 
-    def _run_plain(self, batch: dict, weights: torch.Tensor) -> float:
+    def _run_plain(self, batch: dict, weights: torch.Tensor, sync: bool) -> float:
         loss_sum = 0.0
-        for mb, w in zip(split_batch(batch, self.microbatches), weights.chunk(self.microbatches)):
-            with self._autocast(mb):
-                out = self.forward_step(self.model, mb)
-                if self.loss_fn is not None:
-                    loss = self.loss_fn(out[next(iter(out.keys()))])
-                else:
-                    loss = as_loss(out, "forward_step" if self.custom_forward else type(self.model).__name__)
-            scaled = self._scale(loss, w)
-            scaled.backward()
+        parts = list(zip(split_batch(batch, self.microbatches), weights.chunk(self.microbatches)))
+        for i, (mb, w) in enumerate(parts):
+            last = sync and i == len(parts) - 1
+            # under DDP every backward but the step's last accumulates locally (no_sync); the last one sums
+            no_sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            with no_sync:
+                with self._autocast(mb):
+                    out = self.forward_step(self.ddp if self.ddp is not None else self.model, mb)
+                    if self.loss_fn is not None:
+                        loss = self.loss_fn(out[next(iter(out.keys()))])
+                    else:
+                        loss = as_loss(out, "forward_step" if self.custom_forward else type(self.model).__name__)
+                scaled = self._scale(loss, w)
+                scaled.backward()
             loss_sum += float(scaled.detach())
+        self._dp_synced = self.ddp is not None and sync
         return loss_sum  # times the fp16 loss scale, which forward_backward divides out
 
     def _stage_forward_step(self, model, batch):

@@ -1,0 +1,108 @@
+"""What gloo on loopback costs, and how much of it a GEMM hides: the measured bound behind the TP targets.
+
+Two ranks, one thread each (as ``tp_throughput.py``'s tp=2 modes), BERT-base tp=2 sizes (8 x 128 tokens, hidden
+768, q/k/v shard 3 x 384, MLP shard 1536). Each line is the median over ``--steps`` barrier-separated repetitions,
+timed on rank 0:
+
+* ``all_reduce 3 MiB``: one [1024, 768] fp32 all-reduce (what every TP region boundary costs without SP);
+* ``all_gather`` / ``reduce_scatter``: the sequence-parallel pair over the same bytes;
+* ``all_reduce 24 KiB``: one LayerNorm-sized gradient (SP's replicated parameters; latency-bound), and ``x16``
+  of them one after another against one all-reduce of their concatenation (the bucketing of shardlib.gradsync);
+* ``wgrad GEMM``: the q/k/v weight-gradient GEMM [1152, 1024] x [1024, 768] of one rank;
+* ``sequential`` = all-reduce then GEMM; ``overlapped`` = the all-reduce started with ``async_op=True``, the GEMM,
+  then the wait (shardlib.overlap's column-parallel backward). ``hidden`` = how much of the all-reduce's time the
+  overlap removed.
+
+    .venv/bin/python benchmarks/comm_overlap.py [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _machine import loopback_ifname, print_traceback, wait_idle  # noqa: E402
+
+
+def _median_ms(fn, steps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _measure(steps: int) -> dict[str, float]:
+    act = torch.randn(1024, 768)
+    half, full = torch.randn(512, 768), torch.empty(1024, 768)
+    small = [torch.randn(6144) for _ in range(16)]
+    grad_out, saved = torch.randn(1024, 1152), torch.randn(1024, 768)
+
+    def overlapped():
+        work = dist.all_reduce(act, async_op=True)
+        grad_out.t() @ saved
+        work.wait()
+
+    return {
+        "all_reduce 3 MiB": _median_ms(lambda: dist.all_reduce(act), steps),
+        "all_gather 1.5 -> 3 MiB": _median_ms(lambda: dist.all_gather_into_tensor(full, half), steps),
+        "reduce_scatter 3 -> 1.5 MiB": _median_ms(lambda: dist.reduce_scatter_tensor(half, full), steps),
+        "all_reduce 24 KiB": _median_ms(lambda: dist.all_reduce(small[0]), steps),
+        "all_reduce 24 KiB x16": _median_ms(lambda: [dist.all_reduce(t) for t in small], steps),
+        "all_reduce 16 x 24 KiB as one": _median_ms(lambda: dist.all_reduce(torch.cat(small)), steps),
+        "wgrad GEMM": _median_ms(lambda: grad_out.t() @ saved, steps),
+        "sequential": _median_ms(lambda: (dist.all_reduce(act), grad_out.t() @ saved), steps),
+        "overlapped": _median_ms(overlapped, steps),
+    }
+
+
+def _rank(rank: int, store_path: str, steps: int, queue) -> None:
+    print_traceback(_worker, rank, store_path, steps, queue)
+
+
+def _worker(rank: int, store_path: str, steps: int, queue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        result = _measure(steps)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname()
+    wait_idle(60, 0.1)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(os.path.join(tmp, "store"), args.steps, queue), nprocs=2,
+                           start_method="spawn")
+    r = queue.get()
+    for name, ms in r.items():
+        print(f"  {name:32s} {ms:8.2f} ms")
+    hidden = (r["sequential"] - r["overlapped"]) / r["all_reduce 3 MiB"]
+    print(f"\n  overlap hid {100 * hidden:.0f}% of the 3 MiB all-reduce behind the weight-gradient GEMM")
+    print(f"  16 small all-reduces cost {r['all_reduce 24 KiB x16'] / r['all_reduce 16 x 24 KiB as one']:.1f}x "
+          "one bucketed all-reduce of the same bytes")
+
+
+if __name__ == "__main__":
+    main()
