@@ -96,6 +96,26 @@ def equivalence(spec: dict) -> dict:
     return compared
 
 
+def accumulated_gradients(spec: dict) -> int:
+    """Two forward + ``loss.backward()`` calls without zeroing: every gradient equals the unsharded model's sum of
+    both (sequence parallelism's bucketed gradients complete each backward's own contribution). Returns how many
+    gradients were compared."""
+    mesh, family, dtype = spec_mesh(spec), cases(spec), DTYPES[spec["dtype"]]
+    ref = family.make_model(spec)
+    set_attention(ref, shard_options(spec)["kernels"].attention)
+    model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True, **shard_options(spec))
+    batch = cast_batch(family.make_batch(spec, ref.config), dtype)
+    for _ in range(2):
+        for m in (ref, model):
+            scalar_objective(m(**batch)).backward()
+    grads = shardlib.full_state_dict(model, grads=True)
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
+    for name, g in ref_grads.items():
+        _close(f"accumulated grad {name}", grads[name], g, dtype)
+    return len(ref_grads)
+
+
 def check_fused_gemms_ran(model, kernels) -> None:
     """With fused QKV on, the fused GEMMs really ran on the sharded linears (installed before the styles replaced
     the linears, they would silently never run)."""

@@ -69,6 +69,15 @@ def test_sp_dropout_keeps_replicated_parameters_identical(pool, tp, base):
     assert results[0]["losses"] == results[1]["losses"]
 
 
+@pytest.mark.parametrize("mode", ["megatron", "all_to_all"])
+def test_bucketed_gradients_accumulate_over_plain_backwards(pool, mode):
+    """Two ``loss.backward()`` calls without zeroing: each reduces only its own contribution, so every gradient
+    equals the unsharded sum (the replicated parameters' buckets finish in an end-of-backward callback)."""
+    spec = {**_spec("BertForMaskedLM", 2 if mode == "megatron" else 1, 2), "sp": True if mode == "megatron" else "all_to_all",
+            "sp_size": 2, "dtype": "float64"}
+    assert all(n > 20 for n in pool.run(rank_tasks.accumulated_gradients, spec))
+
+
 FIXED = [
     {"cls": "BertForMaskedLM", "config": {"heads": 4, "head_dim": 8, "layers": 2, "intermediate": 64, "vocab": 97}},
     {"cls": "BertLMHeadModel", "config": {"heads": 4, "head_dim": 8, "layers": 2, "intermediate": 64, "vocab": 97,

@@ -33,11 +33,13 @@ def close(a, b, rtol):
 def test_first_step_and_eval_identical_in_float64_at_every_layout(pool, family):
     """dp=4, dp=2 x tp=2 and pp=2 x tp=2 against the unsharded model: the first step's loss, and after 2 steps the
     evaluation of 30 samples in global batches of 8, whose tail of 6 splits 2, 2, 1, 1 over dp=4 (odd
-    microbatches): every sample counted once, loss and accuracy identical."""
+    microbatches): every sample counted once, loss and accuracy identical. Without a pipeline the dp sum is torch's
+    DDP, in the step's last backward (the first microbatch's backward runs under no_sync)."""
     spec = {**FAMILIES[family], **RUN, "dtype": "float64", "steps": 2, "eval_samples": 30, "metrics": True}
     expected = train_tasks.reference_run(spec)
     for name, layout in LAYOUTS.items():
         got = pool.run(train_tasks.fit_run, {**spec, "layout": layout})[0]
+        assert got["ddp"] == ("pp" not in layout), (name, got["ddp"])
         first = got["losses"][0]
         assert close(first, expected["losses"][0], 1e-10), f"{family} {name}: {first!r} != {expected['losses'][0]!r}"
         (record,) = got["evals"]  # eval_interval None: once, at the end

@@ -71,11 +71,15 @@ def test_any_zero_stage_equals_zero0_in_any_precision(pool, spec):
 
 @pytest.mark.parametrize("mode", SP)
 def test_zero3_composes_with_sequence_parallelism(pool, mode):
-    """FSDP2 runs its pre-forward hook first, so the per-parameter gradient hooks of both SP modes see the
-    unsharded parameters and sum over tp / sp before FSDP2 reduce-scatters over dp: 3 steps equal zero=0."""
+    """FSDP2 runs its pre-forward hook first, so the per-parameter gradient hooks of both SP modes (unbucketed under
+    FSDP2) see the unsharded parameters and sum over tp / sp before FSDP2 reduce-scatters over dp: 3 steps equal
+    zero=0, where torch's DDP sums over dp in backward and the Trainer sums the SP-bucketed parameters it leaves out
+    of DDP after backward."""
     layout, shard = SP[mode]
     spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": layout, "shard": shard}
-    baseline = pool.run(train_tasks.fit_run, spec)[0]["losses"]
+    zero0 = pool.run(train_tasks.fit_run, spec)[0]
+    assert zero0["ddp"] and zero0["left_out_of_ddp"] > 0, zero0
+    baseline = zero0["losses"]
     got = pool.run(train_tasks.fit_run, {**spec, "trainer": {"zero": 3}})[0]["losses"]
     for step, (a, b) in enumerate(zip(got, baseline)):
         assert close(a, b, 1e-12), f"zero=3 with {mode} SP, step {step}: {a!r} != {b!r}"

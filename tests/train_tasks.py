@@ -75,7 +75,8 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
     scaler = trainer.scaler
     return {"losses": result.losses, "first_step": result.first_step, "evals": result.evals,
             "checkpoints": [str(p) for p in result.checkpoints], "mesh": str(mesh),
-            "optimizer_bytes": optimizer_bytes(trainer), "scaler": scaler.state_dict() if scaler else None}
+            "optimizer_bytes": optimizer_bytes(trainer), "scaler": scaler.state_dict() if scaler else None,
+            "ddp": trainer.ddp is not None, "left_out_of_ddp": len(trainer._dp_left_out)}
 
 
 def optimizer_bytes(trainer) -> int:
