@@ -22,7 +22,10 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
+	$(VPY) benchmarks/comm_overlap.py
 	$(VPY) benchmarks/tp_throughput.py
+	$(VPY) benchmarks/train_throughput.py --quick
+	$(VPY) benchmarks/plot_train_throughput.py --out benchmarks/results/train_throughput_quick --img-dir benchmarks/results/img
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -168,7 +168,8 @@ class FusedGroup:
 
     # -- the call path -----------------------------------------------------------------------------------------
     def _own(self, index, *args, **kwargs):
-        self.own_calls += 1
+        if not torch.compiler.is_compiling():  # a counter bumped inside a graph is a guard: a recompile every step
+            self.own_calls += 1
         module = self.modules[index]
         return type(module).forward(module, *args, **kwargs)
 

@@ -41,6 +41,20 @@ def graph_breaks(spec: dict) -> dict:
     return {"graphs": explained.graph_count, "breaks": breaks}
 
 
+def compiles_once(spec: dict, calls: int = 3) -> int:
+    """Frames dynamo compiles over ``calls`` training forwards of the compiled sharded model after the first (0:
+    nothing in shardlib's modules, kernels' counters included, changes a guard between steps)."""
+    torch._dynamo.reset()
+    model = shardlib.shard(cases(spec).make_model(spec), spec_mesh(spec), **shard_options(spec))
+    compiled = torch.compile(model, backend="eager")
+    batch = cases(spec).make_batch(spec, model.config)
+    compiled(**batch)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(calls):
+        compiled(**batch)
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+
+
 def compiled_matches_eager(spec: dict) -> dict:
     """The sharded model compiled (``spec["compile"]``: the backend) against the same sharded model in eager mode:
     outputs, every gradient and the weights after one AdamW step. Dropout off (compiled RNG differs by design)."""

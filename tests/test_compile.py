@@ -54,6 +54,12 @@ def test_no_graph_break_from_shardlib(pool, name):
         assert result["graphs"] == 1 + len(result["breaks"])
 
 
+def test_all_kernels_compile_once(pool):
+    """Later forwards reuse the first compile (a fused-QKV call counter bumped inside the graph used to become a
+    guard and recompile every step)."""
+    assert set(pool.run(compile_tasks.compiles_once, {**BERT, **ALL_KERNELS}, timeout_s=300)) == {0}
+
+
 def _no_dropout(spec: dict) -> dict:
     return {**spec, "config": {**spec["config"], "dropout": 0.0}}
 

@@ -12,7 +12,7 @@ Settings and why:
   share of the global batch's loss items (:mod:`shardlib.train.trainer`), as before;
 * ``find_unused_parameters=True``: a model may leave parameters out of its loss (a pooler under a token loss);
   those keep ``grad=None`` on every rank, as without dp. Its graph walk costs well under 1% of a CPU step;
-* ``init_sync=False``, ``broadcast_buffers=False``: ``shard()`` builds identical replicas and the buffers are
+* ``init_sync=False``, ``forward_sync_buffers=False``: ``shard()`` builds identical replicas and the buffers are
   constants (position ids), so nothing is broadcast;
 * parameters whose gradient a sequence-parallel bucket completes after backward (:mod:`shardlib.gradsync`: the
   LayerNorms and row-parallel biases under Megatron SP, every layer parameter under all-to-all SP) are left out
@@ -59,7 +59,7 @@ def wrap_ddp(model: nn.Module, group) -> tuple[DistributedDataParallel, list[nn.
     had = getattr(model, "_ddp_params_and_buffers_to_ignore", None)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     try:
-        ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False, init_sync=False,
+        ddp = DistributedDataParallel(model, process_group=group, forward_sync_buffers=False, init_sync=False,
                                       find_unused_parameters=True, gradient_as_bucket_view=True)
     finally:  # DDP read the list; leave no attribute of its own on the user's model
         if had is None:

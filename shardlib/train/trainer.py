@@ -257,10 +257,10 @@ class Trainer:
 
     def reduce_gradients(self) -> None:
         """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
-        summed over data-parallel replicas: one flat all-reduce per dtype; under zero=1 the gradients of
-        parameters another dp rank steps are then dropped; under zero=2 each is summed straight into the dp rank
-        that steps it (one flat reduce per dp rank) and dropped elsewhere. Buckets of at most 25 MiB
-        (``collectives.FLAT_BUCKET_BYTES``). Where torch's DDP summed them in the step's last backward
+        summed over data-parallel replicas in flat all-reduces of at most 25 MiB each
+        (``collectives.FLAT_BUCKET_BYTES``); under zero=1 the gradients of parameters another dp rank steps are
+        then dropped; under zero=2 each is summed straight into the dp rank that steps it (flat reduces per dp
+        rank) and dropped elsewhere. Where torch's DDP summed them in the step's last backward
         (:mod:`shardlib.train.dataparallel`), only the parameters left out of DDP are summed here."""
         if self.split is not None:
             self.split.sync_tied_grads()

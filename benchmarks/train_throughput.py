@@ -1,0 +1,611 @@
+"""Training throughput, TorchAcc style: eager + torch DDP (the baseline) against shardlib's layouts under
+``Trainer.fit``, fp32 and mixed precision, on the same model, data, seed, global batch, learning rate and steps.
+
+What is measured
+----------------
+BERT sentence classification shaped like SST-2: ``BertForSequenceClassification`` with 2 labels on 128-token inputs
+(``--seq``), built from a config with random weights (nothing is downloaded) under ``torch.manual_seed(1234)`` in
+every mode, in ``train()`` mode with the config's dropout (0.1; ``--dropout``; ``--quick``: 0, so that its loss
+check is exact). Sizes (``--size``):
+
+* ``base``   BERT-base: 12 layers, hidden 768, 12 heads, intermediate 3072, vocab 30522 (the default);
+* ``small``  4 layers, hidden 256, 4 heads, intermediate 1024, vocab 30522;
+* ``tiny``   2 layers, hidden 64, 4 heads, intermediate 256, vocab 1000 (what ``--quick`` runs: start-up and
+             per-step overheads dominate its numbers, so it checks that every mode trains, not their speed).
+
+Data: generated, learnable, the same list of samples in every mode. A sentence is 32-126 random filler word ids
+between [CLS] and [SEP], padded to 128 with an ``attention_mask``; half of its words come from two small
+"sentiment" sets (ids 30-39 and 40-49), and the label is the set that appears more often (the other set has fewer
+than a quarter of them). The loss falls visibly within a few dozen steps, after a plateau of 15-25 steps (at the
+default lr: base 0.88 -> 0.08 in 30 steps, measured on 40-token sentences; tiny 0.71 -> 0.08 in 30). There are
+exactly ``steps x batch`` samples, read in order (``fit(shuffle=False)``): global batch i is samples [i*B, (i+1)*B)
+in every mode, and a data-parallel rank reads its contiguous half of it, as ``fit`` splits a global batch.
+
+Every mode trains ``--steps`` optimizer steps (default: base 40, small 40, tiny 30) of a global batch of 8
+sequences (``--batch``) with ``torch.optim.AdamW(lr)`` (default lr: base 5e-5, small 3e-4, tiny 3e-3; constant, no
+warmup, no clipping, weight decay 0.01, torch's default). Modes (``--modes``), one at a time, each in a fresh set of
+processes that trains every precision in turn on a fresh model:
+
+* ``eager``    plain eager PyTorch, one process with 2 threads, a hand-written loop (reference row);
+* ``ddp``      THE BASELINE: eager + ``torch.nn.parallel.DistributedDataParallel``, 2 processes x 1 thread, the
+               same hand-written loop (zero_grad, autocast forward, backward, gradient norm, ``AdamW.step``), no
+               shardlib;
+* ``tp2``      ``shardlib.init_mesh(tp=2)``, ``shardlib.shard(model, mesh)``,
+               ``Trainer(model, optimizer=lambda p: torch.optim.AdamW(p, lr=...), precision=...)``, ``trainer.fit``;
+* ``tp2_sp``   the same with ``shard(..., sequence_parallel=True)`` (Megatron sequence parallelism);
+* ``dp2``      ``init_mesh(dp=2)``: shardlib's own data parallelism (the Trainer's gradient reduction over dp);
+* ``dp2_tp2``  ``init_mesh(dp=2, tp=2)``: 4 ranks x 1 thread on the 2 cores, OVERSUBSCRIBED (twice as many busy
+               threads as cores; the row says so);
+* ``pp2``      ``init_mesh(pp=2)``: two pipeline stages, 1F1B over ``--microbatches`` (default 4) microbatches;
+* ``<mode>_compiled`` for any shardlib mode: the same with ``Trainer(..., compile=True)`` (Inductor; the first
+               warm-up step compiles). The default set has ``tp2_compiled``.
+
+Ranks get ``max(1, cores // world)`` threads (2 cores: eager 2, every 2-rank mode 1, dp2_tp2 1). Precisions
+(``--precisions``): ``fp32``; ``bf16``: ``torch.autocast(dtype=torch.bfloat16)`` around the forward in the
+baseline, ``Trainer(precision="bf16")`` in shardlib; ``fp16``: autocast fp16 + ``torch.amp.GradScaler`` in the
+baseline, ``Trainer(precision="fp16")`` in shardlib, its loss scaler set to GradScaler's rule (initial scale 2^16,
+back off x0.5 on every overflow: ``hysteresis=1``, grow x2 after 2000 clean steps), so both skip the same steps.
+fp16 works on CPU in torch 2.13 (autocast and GradScaler, tested in every CPU mode) but is not in the CPU default:
+this CPU has no fp16 matmul kernel, so fp16 linears run several times slower than fp32 (a 1024 x 768 @ 768 x 3072
+forward + backward: 5.3 s against 0.2 s, 26x; the header prints a smaller probe's ratio). ``--precisions
+fp32,bf16,fp16`` runs it.
+
+Each run writes its training log, one JSON line per step: shardlib modes through ``fit``'s own log
+(``fit(save_dir=..., log_interval=1)``: ``<out>/<mode>-<precision>/log.jsonl``), the eager modes the same record
+format from their own loop (``step, epoch, loss, lr, grad_norm, samples_per_s, tokens_per_s``, fp16 also
+``loss_scale`` and ``skipped_steps``). At ``log_interval=1`` ``fit`` computes the global gradient norm every step
+(it logs it), so the baseline loop computes it too (``torch.nn.utils.get_total_norm``, after unscaling in fp16).
+``samples_per_s`` is one step's global batch over the wall time since the previous record (loading and collating
+the batch included, as in ``fit``); ``loss`` is the global-batch loss (averaged over the dp ranks).
+``<out>/runs.json`` lists the runs; ``benchmarks/plot_train_throughput.py`` reads it and the logs and draws
+docs/img/train_throughput_speed.png and docs/img/train_throughput_loss.png. The out directory holds a
+``.gitignore`` of ``*``: logs are not committed, the PNGs and the docs' tables are.
+
+The table: mode, ranks x threads, precision, samples/s (median of the steps after ``--warmup``, default 2), the
+ratio to the DDP baseline of the same precision and to the DDP baseline in fp32, the first loss and the mean loss
+of the last 5 steps, the largest per-step |loss - baseline loss| over the whole run (same precision) and the loss
+check. With dropout 0 the modes train the same model step by step, so fp32 must agree within 1e-3 at every step;
+bf16 / fp16 within 0.02 over the first 5 steps only: autocast rounds differently split matmuls differently, and
+once the loss falls steeply training amplifies that (plain eager and DDP, both without shardlib, end up 0.29 apart
+in bf16 on the tiny model). A larger difference is a FAIL and makes the exit status 1. With dropout on, the masks
+differ by layout (DDP ranks and tp ranks draw their own), so the curves agree only statistically and the check
+reads "n/a (dropout)".
+
+GPU (``--device cuda``): one process on one GPU, batch 32 (``--batch``), precisions fp32, bf16, fp16. Modes:
+``eager`` (the baseline: plain eager PyTorch with autocast, and GradScaler in fp16), ``shardlib`` (tp=1:
+``init_mesh()`` is a world of one on NCCL; ``shard``, ``Trainer`` + ``fit``), ``shardlib_compiled``
+(``Trainer(compile=True)``) and ``shardlib_kernels_compiled`` (``shard(..., kernels=Kernels(fused_qkv=True,
+bias_gelu=True, dropout_add=True))``, compiled). It imports shardlib from the checkout (``benchmarks/_checkout.py``),
+so it runs where another torch is installed.
+
+How to run
+----------
+    .venv/bin/python benchmarks/train_throughput.py --quick     # tiny BERT, 30 steps, fp32 + bf16, 6 modes, ~1.5 min
+    .venv/bin/python benchmarks/train_throughput.py             # BERT-base, 40 steps, fp32 + bf16, 8 modes, ~1 hour
+    .venv/bin/python benchmarks/train_throughput.py --size tiny --steps 6 --modes ddp,tp2,pp2
+    .venv/bin/python benchmarks/train_throughput.py --dropout 0 --precisions fp32,bf16,fp16 --size small
+    .venv/bin/python benchmarks/plot_train_throughput.py        # the PNGs from the last full run's logs
+    python benchmarks/train_throughput.py --device cuda         # one GPU
+
+On the reference machine (2 cores, no GPU) ``--quick`` takes about 1.5 minutes and the full default run about an
+hour (a BERT-base fp32 step is ~4.5 s here, bf16 ~3 s; 16 runs of 40 steps, ~1 minute of compiling per
+tp2_compiled run, ~20 s of start-up per mode). Each mode first waits (``--wait-idle``, default up to 60 s) for
+other processes to go quiet; a mode during which other processes used more than 0.1 cores on average is flagged
+with a WARNING under the table. The exit status is 1 when a run failed or a loss check says FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout, as on the GPU machine)
+import tp_throughput as tpb  # noqa: E402  (sets the offline environment before transformers is imported)
+from _machine import loopback_ifname, machine_busy_s, print_closing, print_traceback, wait_idle  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=1000),
+    "small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                  vocab_size=30522),
+    "base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                 vocab_size=30522),
+}
+DEFAULT_STEPS = {"tiny": 30, "small": 40, "base": 40}
+DEFAULT_LR = {"tiny": 3e-3, "small": 3e-4, "base": 5e-5}
+SEED, DATA_SEED = 1234, 7
+PAD, CLS, SEP = 0, 101, 102
+NEGATIVE, POSITIVE, FILLER_START = range(30, 40), range(40, 50), 200
+LAST_K = 5  # the "final loss" is the mean of the last LAST_K steps
+#: Per-step loss agreement with the baseline when dropout is off, over the steps ``CHECKED_STEPS`` says. fp32
+#: differs only by summation order (split matmuls, the dp all-reduce): every step. AMP rounds differently split
+#: matmuls differently, and once the loss falls steeply training amplifies that (plain eager and DDP differ by up to
+#: 0.29 in bf16 on the tiny model), so AMP is checked over the first 5 steps only; its whole-curve maximum is shown.
+TOLERANCE = {"fp32": 1e-3, "bf16": 0.02, "fp16": 0.02}
+CHECKED_STEPS = {"fp32": None, "bf16": 5, "fp16": 5}
+#: GradScaler's rule as a shardlib loss scaler: back off on every overflow, grow after 2000 clean steps.
+GRADSCALER_RULE = dict(initial_scale=2.0 ** 16, hysteresis=1, growth_interval=2000, growth_factor=2.0,
+                       backoff_factor=0.5)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    title: str
+    kind: str  # "eager" (a hand-written loop, DDP when world > 1) or "shardlib" (shard + Trainer.fit)
+    world: int
+    mesh: dict = field(default_factory=dict)
+    sequence_parallel: bool = False
+    compile: bool = False
+    kernels: bool = False
+
+
+_CPU = [Mode("eager", "eager, 1 process (reference)", "eager", 1),
+        Mode("ddp", "eager + DDP (baseline)", "eager", 2),
+        Mode("tp2", "shardlib tp=2", "shardlib", 2, dict(tp=2)),
+        Mode("tp2_sp", "shardlib tp=2 + SP", "shardlib", 2, dict(tp=2), sequence_parallel=True),
+        Mode("dp2", "shardlib dp=2", "shardlib", 2, dict(dp=2)),
+        Mode("dp2_tp2", "shardlib dp=2 x tp=2 (4 ranks: oversubscribed)", "shardlib", 4, dict(dp=2, tp=2)),
+        Mode("pp2", "shardlib pp=2", "shardlib", 2, dict(pp=2))]
+_GPU = [Mode("eager", "eager (baseline)", "eager", 1),
+        Mode("shardlib", "shardlib tp=1", "shardlib", 1),
+        Mode("shardlib_compiled", "shardlib tp=1 compiled", "shardlib", 1, compile=True),
+        Mode("shardlib_kernels_compiled", "shardlib tp=1 + kernels, compiled", "shardlib", 1, compile=True,
+             kernels=True)]
+MODES = {"cpu": {m.name: m for m in _CPU}, "cuda": {m.name: m for m in _GPU}}
+BASELINE = {"cpu": "ddp", "cuda": "eager"}
+DEFAULT_MODES = {"cpu": ("eager", "ddp", "tp2", "tp2_sp", "dp2", "dp2_tp2", "pp2", "tp2_compiled"),
+                 "cuda": tuple(m.name for m in _GPU)}
+QUICK_MODES = ("eager", "ddp", "tp2", "tp2_sp", "dp2", "pp2")
+DEFAULT_PRECISIONS = {"cpu": "fp32,bf16", "cuda": "fp32,bf16,fp16"}
+
+
+def mode_spec(device: str, name: str) -> Mode:
+    """The mode called ``name``; ``<shardlib mode>_compiled`` is that mode under ``Trainer(compile=True)``."""
+    modes = MODES[device]
+    if name in modes:
+        return modes[name]
+    base = modes.get(name.removesuffix("_compiled"))
+    if name.endswith("_compiled") and base is not None and base.kind == "shardlib" and not base.compile:
+        return Mode(name, base.title + " compiled", base.kind, base.world, base.mesh, base.sequence_parallel,
+                    compile=True, kernels=base.kernels)
+    raise KeyError(name)
+
+
+def threads_for(world: int) -> int:
+    """Intra-op threads per rank: the cores shared out over the ranks (on CUDA: the host side's)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+# -------------------------------------------------------------------------------------------------- data, model
+def sst2_like(n: int, seq: int, vocab: int, seed: int = DATA_SEED) -> list[dict]:
+    """``n`` SST-2-shaped samples: [CLS] words [SEP] [PAD]...; the label is the sentiment set in the majority."""
+    g = torch.Generator().manual_seed(seed)
+    sets, samples = (NEGATIVE, POSITIVE), []
+    for _ in range(n):
+        length = int(torch.randint(min(32, seq - 3), seq - 1, (), generator=g))  # words; + [CLS], [SEP] <= seq
+        words = torch.randint(FILLER_START, vocab, (length,), generator=g)
+        label = int(torch.randint(0, 2, (), generator=g))
+        k = max(3, length // 2)  # sentiment words
+        minority = int(torch.randint(0, max(1, k // 4), (), generator=g))  # < k / 4: a clear majority
+        slots = torch.randperm(length, generator=g)[:k]
+        major, minor = sets[label], sets[1 - label]
+        words[slots[minority:]] = torch.randint(major.start, major.stop, (k - minority,), generator=g)
+        words[slots[:minority]] = torch.randint(minor.start, minor.stop, (minority,), generator=g)
+        ids = torch.full((seq,), PAD)
+        ids[0], ids[1:length + 1], ids[length + 1] = CLS, words, SEP
+        samples.append({"input_ids": ids, "attention_mask": (ids != PAD).long(), "labels": torch.tensor(label)})
+    return samples
+
+
+def build_model(opts: dict):
+    """BertForSequenceClassification from the size's config, the same weights in every mode and on every rank."""
+    import transformers
+
+    # problem_type: what the first forward would set (2 labels, integer labels); set before it, a compiled model's
+    # guard on it does not fail after the first step, which would compile everything a second time
+    config = transformers.BertConfig(**SIZES[opts["size"]], max_position_embeddings=512, num_labels=2,
+                                     hidden_dropout_prob=opts["dropout"], attention_probs_dropout_prob=opts["dropout"],
+                                     problem_type="single_label_classification")
+    torch.manual_seed(SEED)
+    with torch.device(opts["device"]):
+        model = transformers.BertForSequenceClassification(config)
+    return model.train()
+
+
+# --------------------------------------------------------------------------------------------- eager / DDP loop
+class StepLog:
+    """``fit``'s JSONL record format for the hand-written loop, written on rank 0: one record per step."""
+
+    def __init__(self, path: Path | None, batch: int, tokens: int):
+        self.path, self.batch, self.tokens = path, batch, tokens
+        self.start = time.perf_counter()
+
+    def record(self, step: int, loss: float, lr: float, extra: dict) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.path is not None:
+            values = {"step": step, "epoch": 0, "loss": loss, "lr": lr, **extra,
+                      "samples_per_s": self.batch / elapsed, "tokens_per_s": self.tokens / elapsed}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(values) + "\n")
+        self.start = time.perf_counter()
+
+
+def _eager_step(net, optimizer, scaler, batch: dict, precision: str, device: str) -> tuple[torch.Tensor, float]:
+    """One step of the plain loop: zero_grad, autocast forward, backward (DDP all-reduces), the gradient norm,
+    AdamW. Returns the loss and the (unscaled) gradient norm: ``fit`` logs one every step at ``log_interval=1``,
+    so the baseline computes it too."""
+    from torch.nn.utils import get_total_norm
+
+    optimizer.zero_grad(set_to_none=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = net(**batch).loss
+    grads = lambda: [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if scaler is None:
+        loss.backward()
+        norm = float(get_total_norm(grads()))
+        optimizer.step()
+    else:  # GradScaler skips the step on inf/nan gradients and backs the scale off
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norm = float(get_total_norm(grads()))
+        scaler.step(optimizer)
+        scaler.update()
+    return loss.detach(), norm
+
+
+def train_eager(rank: int, world: int, spec: Mode, precision: str, data: list[dict], opts: dict,
+                run_dir: Path) -> None:
+    """The baseline: the unsharded model, DDP over ``world`` ranks (world 1: no DDP), each rank its contiguous
+    share of every global batch (as ``fit`` splits it), the global loss logged on rank 0."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import default_collate
+
+    device, batch, lr = opts["device"], opts["batch"], opts["lr"]
+    model = build_model(opts)
+    net = DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
+    share = slice(rank * batch // world, (rank + 1) * batch // world)
+    log = StepLog(run_dir / "log.jsonl" if rank == 0 else None, batch, batch * opts["seq"])
+    skipped = 0
+    for step in range(opts["steps"]):
+        samples = data[step * batch:(step + 1) * batch][share]
+        mb = {k: v.to(device, non_blocking=True) for k, v in default_collate(samples).items()}
+        scale = scaler.get_scale() if scaler is not None else None
+        loss, norm = _eager_step(net, optimizer, scaler, mb, precision, device)
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        extra = {"grad_norm": norm if math.isfinite(norm) else str(norm)}  # JSON has no inf / nan (as fit's log)
+        if scaler is not None:
+            skipped += scaler.get_scale() < scale
+            extra.update(loss_scale=scaler.get_scale(), skipped_steps=int(skipped))
+        log.record(step + 1, float(loss), lr, extra)
+
+
+# ------------------------------------------------------------------------------------------- shardlib + fit
+def train_shardlib(mesh, spec: Mode, precision: str, data: list[dict], opts: dict, run_dir: Path) -> None:
+    """``shard`` + ``Trainer`` + ``fit`` on ``mesh``, logging every step to ``run_dir/log.jsonl``."""
+    import shardlib
+
+    kernels = shardlib.Kernels(fused_qkv=True, bias_gelu=True, dropout_add=True) if spec.kernels else None
+    model = shardlib.shard(build_model(opts), mesh, sequence_parallel=spec.sequence_parallel, kernels=kernels)
+    lr = opts["lr"]
+    trainer = shardlib.Trainer(model, optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+                               precision=precision, compile=spec.compile,
+                               microbatches=opts["microbatches"] if mesh.pp > 1 else 1,
+                               loss_scaler=dict(GRADSCALER_RULE) if precision == "fp16" else None)
+    trainer.fit(data, batch_size=opts["batch"], max_steps=opts["steps"], log_interval=1, save_dir=run_dir,
+                shuffle=False, progress=False, seed=SEED)
+
+
+# ----------------------------------------------------------------------------------------------- the worker
+def _init_group(rank: int, world: int, tmpdir: str) -> None:
+    import datetime
+
+    # transformers reads LOCAL_RANK; the rendezvous itself is a FileStore (no TCP store is started)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmpdir, 'store')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=900))
+
+
+def _worker(rank: int, mode: str, precisions: list[str], opts: dict, tmpdir: str) -> None:
+    """One rank of one mode: every precision in turn, a fresh model each; rank 0 writes what each run took."""
+    import gc
+
+    spec = mode_spec(opts["device"], mode)
+    torch.set_num_threads(threads_for(spec.world))
+    if spec.world > 1:
+        _init_group(rank, spec.world, tmpdir)
+    mesh = None
+    if spec.kind == "shardlib":
+        import shardlib
+
+        mesh = shardlib.init_mesh(**spec.mesh, timeout_s=900)  # a world of one on NCCL with --device cuda
+    data = sst2_like(opts["steps"] * opts["batch"], opts["seq"], SIZES[opts["size"]]["vocab_size"])
+    for precision in precisions:
+        run_dir = Path(opts["out"]) / f"{mode}-{precision}"
+        if rank == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        if spec.kind == "shardlib":
+            train_shardlib(mesh, spec, precision, data, opts, run_dir)
+        else:
+            train_eager(rank, spec.world, spec, precision, data, opts, run_dir)
+        if rank == 0:
+            Path(tmpdir, f"done-{precision}.json").write_text(json.dumps({"wall_s": time.perf_counter() - t0}))
+        gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker_entry(rank: int, *args) -> None:
+    print_traceback(_worker, rank, *args)
+
+
+def run_mode(mode: str, precisions: list[str], opts: dict) -> dict[str, dict]:
+    """Run ``mode`` in a fresh set of processes; per precision ``{"wall_s"}`` or ``{"error"}``, and the CPU that
+    other processes used meanwhile (``foreign_cores``)."""
+    spec = mode_spec(opts["device"], mode)
+    tmpdir = tempfile.mkdtemp(prefix=f"train_bench_{mode}_")
+    busy0, t0 = machine_busy_s(), time.perf_counter()
+    own0 = _children_cpu_s()
+    error = None
+    try:
+        mp.start_processes(_worker_entry, args=(mode, precisions, opts, tmpdir), nprocs=spec.world,
+                           join=True, start_method="spawn")
+    except Exception as e:  # noqa: BLE001 - a failed mode is reported in the table, the others still run
+        error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    wall = time.perf_counter() - t0
+    foreign = max(0.0, (machine_busy_s() - busy0 - (_children_cpu_s() - own0)) / wall)
+    results = {}
+    for precision in precisions:
+        done = Path(tmpdir, f"done-{precision}.json")
+        results[precision] = json.loads(done.read_text()) if done.exists() else {"error": error or "no result"}
+        results[precision]["foreign_cores"] = foreign
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    return results
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime + time.process_time()
+
+
+# ------------------------------------------------------------------------------------------ results, the table
+def load_results(out: Path) -> tuple[dict, list[dict]]:
+    """``runs.json`` and each run's JSONL log: per run its steps' ``losses``, the ``rates`` (samples/s) of the
+    steps after the warm-up and their median ``samples_per_s`` (None when the run left no log)."""
+    meta = json.loads((out / "runs.json").read_text())
+    runs = []
+    for run in meta["runs"]:
+        log = out / f"{run['mode']}-{run['precision']}" / "log.jsonl"
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+        records = [r for r in records if not r.get("eval")]
+        timed = [r["samples_per_s"] for r in records if r["step"] > meta["warmup"]]
+        runs.append(dict(run, losses=[r["loss"] for r in records], rates=timed,
+                         samples_per_s=statistics.median(timed) if timed else None,
+                         skipped=records[-1].get("skipped_steps") if records else None))
+    return meta, runs
+
+
+def _loss_check(meta: dict, run: dict, base: dict | None) -> tuple[float | None, str]:
+    """(max per-step |loss - baseline loss|, verdict)."""
+    if run["mode"] == meta["baseline"]:
+        return None, "baseline"
+    if base is None or not base["losses"] or not run["losses"]:
+        return None, "n/a"
+    diffs = [abs(a - b) for a, b in zip(run["losses"], base["losses"])]
+    if meta["dropout"] > 0:
+        return max(diffs), "n/a (dropout)"
+    if len(run["losses"]) != len(base["losses"]):
+        return max(diffs), f"FAIL ({len(run['losses'])} steps vs {len(base['losses'])})"
+    n = CHECKED_STEPS[run["precision"]]
+    where = "every step" if n is None else f"steps 1-{n}"
+    checked = max(diffs[:n])
+    tolerance = TOLERANCE[run["precision"]]
+    if checked <= tolerance:
+        return max(diffs), f"ok: {where} within {checked:.1e}"
+    return max(diffs), f"FAIL: {where}: {checked:.1e} > {tolerance:g}"
+
+
+def summarize(meta: dict, runs: list[dict]) -> list[dict]:
+    """Each run with its ratios to the baseline (same precision, and fp32) and its loss check."""
+    base = {r["precision"]: r for r in runs if r["mode"] == meta["baseline"] and r["samples_per_s"]}
+    rows = []
+    for run in runs:
+        same, fp32, rate = base.get(run["precision"]), base.get("fp32"), run["samples_per_s"]
+        diff, check = _loss_check(meta, run, same)
+        rows.append(dict(run, vs_baseline=rate / same["samples_per_s"] if rate and same else None,
+                         vs_baseline_fp32=rate / fp32["samples_per_s"] if rate and fp32 else None,
+                         loss_diff=diff, check=check))
+    return rows
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def print_table(meta: dict, rows: list[dict]) -> None:
+    base = mode_spec(meta["device"], meta["baseline"]).title
+    print(f"\n| mode | ranks x threads | precision | samples/s | vs {base}, same precision | vs {base} fp32 | "
+          f"first loss | last {LAST_K} steps' loss | max abs per-step loss diff vs baseline | loss check |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['title']} | {r['world']} x {r['threads']} | {r['precision']} | failed: {r['error']} "
+                  "| | | | | | |")
+            continue
+        losses = r["losses"]
+        final = statistics.fmean(losses[-LAST_K:]) if losses else None
+        print(f"| {r['title']} | {r['world']} x {r['threads']} | {r['precision']} | "
+              f"{tpb._fmt_rate(r['samples_per_s'])} | {_fmt(r['vs_baseline'], '.2f', 'x')} | "
+              f"{_fmt(r['vs_baseline_fp32'], '.2f', 'x')} | {_fmt(losses[0] if losses else None, '.4f')} | "
+              f"{_fmt(final, '.4f')} | {_fmt(r['loss_diff'], '.2e')} | {r['check']} |")
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def fp16_slowdown() -> float:
+    """How much slower fp16 autocast runs a 256 x 768 @ 768 x 768 linear than fp32 here (one thread, best of 3)."""
+    layer, x = torch.nn.Linear(768, 768), torch.randn(256, 768)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    best = {}
+    try:
+        for dtype in (torch.float32, torch.float16):
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype == torch.float16):
+                    layer(x)
+                times.append(time.perf_counter() - t0)
+            best[dtype] = min(times)
+    finally:
+        torch.set_num_threads(threads)
+    return best[torch.float16] / best[torch.float32]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default: gloo ranks on this machine) or cuda (one process on one GPU)")
+    p.add_argument("--size", choices=tuple(SIZES), default=None, help="BERT size (default base; --quick tiny)")
+    p.add_argument("--modes", default=None, help="comma-separated (default, CPU: " + ",".join(DEFAULT_MODES["cpu"])
+                   + "; --quick: " + ",".join(QUICK_MODES) + "; any shardlib mode + _compiled; CUDA: "
+                   + ",".join(DEFAULT_MODES["cuda"]) + ")")
+    p.add_argument("--precisions", default=None, help="comma-separated from fp32,bf16,fp16 (default CPU "
+                   f"{DEFAULT_PRECISIONS['cpu']}, CUDA {DEFAULT_PRECISIONS['cuda']})")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: base 40, small 40, "
+                   "tiny 30)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (default 2)")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 8; CUDA 32)")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence, padding included (default 128)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW lr (default: base 5e-5, small 3e-4, tiny 3e-3)")
+    p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout (default 0.1, the "
+                   "config's; --quick 0, so the per-step loss check applies)")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches for pp modes (default 4)")
+    p.add_argument("--out", type=Path, default=None, help="where the logs go (default "
+                   "benchmarks/results/train_throughput; --quick: benchmarks/results/train_throughput_quick)")
+    p.add_argument("--wait-idle", type=float, default=60.0, metavar="SECONDS",
+                   help="before each mode wait up to this long for other processes to go quiet (default 60)")
+    p.add_argument("--quick", action="store_true", help="tiny BERT, 30 steps, dropout 0, fp32 + bf16, modes "
+                   + ",".join(QUICK_MODES) + " (about 1.5 minutes on 2 cores)")
+    args = p.parse_args(argv)
+    args.size = args.size or ("tiny" if args.quick else "base")
+    args.modes = (args.modes or ",".join(QUICK_MODES if args.quick else DEFAULT_MODES[args.device])).split(",")
+    args.precisions = (args.precisions or DEFAULT_PRECISIONS[args.device]).split(",")
+    args.steps = args.steps or DEFAULT_STEPS[args.size]
+    args.batch = args.batch or (32 if args.device == "cuda" else 8)
+    args.lr = args.lr if args.lr is not None else DEFAULT_LR[args.size]
+    args.dropout = args.dropout if args.dropout is not None else (0.0 if args.quick else 0.1)
+    args.out = args.out or ROOT / "benchmarks" / "results" / ("train_throughput_quick" if args.quick
+                                                              else "train_throughput")
+    _validate(p, args)
+    return args
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for m in args.modes:
+        try:
+            spec = mode_spec(args.device, m)
+        except KeyError:
+            p.error(f"unknown mode {m!r} for --device {args.device}")
+        if args.batch % (spec.mesh.get("dp", 1) * (args.microbatches if spec.mesh.get("pp", 1) > 1 else 1)):
+            p.error(f"--batch {args.batch} does not split over {m}'s dp ranks and microbatches")
+    if len(set(args.modes)) != len(args.modes) or not set(args.precisions) <= set(TOLERANCE):
+        p.error("a mode is listed twice, or a precision is not one of fp32, bf16, fp16")
+    if args.warmup < 0 or args.steps <= args.warmup or min(args.batch, args.seq - 34, args.microbatches) < 1:
+        p.error("need --steps > --warmup >= 0, --batch >= 1, --seq >= 35, --microbatches >= 1")
+    if not 0 <= args.dropout < 1 or args.lr <= 0:
+        p.error("--dropout must be in [0, 1) and --lr > 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+
+
+def _header(args: argparse.Namespace) -> list[str]:
+    c = SIZES[args.size]
+    lines = [f"# BertForSequenceClassification {args.size}: {c['num_hidden_layers']} layers, hidden "
+             f"{c['hidden_size']}, {c['num_attention_heads']} heads, intermediate {c['intermediate_size']}, vocab "
+             f"{c['vocab_size']}; 2 labels; global batch {args.batch} x {args.seq} tokens; {args.steps} steps "
+             f"(median of the last {args.steps - args.warmup}); AdamW lr {args.lr:g}; dropout {args.dropout:g}",
+             f"# torch {torch.__version__}, device {args.device}"
+             + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {os.cpu_count()} CPUs")
+             + f"; logs in {args.out}"]
+    if args.device == "cpu":
+        slow = fp16_slowdown()
+        state = "runs" if "fp16" in args.precisions else "is not in the default set"
+        lines.append(f"# fp16: autocast + GradScaler work on CPU in torch {torch.__version__}, but this CPU runs an "
+                     f"fp16 linear {slow:.0f}x slower than fp32 (no fp16 matmul kernel), so fp16 {state}")
+    if any(mode_spec(args.device, m).world > (os.cpu_count() or 1) for m in args.modes):
+        lines.append("# modes with more ranks than cores are oversubscribed (their rows say so)")
+    return lines
+
+
+def _prepare_out(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ".gitignore").write_text("# written by benchmarks/train_throughput.py: logs are not committed\n*\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())  # children inherit it: gloo on loopback only
+    os.environ.setdefault("SHARDLIB_TIMEOUT", "900")
+    # Inductor compiles in the rank itself, not in a pool of worker processes: the CPU it uses stays the mode's own
+    # (the foreign-load check counts the ranks' CPU time) and no compile pool competes with the other rank
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    started = time.perf_counter()
+    for line in _header(args):
+        print(line, flush=True)
+    _prepare_out(args.out)
+    opts = dict(device=args.device, size=args.size, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
+                dropout=args.dropout, microbatches=args.microbatches, out=str(args.out))
+    meta = dict(opts, warmup=args.warmup, baseline=BASELINE[args.device], torch=torch.__version__,
+                cpus=os.cpu_count(), runs=[])
+    warnings = []
+    for mode in args.modes:
+        spec = mode_spec(args.device, mode)
+        load = wait_idle(args.wait_idle, tpb.IDLE_CORES) if args.device == "cpu" else 0.0
+        if load > tpb.IDLE_CORES:
+            print(f"  WARNING: {load:.2f} cores busy with other processes before {mode}", flush=True)
+        results = run_mode(mode, args.precisions, opts)
+        for precision, r in results.items():
+            meta["runs"].append(dict(r, mode=mode, precision=precision, title=spec.title, world=spec.world,
+                                     threads=threads_for(spec.world)))
+            print(f"  {spec.title:<48} {precision:<5} " + (f"failed: {r['error']}" if "error" in r else
+                  f"{r['wall_s']:.0f} s") + f" (others used {r['foreign_cores']:.2f} cores)", flush=True)
+            if r["foreign_cores"] > tpb.IDLE_CORES and args.device == "cpu":
+                warnings.append(f"{mode}/{precision}: other processes used {r['foreign_cores']:.2f} cores on "
+                                "average meanwhile; its numbers are not reliable")
+        (args.out / "runs.json").write_text(json.dumps(meta, indent=1))  # after every mode: a partial run plots
+    rows = summarize(*load_results(args.out))
+    print_table(meta, rows)
+    failed = [f"{r['mode']}/{r['precision']}: " + (r.get("error") or r["check"]) for r in rows
+              if "error" in r or r["check"].startswith("FAIL")]
+    summary = [f"plot: .venv/bin/python benchmarks/plot_train_throughput.py --out {args.out}"]
+    print_closing(summary, [f"failed: {f}" for f in failed] + warnings, started)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
