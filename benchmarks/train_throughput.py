@@ -36,6 +36,8 @@ processes that trains every precision in turn on a fresh model:
 * ``dp2``      ``init_mesh(dp=2)``: shardlib's own data parallelism (the Trainer's gradient reduction over dp);
 * ``dp2_tp2``  ``init_mesh(dp=2, tp=2)``: 4 ranks x 1 thread on the 2 cores, OVERSUBSCRIBED (twice as many busy
                threads as cores; the row says so);
+* ``ddp4`` / ``dp4``  eager + DDP and shardlib ``init_mesh(dp=4)`` on 4 ranks (oversubscribed; compare them with
+               each other, not with the 2-rank baseline);
 * ``pp2``      ``init_mesh(pp=2)``: two pipeline stages, 1F1B over ``--microbatches`` (default 4) microbatches;
 * ``<mode>_compiled`` for any shardlib mode: the same with ``Trainer(..., compile=True)`` (Inductor; the first
                warm-up step compiles). The default set has ``tp2_compiled``.
@@ -161,7 +163,9 @@ _CPU = [Mode("eager", "eager, 1 process (reference)", "eager", 1),
         Mode("tp2_sp", "shardlib tp=2 + SP", "shardlib", 2, dict(tp=2), sequence_parallel=True),
         Mode("dp2", "shardlib dp=2", "shardlib", 2, dict(dp=2)),
         Mode("dp2_tp2", "shardlib dp=2 x tp=2 (4 ranks: oversubscribed)", "shardlib", 4, dict(dp=2, tp=2)),
-        Mode("pp2", "shardlib pp=2", "shardlib", 2, dict(pp=2))]
+        Mode("pp2", "shardlib pp=2", "shardlib", 2, dict(pp=2)),
+        Mode("ddp4", "eager + DDP, 4 ranks (oversubscribed)", "eager", 4),
+        Mode("dp4", "shardlib dp=4 (4 ranks: oversubscribed)", "shardlib", 4, dict(dp=4))]
 _GPU = [Mode("eager", "eager (baseline)", "eager", 1),
         Mode("shardlib", "shardlib tp=1", "shardlib", 1),
         Mode("shardlib_compiled", "shardlib tp=1 compiled", "shardlib", 1, compile=True),

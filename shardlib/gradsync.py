@@ -41,6 +41,7 @@ class _Bucket:
     def __init__(self, sync: "ReplicatedGradSync"):
         self.sync = sync
         self.params: list[weakref.ref] = []  # in registration order: the same on every rank of the group
+        self.task = None  # the autograd graph task (one backward call) whose gradients it collects
         self._reset()
 
     def _reset(self) -> None:
@@ -54,7 +55,11 @@ class _Bucket:
         index = self._index(param_ref())
         if index is None or not self.sync.bucketed:  # replaced since, or FSDP2: reduce it alone, now
             return all_reduce(grad, self.sync.group)
-        self.sync.pending(self)
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # a new backward (one that raised midway never finished this bucket: drop its state)
+            self._reset()
+            self.task = task
+        self.sync.pending(self, task)
         if self.order is not None:
             self.late.append((index, grad))
         elif index in self.partial:
@@ -114,7 +119,8 @@ class ReplicatedGradSync:
         self.bucketed = True  # False: each gradient all-reduced alone in its hook (see unbucket)
         self.hooked = weakref.WeakValueDictionary()  # id -> parameter (tensors compare elementwise: no WeakSet)
         self.buckets: "weakref.WeakKeyDictionary[torch.nn.Module, _Bucket]" = weakref.WeakKeyDictionary()
-        self._waiting: list[_Bucket] = []  # buckets with gradients in the backward in progress, in first-report order
+        #: per backward in progress (autograd graph task id), its buckets in first-report order
+        self._waiting: dict[int, list[_Bucket]] = {}
 
     def __call__(self, layer: torch.nn.Module, args=()) -> None:
         """Hook what is not hooked yet (called once at install, then before every eager forward; compiled code
@@ -138,18 +144,22 @@ class ReplicatedGradSync:
         for _, p in params:  # sharded parameters need no hook: remember them as seen
             self.hooked.setdefault(id(p), p)
 
-    def pending(self, bucket: _Bucket) -> None:
-        """``bucket`` has a gradient in this backward: make sure the end-of-backward callback will finish it."""
-        if bucket in self._waiting:
-            return
-        if not self._waiting:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_all)
-        self._waiting.append(bucket)
+    def pending(self, bucket: _Bucket, task: int) -> None:
+        """``bucket`` has a gradient in backward ``task``: make sure that backward's end-of-backward callback will
+        finish it. Per task: a reentrant checkpoint runs a nested backward inside the outer one."""
+        waiting = self._waiting.get(task)
+        if waiting is None:
+            # tasks whose every bucket moved on to another backward raised midway: forget them
+            self._waiting = {t: w for t, w in self._waiting.items() if any(b.task == t for b in w)}
+            waiting = self._waiting[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._finish_all, task))
+        if bucket not in waiting:
+            waiting.append(bucket)
 
-    def _finish_all(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for bucket in waiting:
-            bucket.finish()
+    def _finish_all(self, task: int) -> None:
+        for bucket in self._waiting.pop(task, []):
+            if bucket.task == task:
+                bucket.finish()
 
 
 def unbucket(model: torch.nn.Module) -> None:

@@ -4,7 +4,7 @@
 
 A JSONL record: ``{"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"}`` (the loss is the
 mean of the global-batch losses since the previous record); evaluation records carry ``"eval": true`` and the eval
-loss and metrics. The next issue's mixed precision adds ``"loss_scale"`` and ``"skipped"``.
+loss and metrics. Under fp16 training records also carry ``"loss_scale"`` and ``"skipped_steps"``.
 """
 
 from __future__ import annotations
