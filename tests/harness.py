@@ -127,9 +127,10 @@ class RankPool:
         while len(results) + len(failures) < self.world_size:
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
             if dead:
+                codes = [self._procs[r].exitcode for r in dead]  # before stop() forgets the processes
                 self.stop(graceful=False)
-                raise RankFailure(f"{fn.__qualname__}: rank(s) {dead} died (exit codes "
-                                  f"{[self._procs[r].exitcode if r < len(self._procs) else '?' for r in dead]})")
+                raise RankFailure(f"{fn.__qualname__}: rank(s) {dead} died (exit codes {codes}; negative: the "
+                                  "signal that killed it)")
             try:
                 task_id, rank, ok, value = self._results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
