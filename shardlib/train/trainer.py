@@ -139,7 +139,7 @@ class Trainer:
                                              dp_group=self.mesh.group("dp") if zero else None)
         self._owner = owners(self.optimizer)
         self.ddp, self._dp_left_out, self._dp_synced = None, [], False  # torch DDP sums over dp in backward
-        if not self.fsdp and ddp_composes(self.mesh, self.split, zero, self.custom_forward):
+        if ddp_composes(self.mesh, self.split, zero, self.custom_forward):  # zero=3 (FSDP2) excluded there
             self.ddp, self._dp_left_out = wrap_ddp(model, self.mesh.group("dp"))
         self.runner = None
         if self.split is not None:
