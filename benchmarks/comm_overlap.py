@@ -7,10 +7,11 @@ timed on rank 0:
 * ``all_reduce 3 MiB``: one [1024, 768] fp32 all-reduce (what every TP region boundary costs without SP);
 * ``all_gather`` / ``reduce_scatter``: the sequence-parallel pair over the same bytes;
 * ``all_reduce 24 KiB``: one LayerNorm-sized gradient (SP's replicated parameters; latency-bound), and ``x16``
-  of them one after another against one all-reduce of their concatenation (the bucketing of shardlib.gradsync);
+  of them one after another against one all-reduce of their concatenation (the bucketing of shardlib.parallel.gradsync);
 * ``wgrad GEMM``: the q/k/v weight-gradient GEMM [1152, 1024] x [1024, 768] of one rank;
 * ``sequential`` = all-reduce then GEMM; ``overlapped`` = the all-reduce started with ``async_op=True``, the GEMM,
-  then the wait (shardlib.overlap's column-parallel backward). ``hidden`` = how much of the all-reduce's time the
+  then the wait (shardlib.parallel.overlap's column-parallel backward). ``hidden`` = how much of the all-reduce's time
+  the
   overlap removed.
 
     .venv/bin/python benchmarks/comm_overlap.py [--steps 30]

@@ -18,7 +18,7 @@ last stage):
 * ``stages_per_rank=1`` (2 stages, stage s on rank s) for ``gpipe`` and ``1f1b``;
 * ``stages_per_rank=2`` (4 stages, stages 0 and 2 on rank 0, 1 and 3 on rank 1) for ``interleaved_1f1b``,
 
-and run by ``shardlib.runtime.Trainer(model, microbatches=m, schedule=...)`` for m in 1, 2, 4, 8, 16. A cell is
+and run by ``shardlib.Trainer(model, microbatches=m, schedule=...)`` for m in 1, 2, 4, 8, 16. A cell is
 one ``trainer.forward_backward(batch)`` of the whole global batch (no optimizer step, so no optimizer is built):
 ``--warmup`` untimed steps (the first one also runs torch's metadata inference; its time is printed as "first
 step"), then ``--repeats`` timed ones, each after a barrier, its time the maximum over the two ranks; the table
@@ -95,10 +95,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_busy_s, status_kib, wait_idle  # noqa: E402
-
 import shardlib  # noqa: E402
-from shardlib.runtime import Trainer  # noqa: E402
+from shardlib.train import Trainer  # noqa: E402
+
+from _machine import machine_busy_s, status_kib, wait_idle  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}

@@ -13,9 +13,9 @@ process group:
 1. **Bytes per rank at dp=4**, BERT-base (hidden 768, 12 layers, 12 heads, intermediate 3072, vocab 30522), for
    zero 0/1/2/3, in the dp=4 launch of 2., after its timed steps (so AdamW's state exists):
 
-   * optimizer state: every tensor of ``shardlib.optim.param_state(trainer.optimizer, p)`` over ``trainer.params``
+   * optimizer state: every tensor of ``shardlib.train.optim.param_state(trainer.optimizer, p)`` over ``trainer.params``
      (``exp_avg``, ``exp_avg_sq``, ``step``; the local shard of a DTensor);
-   * parameters: ``shardlib.fsdp.local(p)`` over ``trainer.params``;
+   * parameters: ``shardlib.train.fsdp.local(p)`` over ``trainer.params``;
    * gradients: ``trainer.zero_grad(); trainer.forward_backward(batch, total_items=...)``, then ``local(p.grad)``
      bytes counted twice: right after backward (what a step holds at its gradient peak) and after
      ``trainer.reduce_gradients()`` (what stays until the optimizer step; zero=1 drops the gradients of parameters
@@ -112,7 +112,7 @@ def _malloc_trim() -> None:
 
 
 def _nbytes(t) -> int:
-    from shardlib.fsdp import local
+    from shardlib.train.fsdp import local
 
     t = local(t)
     return t.numel() * t.element_size()
@@ -133,10 +133,11 @@ def _build(opts: dict, mesh, zero: int):
 
 
 def _batches(opts: dict, mesh, vocab: int, n: int) -> list[dict]:
-    from _workloads import classification_samples
     from torch.utils.data import default_collate
 
     import shardlib
+
+    from _workloads import classification_samples
 
     b, seq = opts["batch"], opts["seq"]
     samples = classification_samples(n * b, seq, vocab)
@@ -145,7 +146,7 @@ def _batches(opts: dict, mesh, vocab: int, n: int) -> list[dict]:
 
 def _byte_counts(trainer, batch: dict) -> dict:
     """This rank's optimizer-state, parameter and gradient bytes (module docstring, 1.)."""
-    from shardlib.optim import param_state
+    from shardlib.train.optim import param_state
 
     opt = sum(_nbytes(v) for p in trainer.params for v in param_state(trainer.optimizer, p).values()
               if hasattr(v, "numel"))

@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    shardlib.mesh.init_distributed()
+    shardlib.parallel.mesh.init_distributed()
     mesh = shardlib.init_mesh(tp=torch.distributed.get_world_size() // args.sp, sp=args.sp)
     rank0 = torch.distributed.get_rank() == 0
     config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -9,7 +9,7 @@ Proven equal to the unsharded model by tests/test_policy_example.py.
 from transformers import RobertaForMaskedLM, RobertaModel
 
 from shardlib import ColwiseParallel, LossSpec, Plan, RowwiseParallel, Stack, VocabParallel
-from shardlib.styles import attention_block
+from shardlib.parallel.styles import attention_block
 from shardlib.policies import Policy
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from transformers import T5Config, T5ForConditionalGeneration
 
 import shardlib
-from shardlib.runtime import Trainer
+from shardlib.train import Trainer
 
 PAD, EOS, FIRST_DIGIT = 0, 1, 2
 

@@ -36,42 +36,30 @@ class Kernels:
     bias_gelu: bool = False
     dropout_add: bool = False
 
-    def _sites(self, plan, model):
-        """(kind, path, module, child linear names or None) of every module a switched-on kernel goes to."""
-        from shardlib.plan import match_modules
-
-        modules = dict(model.named_modules())
-        if self.fused_qkv:
-            for pattern, names in plan.fused_projections.items():
-                for path in match_modules(pattern, modules):
-                    yield "fused_qkv", path, modules[path], names
-        for kind in ("bias_gelu", "dropout_add"):
-            if getattr(self, kind):
-                for pattern in plan.epilogues.get(kind, ()):
-                    for path in match_modules(pattern, modules):
-                        yield kind, path, modules[path], None
-
-    def problems(self, plan, model) -> list[str]:
-        """Everything that stops these kernels on ``model`` under ``plan``, checked before anything changes."""
+    def problems(self, sites) -> list[str]:
+        """Everything that stops these kernels at ``sites``, checked before anything changes. ``sites``: (kind, path,
+        module, child linear names or None) of every module a switched-on kernel goes to (the sharder finds them
+        from the plan: ``shardlib.sharding.passes.kernel_sites``)."""
         from .attention import attention_problems
         from .epilogues import epilogue_problems
         from .fused_qkv import fused_qkv_problems
 
         problems = attention_problems(self.attention)
-        for kind, path, module, names in self._sites(plan, model):
+        for kind, path, module, names in sites:
             if kind == "fused_qkv":
                 problems += fused_qkv_problems(path, {n: getattr(module, n) for n in names})
             else:
                 problems += epilogue_problems(kind, path, module)
         return problems
 
-    def install(self, plan, model) -> dict[str, list[str]]:
-        """Install the fused-QKV and epilogue kernels on the (already sharded) model; returns the paths per kernel."""
+    def install(self, sites) -> dict[str, list[str]]:
+        """Install the fused-QKV and epilogue kernels at ``sites`` (as for :meth:`problems`) of the already sharded
+        model; returns the paths per kernel."""
         from .epilogues import INSTALLERS
         from .fused_qkv import fuse_linears
 
         installed: dict[str, list[str]] = {}
-        for kind, path, module, names in list(self._sites(plan, model)):
+        for kind, path, module, names in sites:
             if kind == "fused_qkv":
                 fuse_linears([getattr(module, n) for n in names], names=[f"{path}.{n}" for n in names])
             else:

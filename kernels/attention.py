@@ -16,8 +16,8 @@ every activation is sharded along the sequence over the mesh's ``sp`` dimension 
 received as three tensors) turns them into [b, h/n, L, d]: all positions, 1/n of the heads, so attention itself
 is exact. The output [b, L, h/n, d] goes back with a second all-to-all to [b, L/n, h, d]. Backward: the two
 inverse all-to-alls, and the output exchanged again for the output projection's saved input (see
-``shardlib.sequence.SequenceParallel.recomputable``).
-Sequences n does not divide are padded at the stack entry (``shardlib.sequence``); the padding is cut off after
+``shardlib.sharding.sequence.SequenceParallel.recomputable``).
+Sequences n does not divide are padded at the stack entry (``shardlib.sharding.sequence``); the padding is cut off after
 the first all-to-all, so attention and the mask see exactly the true length, and restored before the second.
 Cross-attention (BERT decoders, T5's decoder): keys and values come from the replicated encoder sequence, so only
 q and the output are exchanged and each rank keeps its h/n heads of k and v; the encoder states enter the sp
@@ -39,8 +39,8 @@ from transformers import PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from shardlib.collectives import all_to_all, all_to_all_single
-from shardlib.random import LOCAL_STREAM_ATTR, local_dropout
+from shardlib.parallel.collectives import all_to_all, all_to_all_single
+from shardlib.parallel.random import LOCAL_STREAM_ATTR, local_dropout
 
 IMPLEMENTATIONS = ("sdpa", "eager")
 ALL_TO_ALL_PREFIX = "shardlib_all_to_all_"
@@ -98,7 +98,7 @@ def _stream_dropout_attention(module, implementation, query, key, value, attenti
                               dropout: float, scaling: float | None = None, position_bias=None,
                               is_causal: bool | None = None, **kwargs):
     """softmax(q k^T * scaling + position bias + mask) with this rank's dropout mask (``ranks`` = (index, count),
-    :func:`shardlib.random.local_dropout`), times v: the math of the
+    :func:`shardlib.parallel.random.local_dropout`), times v: the math of the
     model files' ``eager_attention_forward`` (BERT, ViT, T5 share it), taking the mask as the implementation built
     it (SDPA's: boolean, or None for a causal module, which SDPA then masks by ``is_causal``)."""
     scores = torch.matmul(query, key.transpose(2, 3)) * (query.size(-1) ** -0.5 if scaling is None else scaling)
@@ -139,7 +139,7 @@ class AllToAllContext:
 
     group: object
     rank: int
-    stream: object  # shardlib.sequence.SequenceStream
+    stream: object  # shardlib.sharding.sequence.SequenceStream
     implementation: str
     cross: bool = False
 
@@ -213,63 +213,5 @@ def all_to_all_name(implementation: str) -> str:
     return name
 
 
-# ------------------------------------------------------------------------------------------------ the shard pass
-class AllToAllSequenceParallel:
-    """The pass of ``sequence_parallel="all_to_all"``: every activation in the stacks on 1/sp of the sequence, the
-    attention modules exchanging sequence for heads (module docstring)."""
-
-    def problems(self, r) -> list[str]:
-        from shardlib.sequence import sequence_parallel_problems
-
-        return sequence_parallel_problems(r) + _all_to_all_problems(r)
-
-    def install(self, r) -> None:
-        from shardlib.sequence import SequenceParallel, install_sequence_parallel
-
-        r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
-        install_sequence_parallel(r, r.sequence, all_to_all=True)
-        _install_all_to_all_attention(r, r.sequence, r.model.config._attn_implementation)
-
-
-def _all_to_all_problems(r) -> list[str]:
-    tp, sp = r.tp, getattr(r.mesh, "sp", 1)
-    if sp < 2:
-        return ["sequence_parallel='all_to_all' needs a mesh with sp > 1 ranks per sequence "
-                "(init_mesh(..., sp=N)); this mesh has sp=1"]
-    if not r.plan.attention:
-        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that all-to-all sequence "
-                "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
-    problems = []
-    for pattern, site in r.plan.attention.items():
-        for path in r.match(pattern, "attention"):
-            module = r.modules[path]
-            if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
-                problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
-            heads = getattr(module, site.heads)
-            if heads % (tp * sp):
-                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}:"
-                                " all-to-all gives each sp rank whole heads")
-    return problems
-
-
-def _install_all_to_all_attention(r, sp, implementation: str) -> None:
-    """Each attention module calls all-to-all attention around ``implementation`` with its stack's stream;
-    cross-attention inputs enter the sp region (backward: their gradient, from this rank's heads only, is summed);
-    relative position biases are computed for the whole sequence."""
-    from shardlib.styles import CopyInputs, ShardContext
-
-    rank = torch.distributed.get_rank(sp.group)
-    for pattern, site in r.plan.attention.items():
-        for path in r.match(pattern):
-            module, stream = r.modules[path], sp.stream(r.stack_of(path))
-            module.__dict__[CONTEXT_ATTR] = AllToAllContext(sp.group, rank, stream, implementation,
-                                                            cross=site.kv_input is not None)
-            if site.kv_input is not None:
-                CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
-            if site.bias_method is not None:
-                setattr(module, site.bias_method, whole_sequence_bias(getattr(module, site.bias_method), stream))
-    set_attention(r.model, all_to_all_name(implementation))
-
-
 __all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
-           "attention_problems", "whole_sequence_bias", "AllToAllSequenceParallel", "call_attention", "local_rng_name"]
+           "attention_problems", "whole_sequence_bias", "call_attention", "local_rng_name"]

@@ -2,9 +2,9 @@
 
 Attention blocks call their projections one after another on the very same tensor object ``x`` (BERT / ViT
 self-attention: q, k, v; T5 self-attention: q, k, v; T5 cross-attention: k, v on the encoder states). Under
-tensor parallelism these are :class:`~shardlib.layers.ColumnParallelLinear` local shards with ``copy_input=False``
-(the enclosing ``CopyInputs`` hook entered the TP region once) and ``gather_output=False``, i.e. plain local
-linears. :func:`fuse_linears` makes the group share one GEMM without moving any parameter.
+tensor parallelism these are :class:`~shardlib.parallel.layers.ColumnParallelLinear` local shards with
+``copy_input=False`` (the enclosing ``CopyInputs`` hook entered the TP region once) and ``gather_output=False``, i.e.
+plain local linears. :func:`fuse_linears` makes the group share one GEMM without moving any parameter.
 
 Shapes: ``x`` [*, in] (``M`` = prod(*) rows); member ``i`` has ``W_i`` [n_i, in] and optional ``b_i`` [n_i] (local
 shard sizes under TP); ``N = sum_i n_i``; ``W`` = [W_1; ...; W_k] [N, in], ``b`` = [b_1; ...; b_k] [N] (zeros
@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlib.layers import ColumnParallelLinear
+from shardlib.parallel.layers import ColumnParallelLinear
 
 log = logging.getLogger("shardlib")
 _PENDING_ATTR = "_shardlib_fused_pending"

@@ -1,18 +1,20 @@
 """Per-architecture policies (installed as ``shardlib.policies``) and the registry that finds them.
 
-A policy turns one model (its class and config) into a :class:`shardlib.plan.Plan`: plain data mapping
+A policy turns one model (its class and config) into a :class:`shardlib.sharding.plan.Plan`: plain data mapping
 module-path patterns to parallel styles, plus attribute rewrites, the layer trunk and the loss. See
 ``docs/policy-authoring.md``.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from torch import nn
+from shardlib.sharding.plan import Plan, PlanError
 
-from shardlib.plan import Plan, PlanError
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,20 @@ class Policy:
 
 _REGISTRY: dict[type, Policy] = {}
 
+#: the built-in policies by the names of the transformers classes they cover, imported on first lookup so that
+#: ``import shardlib`` loads no model code; each module registers the classes themselves (tests/test_architecture.py
+#: checks that the names here are exactly those)
+BUILTIN: dict[str, tuple[str, ...]] = {
+    "bert": ("BertModel", "BertForPreTraining", "BertForMaskedLM", "BertLMHeadModel", "BertForNextSentencePrediction",
+             "BertForSequenceClassification", "BertForMultipleChoice", "BertForTokenClassification",
+             "BertForQuestionAnswering"),
+    "vit": ("ViTModel", "ViTForImageClassification", "ViTForMaskedImageModeling"),
+    "t5": tuple(f"{family}{head}" for family in ("T5", "MT5", "UMT5")
+                for head in ("Model", "ForConditionalGeneration", "EncoderModel", "ForSequenceClassification",
+                             "ForTokenClassification", "ForQuestionAnswering")),
+}
+_BUILTIN_MODULE = {name: module for module, names in BUILTIN.items() for name in names}
+
 
 def register_policy(policy: Policy) -> Policy:
     for cls in policy.model_classes:
@@ -52,12 +68,20 @@ def register_policy(policy: Policy) -> Policy:
     return policy
 
 
+def _load_builtin(class_name: str) -> None:
+    """Import the built-in policy module that covers a class of this name (it registers its classes)."""
+    if class_name in _BUILTIN_MODULE:
+        importlib.import_module(f"{__name__}.{_BUILTIN_MODULE[class_name]}")
+
+
 def policy_for(model: nn.Module) -> Policy:
     """The policy registered for ``type(model)`` (or its nearest registered base class)."""
     for cls in type(model).__mro__:
+        if cls not in _REGISTRY:
+            _load_builtin(cls.__name__)  # registers the transformers class of that name, not a look-alike
         if cls in _REGISTRY:
             return _REGISTRY[cls]
-    supported = ", ".join(sorted(c.__name__ for c in _REGISTRY))
+    supported = ", ".join(sorted(set(_BUILTIN_MODULE) | {c.__name__ for c in _REGISTRY}))
     raise PlanError(
         f"no shardlib policy for model class {type(model).__name__}; supported: {supported}. "
         "Pass policy=... to shard() for another architecture (docs/policy-authoring.md)."
@@ -66,6 +90,7 @@ def policy_for(model: nn.Module) -> Policy:
 
 def policy_for_class_name(name: str) -> Policy:
     """The policy registered for the model class called ``name`` (checkpoints record class names)."""
+    _load_builtin(name)
     for cls, policy in _REGISTRY.items():
         if cls.__name__ == name:
             return policy
@@ -73,7 +98,7 @@ def policy_for_class_name(name: str) -> Policy:
 
 
 def registered_classes() -> list[type]:
+    """Every class with a policy: the built-in ones (all imported by this call) and those registered since."""
+    for module in BUILTIN:
+        importlib.import_module(f"{__name__}.{module}")
     return list(_REGISTRY)
-
-
-from . import bert, t5, vit  # noqa: E402,F401  (each module registers its policy)

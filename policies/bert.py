@@ -12,19 +12,12 @@ Attention-probability dropout acts on local heads, so it draws from the per-rank
 from __future__ import annotations
 
 from transformers import (
-    BertForMaskedLM,
-    BertForMultipleChoice,
-    BertForNextSentencePrediction,
-    BertForPreTraining,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertLMHeadModel,
-    BertModel,
+    BertForMaskedLM, BertForMultipleChoice, BertForNextSentencePrediction, BertForPreTraining, BertForQuestionAnswering,
+    BertForSequenceClassification, BertForTokenClassification, BertLMHeadModel, BertModel,
 )
 
-from shardlib.plan import EXAMPLES, TOKENS, AttentionSite, LossItems, LossSpec, Plan, Stack
-from shardlib.styles import ColwiseParallel, RowwiseParallel, VocabParallel, attention_block
+from shardlib.parallel.styles import ColwiseParallel, RowwiseParallel, VocabParallel, attention_block
+from shardlib.sharding.plan import EXAMPLES, TOKENS, AttentionSite, LossItems, LossSpec, Plan, Stack
 
 from . import Policy, register_policy
 

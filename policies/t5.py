@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import transformers
 
-from shardlib.plan import EXAMPLES, TOKENS, AttentionSite, LossSpec, Plan, Stack
-from shardlib.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, attention_block
+from shardlib.parallel.styles import (
+    ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, attention_block,
+)
+from shardlib.sharding.plan import EXAMPLES, TOKENS, AttentionSite, LossSpec, Plan, Stack
 
-from . import Policy, register_policy
+from . import BUILTIN, Policy, register_policy
 
-FAMILIES = ("T5", "MT5", "UMT5")
-HEADS = ("Model", "ForConditionalGeneration", "EncoderModel", "ForSequenceClassification",
-         "ForTokenClassification", "ForQuestionAnswering")
-MODEL_CLASSES = tuple(getattr(transformers, f"{family}{head}") for family in FAMILIES for head in HEADS)
+MODEL_CLASSES = tuple(getattr(transformers, name) for name in BUILTIN["t5"])  # T5, MT5, UMT5: every head
 ATTENTION_INPUTS = ("hidden_states", "key_value_states", "encoder_hidden_states")  # T5/MT5 and UMT5 kv names
 
 

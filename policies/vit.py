@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from transformers import ViTForImageClassification, ViTForMaskedImageModeling, ViTModel
 
-from shardlib.plan import EXAMPLES, AttentionSite, LossItems, Plan, Stack
-from shardlib.styles import ColwiseParallel, RowwiseParallel, attention_block
+from shardlib.parallel.styles import ColwiseParallel, RowwiseParallel, attention_block
+from shardlib.sharding.plan import EXAMPLES, AttentionSite, LossItems, Plan, Stack
 
 from . import Policy, register_policy
 

@@ -3,31 +3,48 @@
     mesh = shardlib.init_mesh(tp=2)          # under `shardlib run` / torchrun
     model = shardlib.shard(model, mesh)      # policy found from the model class
     print(shardlib.plan("bert-large/", tp=8, pp=4))   # dry run of a layout, no ranks needed
+
+The package is layered (docs/architecture.md); each layer is a sub-package that imports only from the layers
+below it:
+
+* :mod:`shardlib.parallel`: what a rank runs: mesh, collectives, parallel layers and styles, layouts, RNG streams,
+  overlap, gradient sync, timeouts (and :mod:`shardlib.safetensors_io`, file I/O);
+* :mod:`shardlib.kernels`: fused ops, each with its reference;
+* :mod:`shardlib.sharding`: the compiler: plans, passes, ``shard()``, sequence parallelism, losses, state; with
+  :mod:`shardlib.policies` (one plan per architecture) and :mod:`shardlib.pipeline` (stages cut from the trunk);
+* :mod:`shardlib.analysis`: what reads a sharded model without training it: dry run, meta run, export, compile;
+* :mod:`shardlib.train` and :mod:`shardlib.checkpoint`: training (ZeRO, launch) and checkpoints;
+* :mod:`shardlib.cli`: the ``shardlib`` command.
+
+``import shardlib`` imports none of them (nor torch): every name below loads its module on first use.
 """
 
-from .layout import Layout, layout_of, named_layouts
-from .mesh import Mesh, MeshError, init_mesh
-from .plan import LossSpec, Plan, PlanError, Stack
-from .random import RNGStatesTracker, manual_seed
-from .sharded import ShardState, shard_state
-from .sharder import ShardReport, report, shard
-from .state import full_state_dict, load_full_state_dict, materialize
-from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
-from .kernels import Kernels
-from .compiling import compile_model
-from .checkpoint import from_pretrained, save_pretrained
-from . import checkpoint, compiling, export, runtime, train  # noqa: E402  (shardlib.checkpoint.*, shardlib.train.* after `import shardlib`)
-from .train import Trainer, TrainingArguments, dp_shard
-# the function shadows the submodule's attribute on the package; `from shardlib.plan import Plan` still finds the
-# module (sys.modules["shardlib.plan"])
-from .dryrun import PlanReport, plan  # noqa: E402
+from ._lazy import lazy_attributes
 
 __version__ = "0.1.0"
+
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "parallel.mesh": ["init_mesh", "Mesh", "MeshError"],
+    "parallel.layout": ["Layout", "layout_of", "named_layouts"],
+    "parallel.random": ["manual_seed", "RNGStatesTracker"],
+    "parallel.styles": ["ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG"],
+    "sharding.plan": ["Plan", "LossSpec", "Stack", "PlanError"],
+    "sharding.sharder": ["shard", "report"],
+    "sharding.shard_report": ["ShardReport"],
+    "sharding.sharded": ["shard_state", "ShardState"],
+    "sharding.state": ["full_state_dict", "load_full_state_dict", "materialize"],
+    "kernels": ["Kernels"],
+    "analysis.dryrun": ["plan", "PlanReport"],
+    "analysis.compiling": ["compile_model"],
+    "checkpoint": ["from_pretrained", "save_pretrained"],
+    "train": ["Trainer", "TrainingArguments", "dp_shard"],
+}, modules={name: name for name in ("parallel", "sharding", "analysis", "kernels", "policies", "pipeline", "train",
+                                    "checkpoint", "safetensors_io", "cli")} | {"export": "analysis.export"})
 
 __all__ = [
     "init_mesh", "Mesh", "MeshError", "shard", "report", "ShardReport", "Plan", "LossSpec", "Stack", "PlanError",
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
-    "Trainer", "TrainingArguments", "dp_shard", "checkpoint", "runtime", "train", "Kernels", "shard_state",
-    "ShardState", "plan", "PlanReport", "compile_model", "export", "from_pretrained", "save_pretrained",
+    "Trainer", "TrainingArguments", "dp_shard", "checkpoint", "train", "Kernels", "shard_state", "ShardState",
+    "plan", "PlanReport", "compile_model", "export", "from_pretrained", "save_pretrained",
 ]

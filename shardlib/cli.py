@@ -6,13 +6,16 @@ checkpoints (``shardlib.checkpoint``), no process group needed.
 ``shardlib run --nproc N script.py [args...]`` starts N ranks of ``script.py`` on this machine through torch's
 elastic launcher (torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT for
 :func:`shardlib.init_mesh`, tears every rank down when one fails and reports the failing rank with its
-traceback. On one node the rendezvous store listens on 127.0.0.1 only (:func:`run`). Multi-node: pass
+traceback (:mod:`shardlib.train.launch`). On one node the rendezvous store listens on 127.0.0.1 only. Multi-node: pass
 ``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint``; anything else before the script goes to torchrun unchanged.
 
 ``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--json]``: a dry run of a layout with no ranks
-(:mod:`shardlib.dryrun`).
+(:mod:`shardlib.analysis.dryrun`).
 
 ``shardlib --version``: the installed version.
+
+Building the parser imports neither torch nor transformers (``--help`` and ``--version`` answer at once); each
+command imports what it runs.
 """
 
 from __future__ import annotations
@@ -20,19 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import re
-import socket
 import sys
 from pathlib import Path
-
-LOOPBACK = "127.0.0.1"
-LOOPBACK_RENDEZVOUS = "shardlib-loopback"  # torchrun rendezvous backend of a single-node `shardlib run`
 
 
 def version() -> str:
     """The installed distribution's version, or the package's own when it runs from a source tree."""
-    from importlib.metadata import PackageNotFoundError, version as distribution_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as distribution_version
 
     try:
         return distribution_version("shardlib")
@@ -40,97 +39,6 @@ def version() -> str:
         from . import __version__
 
         return __version__
-
-
-# ---------------------------------------------------------------------------------------------------- run
-def _loopback_store(timeout):
-    """A TCPStore server listening on 127.0.0.1 only, and its port. torch's TCPStore binds its server to every
-    interface whatever host it is given; handed a socket already bound to loopback (``master_listen_fd``), it
-    listens on that one."""
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((LOOPBACK, 0))  # port 0: the kernel picks a free one, no race with another job
-        sock.listen()
-        port = sock.getsockname()[1]
-        store = TCPStore(LOOPBACK, port, 1, True, timeout, multi_tenant=True, master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the descriptor now
-    return store, port
-
-
-def _loopback_rendezvous(params):
-    """torchrun's rendezvous handler for :data:`LOOPBACK_RENDEZVOUS`: torch's static TCP rendezvous of one node,
-    its store (which the ranks use as their own: MASTER_ADDR / MASTER_PORT) on a loopback socket."""
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
-
-    class LoopbackRendezvous(StaticTCPRendezvous):
-        def get_backend(self) -> str:
-            return LOOPBACK_RENDEZVOUS
-
-        def next_rendezvous(self):
-            if self._store is None:
-                self._store, self.master_port = _loopback_store(self.timeout)
-            return super().next_rendezvous()
-
-    if params.max_nodes != 1:
-        raise ValueError(f"the {LOOPBACK_RENDEZVOUS} rendezvous is for one node, got --nnodes {params.max_nodes}")
-    return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.config.get("timeout", 600)))
-
-
-def _loopback_interface() -> str | None:
-    """The name of the loopback network interface (Linux: the one whose flags have IFF_LOOPBACK), or None."""
-    for flags in sorted(Path("/sys/class/net").glob("*/flags")):
-        with contextlib.suppress(OSError, ValueError):
-            if int(flags.read_text(), 16) & 0x8:
-                return flags.parent.name
-    return None
-
-
-@contextlib.contextmanager
-def _environment(defaults: dict[str, str | None]):
-    """Set the environment variables of ``defaults`` the caller has not set (None: leave unset), then restore."""
-    added = [k for k, v in defaults.items() if v is not None and k not in os.environ]
-    os.environ.update({k: defaults[k] for k in added})
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
-def run(nproc: int, script: str, script_args: list[str], nnodes: str = "1", node_rank: int = 0,
-        rdzv_endpoint: str | None = None, launcher_args: list[str] | None = None) -> int:
-    """Launch ``script`` on ``nproc`` local ranks; return 0 on success, 1 when any rank failed. On one node (no
-    ``rdzv_endpoint``) nothing listens beyond this machine: the rendezvous store, which the ranks share as their
-    MASTER_ADDR:MASTER_PORT store, is bound to 127.0.0.1, and gloo to the loopback interface (GLOO_SOCKET_IFNAME,
-    unless set). Multi-node: torch's c10d rendezvous at ``rdzv_endpoint``, whose store has no authentication
-    (docs/cli.md, "Network exposure")."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-    from torch.distributed.run import main as torchrun
-
-    args = ["--nproc-per-node", str(nproc), "--nnodes", nnodes, "--max-restarts", "0"]
-    environment: dict[str, str | None] = {"OMP_NUM_THREADS": "1"}  # one thread per rank unless told otherwise
-    if nnodes == "1" and rdzv_endpoint is None:
-        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)  # again: a no-op
-        args += ["--rdzv-backend", LOOPBACK_RENDEZVOUS, "--rdzv-endpoint", f"{LOOPBACK}:0"]
-        environment["GLOO_SOCKET_IFNAME"] = _loopback_interface()
-    else:
-        args += ["--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint or ""]
-    args += list(launcher_args or [])
-    try:
-        with _environment(environment):
-            torchrun([*args, script, *script_args])
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        print(f"shardlib run: rank {rank} of {script} failed (exit code {failure.exitcode}); all ranks stopped",
-              file=sys.stderr)
-        return 1
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ convert
@@ -168,7 +76,9 @@ def _progress(total_bytes: int | None, desc: str, show: bool):
 def convert(src: str, dst: str, tp: int, pp: int, to: str, overwrite: bool, progress: bool | None = None) -> int:
     """HF -> sharded, sharded -> sharded (reshard to --tp / --pp), sharded -> HF; no process group needed.
     ``progress``: draw a progress bar on stderr (None: when stderr is a terminal)."""
-    from .checkpoint import METADATA, convert as convert_checkpoint, export_hf
+    from .checkpoint import METADATA
+    from .checkpoint import convert as convert_checkpoint
+    from .checkpoint import export_hf
 
     show = sys.stderr.isatty() if progress is None else progress
     total = _source_bytes(Path(src)) if show else None  # known up front: the bar shows a percentage and an ETA
@@ -228,8 +138,8 @@ def bytes_by_rank(tp: int, per_file: dict[str, int]) -> dict[tuple[int | None, i
 def inspect(directory: str) -> int:
     """The tensors of a sharded checkpoint (shape, dtype, layout, files), the bytes each rank stores, and its
     files (size, tensor bytes, checksum)."""
+    from .analysis.dryrun_report import size_text
     from .checkpoint import ShardedCheckpoint
-    from .dryrun_report import size_text
     from .safetensors_io import file_checksum
 
     ckpt = ShardedCheckpoint(directory, verify=False)
@@ -307,8 +217,6 @@ def _subcommand(sub, name: str, help: str, description: str, *examples: str) -> 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``shardlib`` argument parser: every subcommand, every option with its help and examples."""
-    from .dryrun import add_plan_parser
-
     parser = argparse.ArgumentParser(
         prog="shardlib", description="Shard HuggingFace models over a device mesh.",
         epilog=_examples("shardlib run --nproc 4 train.py --tp 2", "shardlib convert ./bert-hf ./bert-tp4 --tp 4",
@@ -353,8 +261,68 @@ def build_parser() -> argparse.ArgumentParser:
                     "shardlib verify ./bert-tp4 && echo intact")
     p.add_argument("directory", help="a shardlib checkpoint directory (with shardlib.json)")
 
-    add_plan_parser(sub)
+    _add_plan_parser(sub)
     return parser
+
+
+# --------------------------------------------------------------------------------------------------- plan
+def _add_plan_parser(sub) -> None:
+    """The ``shardlib plan`` subcommand's arguments (``sub``: the CLI's subparsers)."""
+    description = ("Dry run of a layout, no ranks needed: every rewrite, bytes per rank of each pipeline stage\n"
+                   "(parameters, gradients, AdamW, ZeRO), stage boundaries, and the collectives of one training step\n"
+                   "per layer. Exit 2 when shard() refuses the layout, 1 on bad input.")
+    examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
+                "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json")
+    p = sub.add_parser("plan", help="dry run of a layout: bytes per rank, stages, collectives", description=description,
+                       epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="model directory (with config.json) or a config.json file")
+    for dim in ("tp", "pp", "dp"):
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
+    p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
+                   help="sequence parallelism: 'megatron' (on the tp group) or 'all_to_all N' (N ranks per sequence)")
+    p.add_argument("--class", dest="cls", help="model class in transformers (default: the config's architectures[0])")
+    p.add_argument("--batch", type=int, default=8, help="examples per microbatch and dp rank (default 8)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128; image models: the config's)")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _sequence_args(values: list[str] | None) -> tuple[object, int]:
+    """``--sp`` as (sequence_parallel, sp size)."""
+    from .analysis.metarun import PlanInputError
+    from .sharding.sequence import ALL_TO_ALL, MEGATRON
+
+    if not values:
+        return False, 1
+    if values[0] == MEGATRON and len(values) == 1:
+        return True, 1
+    if values[0] == ALL_TO_ALL and len(values) == 2 and values[1].isdigit():
+        return ALL_TO_ALL, int(values[1])
+    raise PlanInputError(f"--sp {' '.join(values)}: expected '--sp {MEGATRON}' (on the tp group) or "
+                         f"'--sp {ALL_TO_ALL} N' (N ranks per sequence)")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``shardlib plan``: print the report (text or JSON); 2 when the layout is refused, 1 on bad input."""
+    import json
+
+    from .analysis.dryrun import plan
+    from .analysis.metarun import PlanInputError
+    from .sharding.plan import PlanError
+
+    try:
+        sequence_parallel, sp = _sequence_args(args.sp)
+        report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
+                      cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype)
+    except PlanError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 2
+    except PlanInputError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(launcher_args)}")
     if args.command in ("convert", "inspect", "verify"):
         from .checkpoint import CheckpointError
-        from .plan import PlanError
+        from .sharding.plan import PlanError
 
         try:
             if args.command == "convert":
@@ -380,12 +348,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardlib {args.command}: {message}", file=sys.stderr)
             return 1
     if args.command == "plan":
-        from .dryrun import plan_command
-
         return plan_command(args)
     if args.command == "run":
         if args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")
+        from .train.launch import run
+
         return run(args.nproc, args.script, args.script_args, args.nnodes, args.node_rank, args.rdzv_endpoint,
                    launcher_args)
     return 2

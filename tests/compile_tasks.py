@@ -8,6 +8,7 @@ import os
 import torch
 
 import shardlib
+
 from rank_tasks import (
     _gathered_copies, cases, check_replicas_identical, scalar_objective, shard_options, spec_mesh, train_steps,
 )
@@ -86,7 +87,8 @@ def compiled_matches_eager(spec: dict) -> dict:
 def compiled_dropout_streams(spec: dict, steps: int = 1) -> dict:
     """Compiled training with dropout: replicated parameters stay bitwise identical across the group that shares
     them (the default generator stays in step), and the sharded-activation dropout masks differ across ranks (the
-    per-rank share of :func:`shardlib.random.local_dropout`), shown by a dropout-only forward of equal inputs."""
+    per-rank share of :func:`shardlib.parallel.random.local_dropout`), shown by a dropout-only forward of equal
+    inputs."""
     torch._dynamo.reset()
     mesh = spec_mesh(spec)
     all_to_all = spec.get("sp") == "all_to_all"
@@ -98,7 +100,7 @@ def compiled_dropout_streams(spec: dict, steps: int = 1) -> dict:
     checked = check_replicas_identical(model, group, all_to_all)
     tracker = shardlib.shard_state(model).rng_tracker
     stream = "sequence-parallel" if all_to_all else "tensor-parallel"
-    masks = torch.compile(lambda x: shardlib.random.local_dropout(x, 0.5, *tracker.ranks[stream]),
+    masks = torch.compile(lambda x: shardlib.parallel.random.local_dropout(x, 0.5, *tracker.ranks[stream]),
                           backend=spec["compile"])(torch.ones(256))
     copies = _gathered_copies(masks, group)
     assert all(not torch.equal(copies[0], c) for c in copies[1:]), "compiled per-rank masks are identical"

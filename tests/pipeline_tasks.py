@@ -1,5 +1,5 @@
 """Rank tasks for pipeline-parallel models (see harness.py): each builds the unsharded model and its pp x tp (x dp)
-sharded copy under the same seed, runs a training step through :class:`shardlib.runtime.Trainer` on the global
+sharded copy under the same seed, runs a training step through :class:`shardlib.Trainer` on the global
 batch (each dp rank its share), runs the unsharded model on the whole batch, and compares the loss, every
 gradient of this rank's stages and every weight after one AdamW step. Tolerances as in rank_tasks.py.
 """
@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 import shardlib
+from shardlib.train import Trainer, dp_shard
+
 from harness import mesh as pool_mesh
 from rank_tasks import DTYPES, TOL, _adamw, _close, cases, cast_batch, set_attention, shard_options
-from shardlib.runtime import Trainer, dp_shard
 
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs")
 
@@ -57,7 +58,7 @@ def pipeline_equivalence(spec: dict) -> dict:
     trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
                       loss_fn=None if has_loss else first_output_objective, compile=compile)
     if compile:  # the Trainer compiled each layer of this rank's stages in place
-        layers = shardlib.compiling.stage_layers(model)
+        layers = shardlib.analysis.compiling.stage_layers(model)
         assert layers and all(layer._compiled_call_impl is not None for layer in layers)
     loss = trainer.forward_backward(dp_shard(batch, mesh))
     trainer.reduce_gradients()

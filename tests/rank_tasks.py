@@ -302,7 +302,7 @@ def sharded_logits_with_labels(spec: dict) -> dict:
 
 def collective_mappings(spec: dict) -> int:
     """Each Megatron mapping's forward and backward against the math in its docstring, on random data."""
-    from shardlib import collectives as C
+    from shardlib.parallel import collectives as C
 
     mesh = pool_mesh(tp=spec["tp"])
     group, n, r = mesh.tp_group, mesh.tp, mesh.tp_rank

@@ -49,7 +49,8 @@ def test_all_to_all_collectives_per_layer(pool):
     inverse all-to-alls, the output exchanged again for the output projection's saved input (kept as the
     attention's own output: 1/sp memory), and one all-reduce of the layer's parameter gradients (every parameter is
     replicated over sp and saw only this rank's tokens: BERT's 16 = q, k, v, o, two MLP linears (weight + bias
-    each) and two LayerNorms, in one bucket, shardlib.gradsync). The stack entry keeps a chunk (backward: one all-gather), its exit all-gathers."""
+    each) and two LayerNorms, in one bucket, shardlib.parallel.gradsync). The stack entry keeps a chunk (backward: one
+    all-gather), its exit all-gathers."""
     layers = 2
     spec = _spec({**BERT, "cls": "BertModel", "labels": False}, 1, 4)
     counts = pool.run(rank_tasks.collective_counts, spec)[0]

@@ -1,7 +1,8 @@
 """Checkpoints: HF -> shards, sharded save, reshard, export to HF, on 4 gloo ranks; bad input, single process."""
 
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import rank_tasks
 from strategies import bert_specs, t5_specs, vit_specs
@@ -37,11 +38,12 @@ from transformers import BertConfig, BertForMaskedLM, ViTConfig, ViTModel  # noq
 
 import shardlib  # noqa: E402
 from shardlib import checkpoint as ckpt  # noqa: E402
+from shardlib import cli as shardlib_cli  # noqa: E402
 from shardlib import safetensors_io as sio  # noqa: E402
 from shardlib.checkpoint import saving as ckpt_save  # noqa: E402
-from shardlib.safetensors_io import base as sio_base, reader as sio_reader  # noqa: E402
-from shardlib.mesh import OfflineMesh  # noqa: E402
-from shardlib import cli as shardlib_cli  # noqa: E402
+from shardlib.parallel.mesh import OfflineMesh  # noqa: E402
+from shardlib.safetensors_io import base as sio_base  # noqa: E402
+from shardlib.safetensors_io import reader as sio_reader
 
 from checkpoint_helpers import CONFIG, cli, hf_dir  # noqa: E402,F401  (hf_dir: a fixture)
 

@@ -13,9 +13,11 @@ from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditional
 import shardlib
 from shardlib import checkpoint as ckpt
 from shardlib import safetensors_io as sio
-from shardlib.safetensors_io import base as sio_base, stream as sio_stream, writer as sio_writer
-from shardlib.layout import Layout
-from shardlib.mesh import OfflineMesh
+from shardlib.parallel.layout import Layout
+from shardlib.parallel.mesh import OfflineMesh
+from shardlib.safetensors_io import base as sio_base
+from shardlib.safetensors_io import stream as sio_stream
+from shardlib.safetensors_io import writer as sio_writer
 
 from checkpoint_helpers import CONFIG, cli, hf_dir  # noqa: E402,F401  (hf_dir: a fixture)
 

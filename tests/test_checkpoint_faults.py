@@ -31,7 +31,7 @@ import shardlib
 from shardlib import checkpoint as ckpt
 from shardlib import cli as shardlib_cli
 from shardlib.checkpoint import atomic
-from shardlib.mesh import OfflineMesh
+from shardlib.parallel.mesh import OfflineMesh
 from shardlib.safetensors_io import writer as sio_writer
 
 from checkpoint_helpers import CONFIG, hf_dir  # noqa: F401  (hf_dir: a fixture)

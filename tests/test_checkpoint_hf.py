@@ -14,9 +14,10 @@ from transformers import (
 )
 
 import shardlib
-from shardlib import checkpoint as ckpt, cli
+from shardlib import checkpoint as ckpt
+from shardlib import cli
 from shardlib.checkpoint import atomic
-from shardlib.mesh import OfflineMesh
+from shardlib.parallel.mesh import OfflineMesh
 
 from checkpoint_helpers import CONFIG, hf_dir  # noqa: F401  (hf_dir: a fixture)
 

@@ -16,6 +16,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 from shardlib import cli
 from shardlib.checkpoint import ShardedCheckpoint
+from shardlib.train import launch
 
 CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100)
 
@@ -151,7 +152,7 @@ def _torchrun_arguments(monkeypatch, **kwargs) -> tuple[list[str], dict]:
         seen["args"], seen["env"] = list(args), dict(os.environ)
 
     monkeypatch.setattr(torch.distributed.run, "main", fake_torchrun)
-    assert cli.run(2, "train.py", ["--tp", "2"], **kwargs) == 0
+    assert launch.run(2, "train.py", ["--tp", "2"], **kwargs) == 0
     return seen["args"], seen["env"]
 
 
@@ -159,7 +160,7 @@ def test_single_node_run_rendezvous_on_loopback_and_environment_restored(monkeyp
     for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
     args, env = _torchrun_arguments(monkeypatch)
-    assert args[args.index("--rdzv-backend") + 1] == cli.LOOPBACK_RENDEZVOUS
+    assert args[args.index("--rdzv-backend") + 1] == launch.LOOPBACK_RENDEZVOUS
     assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:0" and "--standalone" not in args
     assert args[-3:] == ["train.py", "--tp", "2"] and env["OMP_NUM_THREADS"] == "1"
     if Path("/sys/class/net/lo").exists():
@@ -180,9 +181,9 @@ def test_multi_node_run_uses_the_c10d_rendezvous_unchanged(monkeypatch):
 def test_loopback_rendezvous_refuses_several_nodes():
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    params = RendezvousParameters(cli.LOOPBACK_RENDEZVOUS, "127.0.0.1:0", "run", 1, 2)
+    params = RendezvousParameters(launch.LOOPBACK_RENDEZVOUS, "127.0.0.1:0", "run", 1, 2)
     with pytest.raises(ValueError, match="is for one node"):
-        cli._loopback_rendezvous(params)
+        launch._loopback_rendezvous(params)
 
 
 def test_convert_to_hf_refuses_a_layout_it_would_ignore(checkpoints, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """``torch.export`` of sharded models (shardlib.export): the functional collectives in the exported fx graph are
 exactly the forward collectives the multi-rank tests pin (tests/test_tp_behaviour.py, test_sequence_parallel.py:
 same specs, same formulas), by op and by layer; the exported program runs; an untraceable hook is reported with its
-module. Exports run in this process as rank 0 (or 1) of a fake world of 2 (shardlib.mesh.fake_world); one test
+module. Exports run in this process as rank 0 (or 1) of a fake world of 2 (shardlib.parallel.mesh.fake_world); one test
 compares the exported program with the eager model on real gloo ranks."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 import torch.fx as fx
 
 import shardlib
-from shardlib.export import ExportError, collective_counts, collective_nodes, export
-from shardlib.mesh import fake_world
+from shardlib.analysis.export import ExportError, collective_counts, collective_nodes, export
+from shardlib.parallel.mesh import fake_world
+
 from rank_tasks import cases, shard_options, spec_mesh
 from test_tp_behaviour import T5_SPEC, VIT_SPEC, _spec
 

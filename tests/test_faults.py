@@ -1,7 +1,7 @@
 """Faults with real processes: a rank that stalls inside a training step's collective.
 
 The ranks are started here as plain processes (no launcher, so no launcher's teardown bounds them): whatever ends
-each one is shardlib's own timeout (``init_mesh(timeout_s=...)``) and its error (:mod:`shardlib.timeouts`).
+each one is shardlib's own timeout (``init_mesh(timeout_s=...)``) and its error (:mod:`shardlib.parallel.timeouts`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from profiles import ci_only
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 3.0   # the mesh's collective timeout in the ranks
-GRACE_S = 3.0     # shardlib.timeouts: min(timeout, 5 s) to let the other ranks time out too
+GRACE_S = 3.0     # shardlib.parallel.timeouts: min(timeout, 5 s) to let the other ranks time out too
 STALL_S = 7.0     # the stalled rank sleeps this long inside step 2's forward: longer than timeout + grace
 EXIT_S = 6.0      # from raising to the end of the process
 
@@ -31,7 +31,7 @@ STALLING_RANKS = textwrap.dedent("""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
     import shardlib
-    from shardlib.timeouts import CollectiveFailure
+    from shardlib.parallel.timeouts import CollectiveFailure
 
     rank, shared, stalled = int(os.environ["RANK"]), Path(sys.argv[1]), int(sys.argv[4])
 

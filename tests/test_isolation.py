@@ -7,7 +7,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration, ViTConfig, ViTModel
 
 import shardlib
-from shardlib.mesh import fake_world
+from shardlib.parallel.mesh import fake_world
 
 MODES = {
     "tp": dict(tp=2, options={}),
@@ -96,7 +96,7 @@ def test_trainer_refuses_compile_with_zero3():
 def test_fake_world_refuses_an_initialized_process_and_bad_sizes():
     import torch.distributed as dist
 
-    from shardlib.mesh import MeshError
+    from shardlib.parallel.mesh import MeshError
 
     for world, rank in ((0, 0), (2, 2)):
         with pytest.raises(MeshError, match="fake_world needs world_size >= 1"):

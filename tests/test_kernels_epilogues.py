@@ -31,9 +31,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from shardlib.kernels import epilogues as E
-from shardlib.layers import ColumnParallelLinear
-from shardlib.random import RNGStatesTracker
-from shardlib.styles import LocalRNG, ShardContext
+from shardlib.parallel.layers import ColumnParallelLinear
+from shardlib.parallel.random import RNGStatesTracker
+from shardlib.parallel.styles import LocalRNG, ShardContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -35,7 +35,7 @@ from torch import nn
 from transformers import BertConfig, BertModel, T5Config, T5Model, ViTConfig, ViTModel
 
 from shardlib.kernels.fused_qkv import fuse_linears, fused_group, fused_qkv_problems, unfuse_linears
-from shardlib.layers import ColumnParallelLinear, RowParallelLinear
+from shardlib.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=3e-2, atol=3e-2)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from profiles import ci_only
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def test_rank_killed_mid_pipeline_step_ends_the_job(tmp_path):
     script.write_text(textwrap.dedent("""
         import os, torch, shardlib
         from transformers import BertConfig, BertForSequenceClassification
-        from shardlib.runtime import Trainer
+        from shardlib.train import Trainer
         mesh = shardlib.init_mesh(pp=2)
         torch.manual_seed(0)
         model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,

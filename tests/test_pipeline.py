@@ -6,12 +6,14 @@ import itertools
 import pytest
 import torch
 import transformers
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from shardlib.pipeline import assign_stages, stage_plan
+from shardlib.policies import policy_for
+from shardlib.sharding.plan import PlanError
 
 import pipeline_tasks
-from shardlib.pipeline import assign_stages, stage_plan
-from shardlib.plan import PlanError
-from shardlib.policies import policy_for
 from strategies import pipeline_specs
 
 

@@ -1,9 +1,9 @@
-"""``shardlib.plan`` / ``shardlib plan`` (shardlib.dryrun): the dry run's numbers equal a real run's.
+"""``shardlib.plan`` / ``shardlib plan`` (shardlib.analysis.dryrun): the dry run's numbers equal a real run's.
 
 Real runs happen on the pool's 4 gloo ranks (tasks defined here): parameter, gradient and AdamW bytes per rank
 (plain, ZeRO-2, and per pipeline stage), and every collective of a forward and backward by op, mesh dim and bytes,
 recorded by the project's CollectiveCounter extended with sizes (written here, independently of the recorder in
-shardlib.metarun). The dry runs happen in this process with no ranks."""
+shardlib.analysis.metarun). The dry runs happen in this process with no ranks."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ import torch.distributed as dist
 from transformers import BertConfig, T5Config
 
 import shardlib
+from shardlib import cli
+from shardlib.analysis.dryrun import PlanInputError, PlanReport, TensorSpec
+from shardlib.sharding.plan import PlanError
+from shardlib.train.fsdp import local
+
 from profiles import ci_only
 from rank_tasks import CollectiveCounter
-from shardlib import cli
-from shardlib.dryrun import PlanInputError, PlanReport, TensorSpec
-from shardlib.fsdp import local
-from shardlib.plan import PlanError
 
 BERT = dict(vocab_size=51, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=16, architectures=["BertForMaskedLM"])  # 51: a padded vocab at tp=2
@@ -219,7 +220,8 @@ def test_cli_on_a_config_file_and_a_saved_model(tmp_path, capsys):
 
 def test_cli_refused_layout_prints_the_plan_error_and_exits_2(tmp_path, capsys):
     from transformers import BertForMaskedLM
-    from shardlib.mesh import fake_world
+
+    from shardlib.parallel.mesh import fake_world
 
     BertConfig(**BERT).to_json_file(tmp_path / "config.json")
     with torch.device("meta"):
@@ -256,15 +258,16 @@ def test_a_class_without_policy_gets_the_registry_message(tmp_path, capsys):
     assert code == 1 and err == f"shardlib plan: {expected}\n"
 
 
-def test_plan_function_and_plan_module_coexist():
-    """``shardlib.plan`` is the function; the module of the same name stays importable by name."""
+def test_plan_function_and_plan_module_do_not_collide():
+    """``shardlib.plan`` is the dry run's function; the plan's data types live in ``shardlib.sharding.plan``."""
     import importlib
 
-    from shardlib.plan import Plan, PlanError as Error, Stack
+    from shardlib.sharding.plan import Plan, PlanError, Stack
 
-    assert callable(shardlib.plan) and shardlib.plan.__module__ == "shardlib.dryrun"
-    module = importlib.import_module("shardlib.plan")
-    assert (module.Plan, module.PlanError, module.Stack) == (Plan, Error, Stack) == (shardlib.Plan, PlanError, Stack)
+    assert callable(shardlib.plan) and shardlib.plan.__module__ == "shardlib.analysis.dryrun"
+    module = importlib.import_module("shardlib.sharding.plan")
+    assert (module.Plan, module.PlanError, module.Stack) == (Plan, PlanError, Stack) == (shardlib.Plan,
+                                                                                       shardlib.PlanError, shardlib.Stack)
 
 
 @ci_only("about 7 s: a subprocess that imports torch and transformers")
@@ -281,7 +284,7 @@ def test_inside_a_real_run_the_dry_run_goes_to_a_subprocess():
 def test_the_subprocess_errors_come_back_as_the_same_exceptions(monkeypatch, code, error):
     import subprocess
 
-    from shardlib import dryrun
+    from shardlib.analysis import dryrun
 
     stderr = "some warning\nshardlib plan: cannot shard BertForMaskedLM at tp=3:\n  problem one\n  problem two\n"
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, code, "", stderr))

@@ -12,10 +12,10 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel, BertModel, T5Config, T5ForConditionalGeneration
 
 import shardlib
-from shardlib.mesh import MeshError, OfflineMesh, fake_world, init_mesh
-from shardlib.metarun import PlanInputError
-from shardlib.plan import AttentionSite, LossItems, LossSpec, PlanError
+from shardlib.analysis.metarun import PlanInputError
+from shardlib.parallel.mesh import MeshError, OfflineMesh, fake_world, init_mesh
 from shardlib.policies import Policy, policy_for, policy_for_class_name
+from shardlib.sharding.plan import AttentionSite, LossItems, LossSpec, PlanError
 
 BERT = dict(vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
 T5 = dict(vocab_size=32, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2, decoder_start_token_id=0,
@@ -51,7 +51,7 @@ def assert_unchanged(model, before):
     assert shardlib.shard_state(model, required=False) is None
 
 
-# ---------------------------------------------------------------------------------------------------- mesh.py
+# -------------------------------------------------------------------------------------------------- parallel/mesh.py
 def test_init_mesh_refusal_names_dp_and_leaves_no_process_group(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -76,7 +76,7 @@ def test_offline_mesh_refuses_a_rank_outside_tp(tp, rank):
         OfflineMesh(tp=tp, tp_rank=rank)
 
 
-# ------------------------------------------------------------------------------------- plan.py, layout.py, ...
+# ------------------------------------------------------------------------- sharding/plan.py, parallel/layout.py, ...
 @pytest.mark.parametrize("make, error, message", [
     (lambda: LossItems(key="mask", count="mask"), PlanError, "LossItems.count must be 'targets' or 'true', got 'mask'"),
     (lambda: shardlib.Layout((2, 3), shard_dim=2), ValueError, r"shard_dim 2 out of range for shape \(2, 3\)"),
@@ -90,7 +90,7 @@ def test_plain_data_refusals(make, error, message):
         make()
 
 
-# ------------------------------------------------------------------------------------------------- random.py
+# ------------------------------------------------------------------------------------------------ parallel/random.py
 def test_rng_tracker_refusals():
     tracker = shardlib.RNGStatesTracker()
     tracker.add("tensor-parallel", 1)
@@ -104,9 +104,9 @@ def test_rng_tracker_refusals():
             pass
 
 
-# -------------------------------------------------------------------------------------------- collectives.py
+# ------------------------------------------------------------------------------------------- parallel/collectives.py
 def test_collectives_refuse_a_size_the_group_does_not_divide():
-    from shardlib.collectives import all_to_all_single, split
+    from shardlib.parallel.collectives import all_to_all_single, split
 
     with fake_world(2):
         group = dist.group.WORLD
@@ -116,7 +116,7 @@ def test_collectives_refuse_a_size_the_group_does_not_divide():
             split(torch.zeros(2, 5), 1, group)
 
 
-# ------------------------------------------------------------------------------------------------- state.py
+# ------------------------------------------------------------------------------------------------- sharding/state.py
 @pytest.mark.parametrize("change, message", [
     (lambda sd: sd.update(extra=torch.zeros(1)), "unexpected key 'extra'"),
     (lambda sd: sd.pop("bert.embeddings.LayerNorm.weight"), "missing parameter 'bert.embeddings.LayerNorm.weight'"),
@@ -133,7 +133,7 @@ def test_load_full_state_dict_refuses_before_copying_anything(change, message):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-# ------------------------------------------------------------- shard(): sequence, all-to-all, pipeline, kernels
+# ------------------------------------------------------------------ shard(): sequence, all-to-all, pipeline, kernels
 def _no_trunk(plan):
     return dataclasses.replace(plan, trunk=())
 
@@ -212,7 +212,7 @@ def test_kernel_refusals_change_nothing(monkeypatch, kernels, tamper, message):
     assert_unchanged(model, before)
 
 
-# --------------------------------------------------------------------------------------- kernels, called directly
+# ------------------------------------------------------------------------------------------ kernels, called directly
 @pytest.mark.parametrize("call, message", [
     (lambda E: E.bias_gelu(torch.zeros(2, 3), None, approximate="exact"),
      "bias_gelu: approximate must be 'none' or 'tanh', got 'exact'"),
@@ -279,9 +279,9 @@ def test_all_to_all_attention_refuses_a_kv_cache():
     assert not [w for w in caught if "always_call" in str(w.message)]
 
 
-# ------------------------------------------------------------------------------------------------- losses.py
+# ------------------------------------------------------------------------------------------------ sharding/losses.py
 def test_unknown_loss_kind_installs_nothing():
-    from shardlib.losses import install_vocab_parallel_loss
+    from shardlib.sharding.losses import install_vocab_parallel_loss
 
     model = bert()
     with pytest.raises(ValueError, match=r"unknown loss kind 'bogus'; known: \['causal_lm', 'masked_lm'"):
@@ -289,7 +289,7 @@ def test_unknown_loss_kind_installs_nothing():
     assert type(model) is BertForMaskedLM
 
 
-# -------------------------------------------------------------------------------------------------- optim.py
+# ---------------------------------------------------------------------------------------------------- train/optim.py
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
@@ -319,13 +319,13 @@ def _used_sgd(params):
 ], ids=["not-an-optimizer", "used-optimizer", "zero-without-optimizer", "zero3-master-weights", "master-save",
         "master-load"])
 def test_optimizer_refusals(call, error, message):
-    from shardlib import optim
+    from shardlib.train import optim
 
     with pytest.raises(error, match=message):
         call(optim)
 
 
-# ------------------------------------------------------------------------------------------------- export.py
+# ------------------------------------------------------------------------------------------------ analysis/export.py
 class _ReturnsAnObject(nn.Module):
     def forward(self, x):
         return type("Output", (), {"x": x})()
@@ -345,13 +345,13 @@ class _ReadsAPointer(nn.Module):
                        r"\n  raised at .*test_refusals.py:\d+ in forward\n  hint: the code reads a tensor's storage"),
 ], ids=["not-a-pytree", "data-pointer"])
 def test_export_failures_name_the_cause_and_hint(model, message):
-    from shardlib.export import ExportError, export
+    from shardlib.analysis.export import ExportError, export
 
     with pytest.raises(ExportError, match=message):
         export(model, (torch.ones(2),))
 
 
-# --------------------------------------------------------------------------------------- dryrun.py, metarun.py
+# --------------------------------------------------------------------------- analysis/dryrun.py, analysis/metarun.py
 def _bad_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     return tmp_path / "config.json"
@@ -381,7 +381,7 @@ def test_plan_inside_a_real_run_refuses_a_policy_object():
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------------------------- pipeline/
+# --------------------------------------------------------------------------------------------------------- pipeline/
 def test_pipeline_runtime_refusals():
     from shardlib.pipeline import PipelineRunner
 
@@ -389,7 +389,7 @@ def test_pipeline_runtime_refusals():
         model = shardlib.shard(bert(), init_mesh(pp=2))
         split = shardlib.shard_state(model).pipeline
         with pytest.raises(RuntimeError, match="BertForMaskedLM is split into 2 pipeline stages; run it with "
-                                               "shardlib.runtime.Trainer"):
+                                               "shardlib.Trainer"):
             model(input_ids=IDS)
         with pytest.raises(ValueError, match=r"schedule 'interleaved_1f1b' with 1 stage\(s\) per rank: interleaved "
                                              r"schedules need shard\(..., stages_per_rank >= 2\)"):
@@ -428,7 +428,7 @@ def test_plan_of_a_model_whose_forward_refuses_its_config_is_a_plan_input_error(
     out of ``shardlib.plan``)."""
     from transformers import T5Config
 
-    from shardlib.dryrun import PlanInputError
+    from shardlib.analysis.dryrun import PlanInputError
 
     config = T5Config(vocab_size=45, d_model=16, d_kv=4, num_heads=4, d_ff=32, num_layers=2,
                       decoder_start_token_id=None)
@@ -440,7 +440,7 @@ def test_load_full_state_dict_on_an_offline_mesh_keeps_that_ranks_rows():
     """``OfflineMesh(tp=2, tp_rank=1)`` has no process group: the rank comes from the mesh (was: rank 0's rows)."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from shardlib.mesh import OfflineMesh
+    from shardlib.parallel.mesh import OfflineMesh
 
     config = BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=32)

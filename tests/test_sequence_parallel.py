@@ -8,7 +8,6 @@ import pytest
 import rank_tasks
 from test_tp_behaviour import T5_SPEC, VIT_SPEC, _spec
 
-
 ALL_KERNELS = {"attention": "sdpa", "fused_qkv": True, "bias_gelu": True, "dropout_add": True}
 
 
@@ -19,7 +18,7 @@ def test_sp_collectives_per_bert_layer(pool, tp, kernels):
     (attention and MLP inputs) and 2 reduce-scatters (their outputs); backward the transposes, plus the 2 inputs
     all-gathered again from their saved shards (Megatron's trade: saved activations stay 1/tp), plus one
     all-reduce of the layer's replicated parameters (2 LayerNorms x 2 + 2 row-parallel biases = 6 gradients in one
-    bucket, shardlib.gradsync). The stack's
+    bucket, shardlib.parallel.gradsync). The stack's
     entry keeps a chunk (no communication; backward all-gather), its exit all-gathers (backward keeps a chunk).
     The vocab-parallel embedding keeps its all-reduce. The fused kernels change no collective."""
     layers = 2

@@ -141,7 +141,7 @@ def test_trainer_arguments_are_checked():
     from transformers import BertConfig, BertForSequenceClassification
 
     import shardlib
-    from shardlib.mesh import OfflineMesh
+    from shardlib.parallel.mesh import OfflineMesh
 
     model = shardlib.shard(BertForSequenceClassification(BertConfig(
         vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)),

@@ -118,11 +118,10 @@ def test_world_of_one_and_two_nodes_train_the_same_model(tmp_path):
 ])
 def test_bad_nproc_is_refused_before_any_rank_starts(monkeypatch, args, message):
     """Checked in this process before the launcher is called (which would start ranks)."""
-    import shardlib.cli
     from shardlib import MeshError
-    from shardlib.train import parse_args
+    from shardlib.train import launch, parse_args
 
-    monkeypatch.setattr(shardlib.cli, "run", lambda *a, **k: pytest.fail("ranks were started"))
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("ranks were started"))
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(MeshError, match=re.escape(message)):

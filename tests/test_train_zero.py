@@ -142,9 +142,9 @@ def test_bad_precision_and_zero_settings_are_refused_before_anything_changes():
     from transformers import BertConfig, BertForSequenceClassification
 
     import shardlib
-    from shardlib.mesh import OfflineMesh
+    from shardlib.parallel.mesh import OfflineMesh
     from shardlib.train import DynamicLossScaler
-    from shardlib.optim import check_zero
+    from shardlib.train.optim import check_zero
 
     def sharded(dtype=torch.float32):
         model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,

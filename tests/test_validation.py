@@ -7,16 +7,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2Model
 
 import shardlib
-from shardlib.layers import vocab_parallel_cross_entropy
-from shardlib.mesh import MeshError, OfflineMesh, _resolve_sizes
-from shardlib.plan import Plan, PlanError, match_modules
+from shardlib.parallel.layers import vocab_parallel_cross_entropy
+from shardlib.parallel.mesh import MeshError, OfflineMesh, _resolve_sizes
+from shardlib.parallel.styles import ColwiseParallel, RowwiseParallel
 from shardlib.policies import policy_for
-from shardlib.styles import ColwiseParallel, RowwiseParallel
+from shardlib.sharding.plan import Plan, PlanError, match_modules
 
 
 @dataclass

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 import shardlib
+from shardlib.train import epoch_order
+from shardlib.train.fsdp import local
+from shardlib.train.optim import param_state
+
 from harness import mesh as pool_mesh
 from rank_tasks import cases
-from shardlib.fsdp import local
-from shardlib.optim import param_state
-from shardlib.train import epoch_order
 
 MAX_GRAD_NORM = 1.0
 
@@ -76,7 +77,7 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
     return {"losses": result.losses, "first_step": result.first_step, "evals": result.evals,
             "checkpoints": [str(p) for p in result.checkpoints], "mesh": str(mesh),
             "optimizer_bytes": optimizer_bytes(trainer), "scaler": scaler.state_dict() if scaler else None,
-            "ddp": trainer.ddp is not None, "left_out_of_ddp": len(trainer._dp_left_out)}
+            "ddp": trainer.ddp is not None, "left_out_of_ddp": len(trainer.gradients.left_out_of_ddp)}
 
 
 def optimizer_bytes(trainer) -> int:

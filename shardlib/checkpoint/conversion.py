@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ..layout import Layout, layout_of
+from ..parallel.layout import Layout, layout_of
 from ..safetensors_io import (
     CheckpointError, SafetensorsFiles, Writer, copy_rows, copy_split, safetensors_order, strict_json,
 )
 from .atomic import AtomicDirectory
 from .format import (
-    FORMAT, METADATA, OPTIMIZER_PREFIX, hf_config, piece_shape, pieces, rank_file, read_hf_config, replicated_file, tensor_entry, write_document,
+    FORMAT, METADATA, OPTIMIZER_PREFIX, hf_config, piece_shape, pieces, rank_file, read_hf_config, replicated_file,
+    tensor_entry, write_document,
 )
 from .reader import ShardedCheckpoint
 from .tensors import tensors_to_load
@@ -183,10 +184,10 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
     blocks of at most 4 MiB, each block's rows going to the files that hold them (memory: a few blocks)."""
     import transformers
 
-    from ..mesh import OfflineMesh
+    from ..parallel.mesh import OfflineMesh
     from ..pipeline import stage_plan, tensor_owners
     from ..policies import policy_for
-    from ..sharder import shard
+    from ..sharding.sharder import shard
 
     source, destination = Path(source), Path(destination)
     if type(tp) is not int or type(pp) is not int or pp < 1 or tp < 1:

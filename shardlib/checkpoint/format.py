@@ -18,7 +18,7 @@ import xxhash
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..layout import Layout
+from ..parallel.layout import Layout
 from ..safetensors_io import DTYPES, CheckpointError, dtype_name, strict_json
 
 FORMAT = "shardlib-sharded-v3"

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..fsdp import like, local
-from ..layout import Layout, layout_of
-from ..optim import holds_state, set_param_state
+from ..parallel.layout import Layout, layout_of
 from ..safetensors_io import CheckpointError, SafetensorsFiles
-from ..sharded import shard_state
-from ..state import materialize
+from ..sharding.sharded import shard_state
+from ..sharding.state import materialize
+from ..train.fsdp import like, local
+from ..train.optim import holds_state, set_param_state
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .reader import ShardedCheckpoint
 from .tensors import fill_local, local_tensors, model_tensor_names, tp_rank
@@ -93,7 +93,7 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
 
 def _build_sharded(model_class, config, mesh, shard_options: dict, *, init: str = "buffers",
                    torch_dtype: torch.dtype | None = None) -> nn.Module:
-    from ..sharder import shard
+    from ..sharding.sharder import shard
 
     with torch.device("meta"):
         is_module_class = isinstance(model_class, type) and issubclass(model_class, nn.Module)

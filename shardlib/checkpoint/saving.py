@@ -12,15 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..mesh import DEFAULT_TIMEOUT_S
+from ..parallel.mesh import DEFAULT_TIMEOUT_S
+from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError, Writer
-from ..sharded import shard_state
-from ..state import _pipeline
-from ..timeouts import stalled_ranks_named
+from ..sharding.sharded import shard_state
+from ..sharding.state import _pipeline
 from .atomic import publish, recover, staging_dir
-from .format import (
-    FORMAT, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry, write_document,
-)
+from .format import FORMAT, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry, write_document
 from .tensors import saved_tensors
 
 
@@ -143,7 +141,7 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
     while training goes on. ``metadata``: extra top-level fields of ``shardlib.json`` (rank 0's are written).
     Rank 0 first finishes or cleans what an interrupted save of ``directory`` left (:func:`.atomic.recover`). A
     failure on any rank (a full disk, say) is raised on every rank, naming it, and leaves ``directory`` as it was;
-    a rank that dies or stalls makes the others raise :class:`~shardlib.timeouts.CollectiveFailure` within the
+    a rank that dies or stalls makes the others raise :class:`~shardlib.parallel.timeouts.CollectiveFailure` within the
     mesh's timeout (rank 0 then removes the staging directory)."""
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank(group) == 0

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fsdp import whole
-from ..layout import Layout, layout_of
-from ..optim import param_state
+from ..parallel.layout import Layout, layout_of
 from ..safetensors_io import CheckpointError
-from ..sharded import shard_state
-from ..state import _pipeline
+from ..sharding.sharded import shard_state
+from ..sharding.state import _pipeline
+from ..train.fsdp import whole
+from ..train.optim import param_state
 from .format import OPTIMIZER_PREFIX
 
 
@@ -74,7 +74,7 @@ def saved_tensors(model: nn.Module, optimizer=None):
     buffers (tied ones once), then, with an optimizer, each parameter's state tensors held on this rank as
     ``optimizer.<state>.<param name>`` (master weights: ``optimizer.master.<param name>``): moments shaped like
     the parameter share its layout, scalars (``step``) are replicated. ``partitioned``: an optimizer partitioned over
-    dp (:class:`shardlib.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters.
+    dp (:class:`shardlib.train.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters.
     Parameters sharded over dp by FSDP2 (zero=3) and their states are gathered to their tp-local tensors here (a
     collective on the dp group: every rank walks the same tensors)."""
     for tensor, names in tensors_to_load(model):

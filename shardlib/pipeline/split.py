@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..collectives import all_reduce_flat
-from ..plan import PlanError, Stack
-from ..random import preserved_rng
+from ..parallel.collectives import all_reduce_flat
+from ..parallel.random import preserved_rng
+from ..sharding.plan import PlanError, Stack
 from .stages import StagePlan, _exists, tensor_owners
 
 
@@ -108,7 +108,7 @@ class PipelineSplit:
             ))
         self.layers: dict[str, dict[str, nn.Module]] = {}  # local layers by stack path, original keys
         self.stage_modules = [StageModule(self, s) for s in self.local_stages]
-        self.sequence = None  # shardlib.sequence.SequenceParallel, when the model is also sequence-parallel
+        self.sequence = None  # shardlib.sharding.sequence.SequenceParallel, when the model is also sequence-parallel
         self.owners = self._owners()
         self._release_unused()
         self.tied = self._tied_parameters()
@@ -164,7 +164,7 @@ class PipelineSplit:
         if self.active is None:
             raise RuntimeError(
                 f"{type(self.model).__name__} is split into {self.num_stages} pipeline stages; run it with "
-                "shardlib.runtime.Trainer (train_step / eval_step), not by calling the model")
+                "shardlib.Trainer (train_step / eval_step), not by calling the model")
 
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages (each once), in model order."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..plan import PlanError, Stack
+from ..sharding.plan import PlanError, Stack
+
 
 def assign_stages(costs: list[float], num_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
     """Split layers ``0..len(costs)-1`` into ``num_stages`` contiguous non-empty ranges.

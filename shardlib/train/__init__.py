@@ -2,19 +2,28 @@
 
 * :class:`shardlib.pipeline.PipelineRunner`: pipeline stages and schedules;
 * :class:`Trainer` (:mod:`.trainer`): weigh microbatch losses, reduce, clip, step; precision and the fp16 loss
-  scaler (:mod:`.precision`), master weights and ZeRO-1/2 (:mod:`shardlib.optim`), ZeRO-3 (:mod:`shardlib.fsdp`);
-* :meth:`Trainer.fit` (:mod:`.fit`): data (:mod:`.data`), evaluation, logging (:mod:`.logs`), checkpoints and
+  scaler (:mod:`.precision`), master weights and ZeRO-1/2 (:mod:`.optim`), ZeRO-3 (:mod:`.fsdp`), data
+  parallelism (:mod:`.dataparallel`);
+* :meth:`Trainer.fit` (:mod:`.loop`): data (:mod:`.data`), evaluation, logging (:mod:`.logs`), checkpoints and
   exact resume (:mod:`.checkpoints`);
-* :class:`TrainingArguments` (:mod:`.args`): one dataclass of command-line arguments, the mesh and the launch.
+* :class:`TrainingArguments` (:mod:`.args`): one dataclass of command-line arguments, the mesh and the launch
+  (:mod:`.launch`: torchrun's elastic agent, on loopback for one node).
+
+Lazy (PEP 562), like the package: :mod:`shardlib.checkpoint` reads the optimizer state of :mod:`.optim` and
+:mod:`.fsdp` without importing the Trainer, which saves through :mod:`shardlib.checkpoint`.
 """
 
-from .args import TrainingArguments, launch_if_requested, mesh_from_args, parse_args
-from .batches import dp_shard, split_batch
-from .data import GlobalBatchSampler, epoch_order
-from .fit import FitResult, evaluate, fit, warmup_cosine
-from .precision import DynamicLossScaler
-from .trainer import Trainer, rng_safe_checkpointing
+from .._lazy import lazy_attributes
 
-__all__ = ["Trainer", "DynamicLossScaler", "fit", "FitResult", "evaluate", "warmup_cosine", "GlobalBatchSampler", "epoch_order",
-           "dp_shard", "split_batch", "rng_safe_checkpointing", "TrainingArguments", "parse_args", "mesh_from_args",
-           "launch_if_requested"]
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "args": ["TrainingArguments", "launch_if_requested", "mesh_from_args", "parse_args"],
+    "batches": ["dp_shard", "split_batch"],
+    "data": ["GlobalBatchSampler", "epoch_order"],
+    "loop": ["FitResult", "evaluate", "fit", "warmup_cosine"],
+    "precision": ["DynamicLossScaler"],
+    "trainer": ["Trainer", "rng_safe_checkpointing"],
+})
+
+__all__ = ["Trainer", "DynamicLossScaler", "fit", "FitResult", "evaluate", "warmup_cosine", "GlobalBatchSampler",
+           "epoch_order", "dp_shard", "split_batch", "rng_safe_checkpointing", "TrainingArguments", "parse_args",
+           "mesh_from_args", "launch_if_requested"]

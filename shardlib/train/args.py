@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Literal, Optional
 
-from ..mesh import MeshError, init_mesh, launched
+from ..parallel.mesh import MeshError, init_mesh, launched
 
 
 def _env_int(name: str, default: int | None):
@@ -129,7 +129,7 @@ class TrainingArguments:
 
     def fit_options(self) -> dict:
         """Keyword arguments of :meth:`Trainer.fit` (after the training data)."""
-        from .fit import warmup_cosine
+        from .loop import warmup_cosine
 
         interval = self.eval_interval
         return {"batch_size": self.batch_size, "eval_batch_size": self.eval_batch_size, "epochs": self.epochs,
@@ -168,12 +168,12 @@ def check_nproc(nproc: int, args: TrainingArguments) -> None:
 
 def launch_if_requested(args: TrainingArguments, argv: list[str] | None = None) -> None:
     """With ``--nproc N`` in a process no launcher started: start N local ranks of this script (same arguments)
-    through torch's elastic launcher (:func:`shardlib.cli.run`), wait for them and exit with their status. Under
-    a launcher, or without ``--nproc``, return at once."""
+    through torch's elastic launcher (:func:`shardlib.train.launch.run`), wait for them and exit with their status.
+    Under a launcher, or without ``--nproc``, return at once."""
     if args.nproc is None or launched():
         return
     check_nproc(args.nproc, args)
-    from ..cli import run
+    from .launch import run
 
     argv = list(sys.argv if argv is None else argv)
     sys.exit(run(args.nproc, argv[0], _without_nproc(argv[1:])))

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint
-from ..mesh import DEFAULT_TIMEOUT_S
-from ..random import rng_streams
+from ..parallel.mesh import DEFAULT_TIMEOUT_S
+from ..parallel.random import rng_streams
 from ..safetensors_io import CheckpointError, SafetensorsFile
-from ..sharded import shard_state
+from ..sharding.sharded import shard_state
 
 log = logging.getLogger("shardlib.train")
 

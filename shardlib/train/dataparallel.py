@@ -14,13 +14,13 @@ Settings and why:
   those keep ``grad=None`` on every rank, as without dp. Its graph walk costs well under 1% of a CPU step;
 * ``init_sync=False``, ``forward_sync_buffers=False``: ``shard()`` builds identical replicas and the buffers are
   constants (position ids), so nothing is broadcast;
-* parameters whose gradient a sequence-parallel bucket completes after backward (:mod:`shardlib.gradsync`: the
+* parameters whose gradient a sequence-parallel bucket completes after backward (:mod:`shardlib.parallel.gradsync`: the
   LayerNorms and row-parallel biases under Megatron SP, every layer parameter under all-to-all SP) are left out
   (DDP would read their ``.grad`` before it is complete); the Trainer sums them over dp once backward is done.
 
 Where DDP does not compose the Trainer keeps its own post-backward sum in 25 MiB buckets
-(:func:`shardlib.collectives.all_reduce_flat`): pipeline stages (several backward passes per step per stage; the
-tied-weight sum must come first), ZeRO-2 (each gradient is *reduced* to the one dp rank that steps it, not
+(:func:`shardlib.parallel.collectives.all_reduce_flat`): pipeline stages (several backward passes per step per stage;
+the tied-weight sum must come first), ZeRO-2 (each gradient is *reduced* to the one dp rank that steps it, not
 all-reduced), ZeRO-3 (FSDP2 reduce-scatters in backward itself), a custom ``forward_step`` (it is given the model
 itself, not a wrapper), and :meth:`~shardlib.train.trainer.Trainer.forward_backward` called on its own (gradient
 accumulation by the caller: DDP would sum at every backward).
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..gradsync import ReplicatedGradSync
+from ..parallel.gradsync import ReplicatedGradSync
 
 
 def _sum_hook(group, bucket):
@@ -42,7 +42,8 @@ def _sum_hook(group, bucket):
 
 
 def sequence_bucketed(model: nn.Module) -> set[int]:
-    """ids of the parameters whose gradients :mod:`shardlib.gradsync` buckets (over a sequence-parallel group)."""
+    """ids of the parameters whose gradients :mod:`shardlib.parallel.gradsync` buckets (over a sequence-parallel
+    group)."""
     ids = set()
     for module in model.modules():
         for hook in module._forward_pre_hooks.values():

@@ -4,17 +4,17 @@
     loss = trainer.train_step(batch)      # batch: this data-parallel rank's share, identical across its pp x tp ranks
 
 A step's loss is the model's own loss over the whole global batch: each microbatch's loss is weighted by its share
-of the loss items (what the policy's :class:`shardlib.plan.LossItems` says the loss averages over: targets that are
-not -100, masked patches, examples), counted over every data-parallel rank, so the gradient equals the unsharded
-model's gradient on the global batch whatever the microbatch and data-parallel split. Gradients are then summed over
-dp, clipped by the norm of the whole model and the optimizer steps.
+of the loss items (what the policy's :class:`shardlib.sharding.plan.LossItems` says the loss averages over:
+targets that are not -100, masked patches, examples), counted over every data-parallel rank, so the gradient equals
+the unsharded model's gradient on the global batch whatever the microbatch and data-parallel split. Gradients are
+then summed over dp, clipped by the norm of the whole model and the optimizer steps.
 
 Precision (``"fp32" | "bf16" | "fp16"``, the fp16 loss scaler, master weights) is :mod:`shardlib.train.precision`;
 the optimizer over master weights and partitioned over dp (``zero=1, 2``) is :mod:`shardlib.train.optim`; ``zero=3``
-is torch's FSDP2 (:mod:`shardlib.fsdp`).
+is torch's FSDP2 (:mod:`shardlib.train.fsdp`).
 
 The pipeline schedule belongs to :class:`shardlib.pipeline.PipelineRunner`; the data loop, evaluation, logging and
-checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.fit`). Each layer can be used alone.
+checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.loop`). Each layer can be used alone.
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import get_total_norm
 
-from ..collectives import all_reduce_flat, reduce_flat
-from ..compiling import compile_model
-from ..fsdp import apply_fsdp, local, reshard
-from ..layout import named_layouts
+from ..analysis.compiling import compile_model
+from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
-from ..sharded import shard_state
-from .dataparallel import ddp_composes, wrap_ddp
-from ..timeouts import names_stalled_ranks
+from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
-from ..optim import build_optimizer, check_zero, copy_grads, owners, param_pairs
+from .dataparallel import ddp_composes, wrap_ddp
+from .fsdp import apply_fsdp, reshard
+from .gradients import StepGradients
+from .optim import build_optimizer, check_zero, copy_grads
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
 
@@ -93,14 +91,15 @@ class Trainer:
     fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too, 3 the parameters too
     (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
     ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages compile their
-    layers; see :mod:`shardlib.compiling` and docs/compile.md).
+    layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
 
     Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
     subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
     a pipeline it runs on every stage and must pass every batch entry to the model (see
     :class:`shardlib.pipeline.StageModule`). A loss of its own on a vocab-parallel head's logits needs
-    ``shard(..., gather_logits=True)``: with labels in the batch the logits are otherwise this rank's vocab slice. ``loss_fn`` maps the model's first output of a microbatch (e.g.
-    ``last_hidden_state``) to an objective that is *summed* over microbatches.
+    ``shard(..., gather_logits=True)``: with labels in the batch the logits are otherwise this rank's vocab slice.
+    ``loss_fn`` maps the model's first output of a microbatch (e.g. ``last_hidden_state``) to an objective that is
+    *summed* over microbatches.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable | None = None, *, microbatches: int = 1,
@@ -137,10 +136,11 @@ class Trainer:
         if optimizer is not None:
             self.optimizer = build_optimizer(optimizer, params, master_weights=master_weights, zero=zero,
                                              dp_group=self.mesh.group("dp") if zero else None)
-        self._owner = owners(self.optimizer)
-        self.ddp, self._dp_left_out, self._dp_synced = None, [], False  # torch DDP sums over dp in backward
+        self.ddp, left_out_of_ddp, self._dp_synced = None, [], False  # torch DDP sums over dp in backward
         if ddp_composes(self.mesh, self.split, zero, self.custom_forward):  # zero=3 (FSDP2) excluded there
-            self.ddp, self._dp_left_out = wrap_ddp(model, self.mesh.group("dp"))
+            self.ddp, left_out_of_ddp = wrap_ddp(model, self.mesh.group("dp"))
+        self.gradients = StepGradients(model, self.mesh, self.split, params, self.optimizer, zero, bool(self.fsdp),
+                                       left_out_of_ddp)
         self.runner = None
         if self.split is not None:
             self.runner = PipelineRunner(self.split, schedule, autocast_dtype=AUTOCAST_DTYPES[precision],
@@ -150,7 +150,6 @@ class Trainer:
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False  # fp16: the last step had an inf/nan gradient somewhere and was skipped
         self._total = 1.0
-        self._counted: list | None = None
 
     # -- overridable ------------------------------------------------------------------------------------------
     def forward_step(self, model: nn.Module, batch: dict):
@@ -186,7 +185,7 @@ class Trainer:
         self.last_grad_norm = None
         copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
         if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check(self._step_grads())
+            overflow = self.scaler.unscale_and_check(self.gradients.stepped())
             self.scaler.update(overflow)
             self.last_step_skipped = overflow
             if overflow:
@@ -207,16 +206,8 @@ class Trainer:
         self._dp_synced = False
         for p in self.params:
             p.grad = None
-        for _, stepped in self._pairs():
+        for _, stepped in self.gradients.pairs():
             stepped.grad = None
-
-    def _step_grads(self) -> list[torch.Tensor]:
-        """The gradients the optimizer step reads, as this rank's local tensors."""
-        return [local(t.grad) for _, t in self._pairs() if t.grad is not None]
-
-    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(model parameter, the tensor whose gradient the optimizer step reads) for what this rank steps."""
-        return param_pairs(self.optimizer) if self.optimizer is not None else [(p, p) for p in self.params]
 
     @names_stalled_ranks
     def forward_backward(self, batch: dict, *, total_items: float | None = None) -> float:
@@ -256,92 +247,20 @@ class Trainer:
         return float(total)
 
     def reduce_gradients(self) -> None:
-        """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
-        summed over data-parallel replicas in flat all-reduces of at most 25 MiB each
-        (``collectives.FLAT_BUCKET_BYTES``); under zero=1 the gradients of parameters another dp rank steps are
-        then dropped; under zero=2 each is summed straight into the dp rank that steps it (flat reduces per dp
-        rank) and dropped elsewhere. Where torch's DDP summed them in the step's last backward
-        (:mod:`shardlib.train.dataparallel`), only the parameters left out of DDP are summed here."""
-        if self.split is not None:
-            self.split.sync_tied_grads()
-        if self.mesh.dp > 1 and not self.fsdp:  # FSDP2 reduce-scatters in backward
-            group = self.mesh.group("dp")
-            candidates = self._dp_left_out if self._dp_synced else self.params
-            # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
-            used = torch.tensor([p.grad is not None for p in candidates], dtype=torch.uint8,
-                                device=self.mesh.device_type)
-            if candidates:
-                dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
-            params = [p for p, u in zip(candidates, used.tolist()) if u]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if self.zero >= 2:
-                for owner in range(self.mesh.dp):
-                    reduce_flat([p.grad for p in params if self._owner[id(p)] == owner], group, owner)
-            else:
-                all_reduce_flat([p.grad for p in params], group)
-            if self._owner:
-                for p in self.params:
-                    if self._owner[id(p)] != self.mesh.local_rank("dp"):
-                        p.grad = None
-
-    def _norm_tensors(self) -> list[torch.Tensor]:
-        """The tensors (stepped by this rank) whose gradients count toward the global gradient norm (fixed by the
-        layouts, computed once): tensor-parallel shards on every tp rank, replicated parameters on tp rank 0,
-        tied ones on the first pp rank holding them; under zero, each on the dp rank stepping it."""
-        if self._counted is None:
-            layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
-            tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
-            first_holder = self._first_pp_holder()
-            self._counted = [t for p, t in self._pairs()
-                             if (tp_rank == 0 or (id(p) in layouts and layouts[id(p)].is_sharded))
-                             and first_holder.get(id(p), True)]
-        return self._counted
+        """Sum the gradients over tied pipeline stages and data-parallel replicas (under zero=1/2 each ends on the
+        dp rank that steps it): :meth:`StepGradients.reduce <shardlib.train.gradients.StepGradients.reduce>`."""
+        self.gradients.reduce(ddp_summed=self._dp_synced)
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradient of the whole (unsharded) model (a float64 scalar tensor on the
-        parameters' device): tensor-parallel shards summed, replicated and tied parameters counted once. The local
-        part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp."""
-        grads = [local(t.grad) for t in self._norm_tensors() if t.grad is not None]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        mine = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
-        total = mine.double().square().reshape(1)
-        for dim in ("tp", "pp") + (("dp",) if self.zero else ()):  # under zero each dp rank holds its own share
-            if self.mesh.size(dim) > 1:
-                dist.all_reduce(total, group=self.mesh.group(dim))
-        return total.sqrt()[0]
+        """The global L2 norm of the gradient of the whole (unsharded) model, a float64 scalar tensor
+        (:meth:`StepGradients.norm <shardlib.train.gradients.StepGradients.norm>`)."""
+        return self.gradients.norm()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``
-        rule: by ``max_norm / (norm + 1e-6)`` when that is below 1, applied here to local tensors, which FSDP2's
-        DTensor gradients need); returns the norm before.
-
-        A non-finite norm is an error, on every rank alike (the norm is global), naming the parameters whose
-        gradients hold inf/nan on this rank: clipping cannot bound it, and scaling by ``max_norm / nan`` would write
-        nan into every parameter. Nothing is stepped. (Skipping the step instead is the fp16 loss scaler's answer
-        to an overflow that its scale caused; in fp32 / bf16 a non-finite gradient is a diverged run, which
-        Megatron also stops on.)"""
-        norm = self.grad_norm()
-        value = float(norm)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"the gradient norm is {value} (max_grad_norm={max_norm}); the optimizer did "
-                                     f"not step. Non-finite gradients on this rank: {self._non_finite_grads()}. "
-                                     "Lower the learning rate, or look for an overflowing loss or input")
-        grads = self._step_grads()
-        if grads:
-            coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-        return value
-
-    def _non_finite_grads(self) -> str:
-        """The names of this rank's parameters whose (stepped) gradient holds an inf or nan, for error messages."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        bad = [names.get(id(p), "?") for p, t in self._pairs()
-               if t.grad is not None and not bool(torch.isfinite(local(t.grad)).all())]
-        if not bad:
-            return "none (they are on another rank)"
-        return ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        """Scale every gradient so that the global norm is at most ``max_norm``; returns the norm before. A
+        non-finite norm raises FloatingPointError naming the parameters, and nothing is stepped
+        (:meth:`StepGradients.clip <shardlib.train.gradients.StepGradients.clip>`)."""
+        return self.gradients.clip(max_norm)
 
     @names_stalled_ranks
     def eval_step(self, batch: dict) -> list[dict]:
@@ -409,20 +328,10 @@ class Trainer:
             return self._scale(self.loss_fn(loss), weights)
         return self._scale(as_loss(loss, type(self.model).__name__), weights)
 
-    def _first_pp_holder(self) -> dict[int, bool]:
-        """id(param) -> whether this pp rank is the lowest one holding it (tied parameters count once)."""
-        if self.split is None:
-            return {}
-        result = {}
-        for name, _, _, ranks in self.split.tied:
-            if self.split.pp_rank in ranks:
-                result[id(self.model.get_parameter(name))] = self.split.pp_rank == min(ranks)
-        return result
-
     def fit(self, train_data, **options):
         """The training loop: data, evaluation, logging, checkpoints and exact resume
-        (:func:`shardlib.train.fit.fit`, which documents every option)."""
-        from .fit import fit
+        (:func:`shardlib.train.loop.fit`, which documents every option)."""
+        from .loop import fit
 
         return fit(self, train_data, **options)
 

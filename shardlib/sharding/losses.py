@@ -2,7 +2,7 @@
 
 The sharded model's forward takes the label arguments (``LossSpec.labels``) out of the call, runs the HF forward
 without them (so HF never sees the vocab-sharded logits), then computes the loss with
-:func:`shardlib.layers.vocab_parallel_cross_entropy` exactly as HF defines it for that head:
+:func:`shardlib.parallel.layers.vocab_parallel_cross_entropy` exactly as HF defines it for that head:
 
 * ``masked_lm``: mean cross-entropy over targets != -100 (``nn.CrossEntropyLoss()``), as in BertForMaskedLM,
   computed in at least float32 and returned in the logits' dtype;
@@ -25,8 +25,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .collectives import gather_from_tp
-from .layers import vocab_parallel_cross_entropy
+from ..parallel.collectives import gather_from_tp
+from ..parallel.layers import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 

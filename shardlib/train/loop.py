@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..sharded import shard_state
+from ..sharding.sharded import shard_state
 from .batches import first_tensor, split_batch
 from .checkpoints import TrainCheckpoints
 from .data import EpochData

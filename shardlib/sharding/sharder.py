@@ -8,70 +8,21 @@ problems are reported together in one :class:`PlanError`, and the model is left 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .kernels import Kernels
-from .layout import Layout
-from .mesh import Mesh
+from ..kernels import Kernels
+from ..parallel.layout import Layout
+from ..parallel.mesh import Mesh
+from ..parallel.random import RNGStatesTracker, rng_streams
 from .passes import Resolved, passes_for
 from .plan import PlanError
-from .random import RNGStatesTracker, rng_streams
-from .sequence import ALL_TO_ALL, MEGATRON, sequence_mode  # noqa: F401  (the modes, also for shardlib.dryrun)
+from .sequence import ALL_TO_ALL, MEGATRON, sequence_mode  # noqa: F401  (the modes, also for shardlib.analysis.dryrun)
+from .shard_report import ShardReport
 from .sharded import ShardState, shard_state
 
 log = logging.getLogger("shardlib")
-
-
-@dataclass
-class ReportRow:
-    module: str
-    style: str
-    tensors: list[tuple[str, tuple[int, ...], tuple[int, ...], str]]  # name, global shape, local shape, layout
-
-
-@dataclass
-class ShardReport:
-    """Every rewrite the sharder made on this rank, and the parameter bytes per rank before and after."""
-
-    policy: str
-    model_class: str
-    mesh: str
-    rows: list[ReportRow] = field(default_factory=list)
-    attributes: list[tuple[str, str, int, int]] = field(default_factory=list)  # module, attr, before, after
-    kernels: list[tuple[str, int]] = field(default_factory=list)  # fused kernel, modules it was installed on
-    unsharded_bytes: int = 0
-    local_bytes: int = 0
-
-    def __str__(self) -> str:
-        lines = [f"shardlib: {self.model_class} with policy '{self.policy}' on {self.mesh}"]
-        lines.append(f"{'module':<56} {'style':<44} {'tensor':<7} {'global':>14} {'local':>14}")
-        for row in self.rows:
-            if not row.tensors:
-                lines.append(f"{row.module:<56} {row.style:<44}")
-            for i, (name, glob, loc, _) in enumerate(row.tensors):
-                mod, sty = (row.module, row.style) if i == 0 else ("", "")
-                lines.append(f"{mod:<56} {sty:<44} {name:<7} {_shape(glob):>14} {_shape(loc):>14}")
-        for module, attr, before, after in self.attributes:
-            lines.append(f"{module:<56} {'attribute ' + attr:<44} {before:>7} -> {after}")
-        for kind, count in self.kernels:
-            lines.append(f"{'kernel ' + kind:<56} installed on {count} modules")
-        ratio = self.local_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0
-        lines.append(
-            f"parameter bytes per rank: {_mib(self.local_bytes)} (unsharded {_mib(self.unsharded_bytes)}, "
-            f"{ratio:.3f}x)"
-        )
-        return "\n".join(lines)
-
-
-def _shape(shape) -> str:
-    return "x".join(map(str, shape)) or "scalar"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 def _param_bytes(params) -> int:
@@ -94,14 +45,14 @@ def shard(
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
     ``policy``: defaults to the registered policy for the model class (``shardlib.policies``).
-    ``gather_logits``: see :mod:`shardlib.losses` (None: gather only when no labels are passed).
+    ``gather_logits``: see :mod:`shardlib.sharding.losses` (None: gather only when no labels are passed).
     ``rng_tracker``: the per-rank dropout stream for sharded activations (default: seeded from the current default
     generator state, which must be identical on all ranks: call ``torch.manual_seed`` first).
     ``check_replicated_inputs``: verify at every forward that the tensor inputs are identical across the TP group
     (one small all-reduce; catches silently wrong results from divergent inputs).
 
     ``sequence_parallel``: ``True``: Megatron sequence parallelism on the TP group inside the policy's layer stacks
-    (:mod:`shardlib.sequence`): norms, dropout and residuals on 1/tp of the sequence; any sequence length.
+    (:mod:`shardlib.sharding.sequence`): norms, dropout and residuals on 1/tp of the sequence; any sequence length.
     ``"all_to_all"``: Ulysses sequence parallelism over the mesh's ``sp`` dimension: every activation inside the
     stacks holds 1/sp of the sequence, attention exchanges sequence for heads (:mod:`shardlib.kernels.attention`).
 
@@ -110,7 +61,7 @@ def shard(
     Pipeline (``mesh.pp > 1``): the model is cut into ``mesh.pp * stages_per_rank`` stages from the policy's trunk
     (:mod:`shardlib.pipeline`; balanced by a cost model unless ``layers_per_stage`` gives the layer counts), this
     rank keeps its stages (``shard_state(model).pipeline``) and frees the rest; run it with
-    :class:`shardlib.runtime.Trainer`.
+    :class:`shardlib.Trainer`.
 
     The report of every rewrite is ``shard_state(model).report`` (also ``shardlib.report(model)``).
     """

@@ -9,8 +9,8 @@ through one check that reports a pattern matching no module. Each feature is a p
 
 Adding a feature (context parallelism, say) is adding a pass to :func:`passes_for`; no other pass changes. The
 passes: tensor-parallel styles with ties and attributes (:class:`TensorParallel`), fused kernels
-(:class:`KernelsPass`), Megatron sequence parallelism (``shardlib.sequence.MegatronSequenceParallel``),
-all-to-all sequence parallelism (``shardlib.kernels.attention.AllToAllSequenceParallel``), the vocab-parallel
+(:class:`KernelsPass`), Megatron sequence parallelism (``shardlib.sharding.sequence.MegatronSequenceParallel``),
+all-to-all sequence parallelism (``shardlib.sharding.all_to_all.AllToAllSequenceParallel``), the vocab-parallel
 loss (:class:`VocabParallelLoss`), the replicated-input check (:class:`ReplicatedInputCheck`) and the pipeline
 split (:class:`PipelinePass`).
 """
@@ -22,16 +22,18 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from . import pipeline
-from .collectives import all_reduce
-from .kernels import Kernels
-from .kernels.attention import AllToAllSequenceParallel, local_rng_name, own_configs, set_attention
-from .layout import LAYOUTS_ATTR, layout_of, set_layout
+from .. import pipeline
+from ..kernels import Kernels
+from ..kernels.attention import local_rng_name, own_configs, set_attention
+from ..parallel.collectives import all_reduce
+from ..parallel.layout import LAYOUTS_ATTR, layout_of, set_layout
+from ..parallel.random import LOCAL_STREAM_ATTR
+from ..parallel.styles import ColwiseParallel, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+from .all_to_all import AllToAllSequenceParallel
 from .losses import LOSSES, install_vocab_parallel_loss
 from .plan import Plan, PlanError, match_modules
-from .random import LOCAL_STREAM_ATTR
 from .sequence import ALL_TO_ALL, MEGATRON, MegatronSequenceParallel, SequenceParallel
-from .styles import ColwiseParallel, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+from .shard_report import ReportRow
 
 PARAM_STYLES = (ColwiseParallel, RowwiseParallel, VocabParallel)
 
@@ -44,7 +46,7 @@ class Resolved:
     mesh: object
     plan: Plan
     options: dict
-    report: object  # shardlib.sharder.ShardReport
+    report: object  # shardlib.sharding.shard_report.ShardReport
     modules: dict[str, nn.Module] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     _matches: dict = field(default_factory=dict)
@@ -119,8 +121,6 @@ class TensorParallel:
         return problems + _tie_problems(self.ties, self.assigned, r.model)
 
     def install(self, r: Resolved) -> None:
-        from .sharder import ReportRow
-
         for path, styles in self.assigned.items():
             module = r.modules[path]
             for style in styles:
@@ -216,19 +216,34 @@ class KernelsPass:
         self.kernels = kernels
 
     def problems(self, r: Resolved) -> list[str]:
-        return self.kernels.problems(r.plan, r.model)
+        return self.kernels.problems(kernel_sites(self.kernels, r.plan, r.modules))
 
     def prepare(self, r: Resolved) -> None:
         own_configs(r.model)  # the attention switches below and later write to the config: not to a shared one
         set_attention(r.model, self.kernels.attention)
 
     def install(self, r: Resolved) -> None:
-        for kind, paths in self.kernels.install(r.plan, r.model).items():
+        sites = list(kernel_sites(self.kernels, r.plan, dict(r.model.named_modules())))  # the sharded modules
+        for kind, paths in self.kernels.install(sites).items():
             r.report.kernels.append((kind, len(paths)))
 
 
+def kernel_sites(kernels: Kernels, plan: Plan, modules: dict[str, nn.Module]):
+    """(kind, path, module, child linear names or None) of every module a switched-on kernel goes to; a kernel's
+    pattern that matches no module is no problem (the kernel is optional where the plan lists it)."""
+    if kernels.fused_qkv:
+        for pattern, names in plan.fused_projections.items():
+            for path in match_modules(pattern, modules):
+                yield "fused_qkv", path, modules[path], names
+    for kind in ("bias_gelu", "dropout_add"):
+        if getattr(kernels, kind):
+            for pattern in plan.epilogues.get(kind, ()):
+                for path in match_modules(pattern, modules):
+                    yield kind, path, modules[path], None
+
+
 class VocabParallelLoss:
-    """The model's own loss recomputed on vocab-sharded logits (:mod:`shardlib.losses`)."""
+    """The model's own loss recomputed on vocab-sharded logits (:mod:`shardlib.sharding.losses`)."""
 
     def problems(self, r: Resolved) -> list[str]:
         spec = r.plan.loss

@@ -1,6 +1,6 @@
 """Running a model without ranks or memory: built on the meta device from its config, fed a batch of its task,
-its collectives recorded by module. What :func:`shardlib.plan` (:mod:`shardlib.dryrun`) is made of; usable for
-tracing or exporting a sharded model under :func:`shardlib.mesh.fake_world` too.
+its collectives recorded by module. What :func:`shardlib.plan` (:mod:`shardlib.analysis.dryrun`) is made of; usable for
+tracing or exporting a sharded model under :func:`shardlib.parallel.mesh.fake_world` too.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..sharding.sharded import shard_state
 from .dryrun_report import Collective, TensorSpec
-from .sharded import shard_state
 
 
 class PlanInputError(ValueError):

@@ -61,7 +61,7 @@ class Mesh:
     pp: int
     tp: int
     sp: int = 1
-    #: the bound on every collective wait, seconds (``init_mesh(timeout_s=...)``; :mod:`shardlib.timeouts`)
+    #: the bound on every collective wait, seconds (``init_mesh(timeout_s=...)``; :mod:`shardlib.parallel.timeouts`)
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S, compare=False)
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -19,8 +19,8 @@ class ShardState:
     mesh: object  # shardlib.Mesh, or an OfflineMesh for a model sharded without process groups
     policy: object
     plan: Plan
-    report: object  # shardlib.sharder.ShardReport
-    rng_tracker: object  # shardlib.random.RNGStatesTracker
+    report: object  # shardlib.sharding.shard_report.ShardReport
+    rng_tracker: object  # shardlib.parallel.random.RNGStatesTracker
     pipeline: object = None
 
     def attach(self, model: nn.Module) -> None:

@@ -24,7 +24,7 @@ Dropout on sequence-sharded activations must draw different masks per rank: the 
 modules (``Plan.sequence_dropout``) and they run on the per-rank RNG stream. Replicated parameters inside the
 layers (LayerNorm weights, row-parallel biases) now see only this rank's tokens, so their gradients are partial
 sums: they are all-reduced over the TP group in one bucket per layer, started as soon as the layer's last one is
-ready, while backward goes on (:mod:`shardlib.gradsync`).
+ready, while backward goes on (:mod:`shardlib.parallel.gradsync`).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .collectives import (
+from ..parallel.collectives import (
     Group, all_gather, all_gather_from_tp, gather_from_tp, reduce_scatter_to_tp, scatter_to_tp,
 )
-from .gradsync import ReplicatedGradSync
+from ..parallel.gradsync import ReplicatedGradSync
 
 SEQ_DIM = 1
 
@@ -192,7 +192,7 @@ def sequence_mode(value, problems: list[str]) -> str | None:
 
 
 def sequence_parallel_problems(r) -> list[str]:
-    """What stops either kind of sequence parallelism on ``r`` (a :class:`shardlib.passes.Resolved`)."""
+    """What stops either kind of sequence parallelism on ``r`` (a :class:`shardlib.sharding.passes.Resolved`)."""
     problems = [] if r.plan.trunk else ["sequence_parallel needs the policy's layer trunk (Plan.trunk)"]
     for pattern in r.plan.sequence_dropout:
         problems += [f"{p}: sequence_dropout applies to nn.Dropout, found {type(r.modules[p]).__name__}"
@@ -220,7 +220,7 @@ def install_sequence_parallel(r, sp: SequenceParallel, *, all_to_all: bool = Fal
     """Scatter the sequence at each stack's first layer and gather it after the last; per-rank dropout streams on
     sequence-sharded activations; one all-reduce over the sequence group of the gradient of every parameter in the
     layers that the group replicates (Megatron: the TP-replicated ones; all-to-all: all)."""
-    from .styles import LocalRNG
+    from ..parallel.styles import LocalRNG
 
     model, stream = r.model, "sequence-parallel" if all_to_all else "tensor-parallel"
     for pattern in r.plan.sequence_dropout:

@@ -13,7 +13,7 @@ shared by two groups.
 * Sequence parallelism composes: FSDP2's pre-forward hook runs before shardlib's (it is prepended), so the per-
   parameter gradient hooks of Megatron SP / all-to-all SP see the unsharded parameters and run before the
   reduce-scatter (tested against zero=0 in float64).
-* Not with pipeline stages (refused by :func:`shardlib.optim.check_zero`): torch's pipeline schedules would
+* Not with pipeline stages (refused by :func:`shardlib.train.optim.check_zero`): torch's pipeline schedules would
   have to unshard and reshard every stage around each microbatch, which shardlib's runner does not drive.
 * ``offload=True``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, the
   step on CPU); on a machine without CUDA everything already is in host memory, so it is skipped with a warning.
@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .gradsync import unbucket
-from .sharded import shard_state
+from ..parallel.gradsync import unbucket
+from ..sharding.sharded import shard_state
 
 log = logging.getLogger("shardlib.train")
 

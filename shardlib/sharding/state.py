@@ -1,6 +1,6 @@
 """Full (unsharded) views of a sharded model's tensors, and loading full tensors into shards.
 
-Both read every tensor's layout from where it was recorded (:func:`shardlib.layout.layout_of`). Gathering is a
+Both read every tensor's layout from where it was recorded (:func:`shardlib.parallel.layout.layout_of`). Gathering is a
 collective over the TP group: every TP rank must call it. Loading slices locally and needs no communication.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .collectives import all_gather
-from .layout import layout_of
+from ..parallel.collectives import all_gather
+from ..parallel.layout import layout_of
 from .sequence import rehook_replicated_grads
 from .sharded import shard_state
 

@@ -1,7 +1,7 @@
 """``torch.compile`` of a sharded model, in place (docs/compile.md).
 
 A sharded model compiles as one graph per forward: shardlib's collectives are torch's functional collectives,
-its per-rank dropout has a traceable form (:func:`shardlib.random.local_dropout`), and the eager-only memory
+its per-rank dropout has a traceable form (:func:`shardlib.parallel.random.local_dropout`), and the eager-only memory
 savers (sequence-parallel saved-tensor sharding) step aside under the compiler. :func:`compile_model` is the
 one entry point the Trainer uses too:
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .sharded import shard_state
+from ..sharding.sharded import shard_state
 
 
 def compile_model(model: nn.Module, **options) -> nn.Module:

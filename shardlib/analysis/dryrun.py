@@ -1,11 +1,11 @@
 """``shardlib.plan`` / ``shardlib plan``: what a layout costs on every rank, without starting any ranks.
 
 The model is built on the meta device from its config and sharded by :func:`shardlib.shard` inside
-:func:`shardlib.mesh.fake_world` (torch's fake process group: collectives return at once), so the numbers come
+:func:`shardlib.parallel.mesh.fake_world` (torch's fake process group: collectives return at once), so the numbers come
 from the code a real rank runs, not from a model of it:
 
-* rewrites: the :class:`~shardlib.sharder.ShardReport` of the sharded model (pipeline rank 0's; the rewrites are
-  the same on every rank);
+* rewrites: the :class:`~shardlib.sharding.shard_report.ShardReport` of the sharded model (pipeline rank 0's; the
+  rewrites are the same on every rank);
 * bytes per rank of each pipeline stage (every dp, sp and tp rank of a stage holds as many: tp shards are padded
   to equal shapes): parameters (``ShardReport.local_bytes``), gradients (the parameters requiring grad), AdamW
   state (``torch.optim.AdamW`` stepped once on the meta gradients of the Trainer's parameter list: exp_avg,
@@ -13,13 +13,13 @@ from the code a real rank runs, not from a model of it:
   dp > 1 also under ZeRO 1 and 2 (the partition torch's ``ZeroRedundancyOptimizer`` computes over the dp group,
   as the Trainer builds it; zero-2 gradients: those a rank keeps after the reduce) and, without a pipeline, 3
   (FSDP2's local shards: dim 0 of every tensor cut like ``torch.chunk``; computed from that rule, not run);
-* collectives: one forward and backward of a generated batch (meta tensors, :func:`~shardlib.metarun.
+* collectives: one forward and backward of a generated batch (meta tensors, :func:`~shardlib.analysis.metarun.
   example_batch`) per pipeline stage, each stage on its own rank's sharded model, run by its
   :class:`~shardlib.pipeline.StageModule` as in a real step (the previous stage's outputs as its inputs, meta
   gradients for its outputs): exact per stage, and no stage is inferred from another. Every collective is
   recorded with its op, mesh dim, and the bytes this rank puts in, and attributed to the innermost module whose
   forward ran it or created the autograd node whose backward runs it
-  (:class:`~shardlib.metarun.CollectiveRecorder`), hence to a trunk layer. Then the step's collectives run the
+  (:class:`~shardlib.analysis.metarun.CollectiveRecorder`), hence to a trunk layer. Then the step's collectives run the
   same way: the pipeline's tied-gradient sum and the Trainer's dp all-reduce of the gradients (``all_reduce_flat``,
   without ZeRO, in 25 MiB buckets; where the Trainer uses torch's DDP the same bytes go in DDP's buckets, during
   backward); the Trainer's scalar all-reduces (loss, item counts, used flags) are left out;
@@ -35,7 +35,6 @@ dry run is done by ``python -m shardlib.cli plan ... --json`` in a subprocess, r
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -47,15 +46,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_reduce_flat
+from ..parallel.collectives import all_reduce_flat
+from ..parallel.mesh import fake_world, init_mesh
+from ..sharding.plan import PlanError
+from ..sharding.sharded import shard_state
+from ..sharding.sharder import shard
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
     Collective, LayerCollectives, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
 )
-from .mesh import fake_world, init_mesh
 from .metarun import CollectiveRecorder, PlanInputError, example_batch, group_dims, meta_model, tensor_spec
-from .plan import PlanError
-from .sharded import shard_state
-from .sharder import shard
 
 MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"  # shard(sequence_parallel=...)'s modes (True is Megatron too)
 
@@ -141,7 +140,7 @@ def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh) -
 
 def _stage_paths(model: nn.Module, index: int) -> tuple[list[str], list[str]]:
     """(trunk layers, module paths) of pipeline stage ``index``; without a pipeline, of the whole model."""
-    from .pipeline import stage_plan
+    from ..pipeline import stage_plan
 
     state = shard_state(model)
     if state.pipeline is not None:
@@ -288,54 +287,3 @@ def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> P
         message = done.stderr.rpartition("shardlib plan: ")[2].strip() or done.stderr.strip()
         raise (PlanError if done.returncode == 2 else PlanInputError)(message)
     return PlanReport.from_dict(json.loads(done.stdout))
-
-
-# ------------------------------------------------------------------------------------------------ the command
-def add_plan_parser(sub) -> None:
-    """The ``shardlib plan`` subcommand's arguments (``sub``: the CLI's subparsers)."""
-    description = ("Dry run of a layout, no ranks needed: every rewrite, bytes per rank of each pipeline stage\n"
-                   "(parameters, gradients, AdamW, ZeRO), stage boundaries, and the collectives of one training step\n"
-                   "per layer. Exit 2 when shard() refuses the layout, 1 on bad input.")
-    examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
-                "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json")
-    p = sub.add_parser("plan", help="dry run of a layout: bytes per rank, stages, collectives", description=description,
-                       epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="model directory (with config.json) or a config.json file")
-    for dim in ("tp", "pp", "dp"):
-        p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
-    p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
-                   help="sequence parallelism: 'megatron' (on the tp group) or 'all_to_all N' (N ranks per sequence)")
-    p.add_argument("--class", dest="cls", help="model class in transformers (default: the config's architectures[0])")
-    p.add_argument("--batch", type=int, default=8, help="examples per microbatch and dp rank (default 8)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128; image models: the config's)")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def _sequence_args(values: list[str] | None) -> tuple[object, int]:
-    """``--sp`` as (sequence_parallel, sp size)."""
-    if not values:
-        return False, 1
-    if values[0] == MEGATRON and len(values) == 1:
-        return True, 1
-    if values[0] == ALL_TO_ALL and len(values) == 2 and values[1].isdigit():
-        return ALL_TO_ALL, int(values[1])
-    raise PlanInputError(f"--sp {' '.join(values)}: expected '--sp {MEGATRON}' (on the tp group) or "
-                         f"'--sp {ALL_TO_ALL} N' (N ranks per sequence)")
-
-
-def plan_command(args: argparse.Namespace) -> int:
-    """``shardlib plan``: print the report (text or JSON); 2 when the layout is refused, 1 on bad input."""
-    try:
-        sequence_parallel, sp = _sequence_args(args.sp)
-        report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
-                      cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype)
-    except PlanError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 2
-    except PlanInputError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
-    return 0

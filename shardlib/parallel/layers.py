@@ -2,7 +2,7 @@
 
 Each layer subclasses the torch module it replaces (``nn.Linear`` / ``nn.Embedding``), so ``isinstance`` checks in
 HF code and state-dict key names keep working; ``in_features`` / ``out_features`` / ``num_embeddings`` are the
-*local* sizes. Each layer records the layout of its parameters (``shardlib.layout``) where they are sharded.
+*local* sizes. Each layer records the layout of its parameters (``shardlib.parallel.layout``) where they are sharded.
 
 Shapes below: ``n`` = TP group size, ``r`` = this rank, ``*`` = any leading dims.
 
@@ -25,7 +25,6 @@ from torch import nn
 from .collectives import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
 from .layout import Layout, set_layout
 from .overlap import column_linear
-
 
 #: ``nn.Embedding`` options the sharded embeddings cannot honour: ``max_norm`` renormalizes the rows it looks up, in
 #: place (a vocab shard looks up its row 0 for every id of another shard; a column shard holds part of each row, so
@@ -89,7 +88,7 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
         if out_features % n and not pad:
             raise ValueError(f"out_features {out_features} is not divisible by tp={n}")
         self.copy_input, self.gather_output = copy_input, gather_output
-        self.sequence = sequence  # shardlib.sequence.SequenceStream: the input arrives sequence-sharded
+        self.sequence = sequence  # shardlib.sharding.sequence.SequenceStream: the input arrives sequence-sharded
         self.epilogue = getattr(linear, "epilogue", None)  # (y, bias) -> y instead of y + bias
         self.global_out_features = out_features
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=0, num_shards=n)
@@ -108,7 +107,7 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
         if self._overlaps_copy():
-            y = column_linear(x, self.weight, self.bias, self.group)  # the copy's backward overlapped (overlap.py)
+            y = column_linear(x, self.weight, self.bias, self.group)  # backward of the copy overlapped (overlap.py)
         else:
             if self.copy_input:
                 x = self.sequence.gather(x) if self.sequence is not None else copy_to_tp(x, self.group)
@@ -121,7 +120,8 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
         return y
 
     def _overlaps_copy(self) -> bool:
-        """Whether this forward enters the TP region with :func:`shardlib.overlap.column_linear` (eager, a replicated
+        """Whether this forward enters the TP region with :func:`shardlib.parallel.overlap.column_linear` (eager, a
+        replicated
         input copied here, no epilogue)."""
         return (self.copy_input and self.sequence is None and self.epilogue is None and self.tp_size > 1
                 and not torch.compiler.is_compiling())
@@ -143,7 +143,7 @@ class RowParallelLinear(_TPModule, nn.Linear):
         out_features, in_features = linear.weight.shape
         if in_features % n:
             raise ValueError(f"in_features {in_features} is not divisible by tp={n}")
-        self.sequence = sequence  # shardlib.sequence.SequenceStream: reduce-scatter along the sequence
+        self.sequence = sequence  # shardlib.sharding.sequence.SequenceStream: reduce-scatter along the sequence
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=1, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
         set_layout(self, "weight", w_layout)

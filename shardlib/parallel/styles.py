@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from .collectives import Group, copy_to_tp
-from .random import LOCAL_STREAM_ATTR, local_dropout
 from .layers import (
-    ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-    UNSUPPORTED_EMBEDDING_OPTIONS, unsupported_embedding_options,
+    UNSUPPORTED_EMBEDDING_OPTIONS, ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
+    VocabParallelEmbedding, unsupported_embedding_options,
 )
+from .random import LOCAL_STREAM_ATTR, local_dropout
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ShardContext:
     tp: int
     rank: int = 0
     rng_tracker: object | None = None
-    sequence: object | None = None  # shardlib.sequence.SequenceStream inside a sequence-parallel layer stack
+    sequence: object | None = None  # shardlib.sharding.sequence.SequenceStream inside a sequence-parallel layer stack
 
     @property
     def tp_args(self) -> dict:
@@ -172,7 +172,8 @@ class LocalRNG(Style):
 
     Eager mode runs the module's forward with the stream swapped in as the default generator (hooks around it).
     Compiled code cannot swap generators (dynamo does not trace it), so there every ``nn.Dropout`` inside the module
-    keeps this rank's share of a draw from the default generator (:func:`shardlib.random.local_dropout`, a forward
+    keeps this rank's share of a draw from the default generator (:func:`shardlib.parallel.random.local_dropout`, a
+    forward
     hook replacing the output), and attention dropout does the same through the attention wrapper
     (:func:`shardlib.kernels.attention.call_attention`), which finds the stream on the module."""
 
@@ -206,7 +207,7 @@ class LocalRNG(Style):
 def _compiled_stream_dropout(tracker, stream: str):
     """Forward hook of an ``nn.Dropout`` (or the fused ``DropoutAdd``, called as ``(x, residual)``) on sharded
     activations: under torch.compile, recompute its output with this rank's mask of the stream
-    (:func:`shardlib.random.local_dropout`)."""
+    (:func:`shardlib.parallel.random.local_dropout`)."""
 
     def hook(mod, args, output):
         if not torch.compiler.is_compiling() or not mod.training or mod.p == 0:

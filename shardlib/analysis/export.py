@@ -7,7 +7,7 @@ True meanwhile, so every shardlib collective is captured as a *functional* colle
 program's ``graph_module``, an ordinary ``torch.fx.GraphModule`` that tools can walk. No data moves while
 exporting, so a process can export as rank ``r`` of a world of ``N`` without the other ranks::
 
-    with shardlib.mesh.fake_world(2, rank=0):
+    with shardlib.parallel.mesh.fake_world(2, rank=0):
         model = shardlib.shard(model, shardlib.init_mesh(tp=2)).eval()
         ep = shardlib.export.export(model, kwargs=batch)
         shardlib.export.collective_counts(ep)      # {'all_reduce': 5, 'all_gather_into_tensor': 1}
@@ -34,7 +34,7 @@ import torch.fx.experimental.proxy_tensor  # noqa: F401  (_AttrProxy, see _calle
 from torch import nn
 from torch.nn.modules import module as module_py
 
-from .sharded import shard_state
+from ..sharding.sharded import shard_state
 
 #: op namespaces whose ops are collectives. ``c10d`` holds the in-place (non-functional) ops, which an export
 #: should not contain: they are listed with ``functional=False`` so a walk shows them rather than missing them.
@@ -91,7 +91,7 @@ class CollectiveNode:
 def export(model: nn.Module, args: tuple = (), kwargs: dict | None = None, *, strict: bool = False,
            dynamic_shapes=None) -> torch.export.ExportedProgram:
     """``torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=dynamic_shapes)`` for a sharded
-    (or plain) model, on a real rank or under :func:`shardlib.mesh.fake_world`.
+    (or plain) model, on a real rank or under :func:`shardlib.parallel.mesh.fake_world`.
 
     Call ``model.eval()`` first for an inference graph. HF models that return a KV cache object (T5) need
     ``use_cache=False`` in ``kwargs``: the cache is not a pytree. Raises :class:`ExportError` for a model split into

@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from .sharder import ShardReport
+from ..sharding.sharder import ShardReport
 
 PHASES = ("forward", "backward", "step")
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .styles import Style
+from ..parallel.styles import Style
 
 
 class PlanError(ValueError):
@@ -21,7 +21,7 @@ class PlanError(ValueError):
 class LossSpec:
     """How the sharded model computes its training loss from vocab-sharded logits instead of HF's own loss.
 
-    ``kind``: a loss registered in :mod:`shardlib.losses` ("masked_lm", "causal_lm", "pretraining").
+    ``kind``: a loss registered in :mod:`shardlib.sharding.losses` ("masked_lm", "causal_lm", "pretraining").
     ``head``: module path of the vocab-parallel output head (its layout says which vocab columns are local).
     ``logits``: the output field holding the head's logits. ``labels``: the forward arguments that carry labels.
     """

@@ -1,0 +1,65 @@
+"""The shard pass of ``sequence_parallel="all_to_all"`` (DeepSpeed-Ulysses): every activation inside the layer
+stacks holds 1/sp of the sequence, and each attention module exchanges sequence for heads around its attention
+function. The attention math, its all-to-alls and their backward are in :mod:`shardlib.kernels.attention`; this
+module checks a plan against it and installs it on the model's attention modules."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..kernels.attention import CONTEXT_ATTR, AllToAllContext, all_to_all_name, set_attention, whole_sequence_bias
+from ..parallel.styles import CopyInputs, ShardContext
+from .sequence import SequenceParallel, install_sequence_parallel, sequence_parallel_problems
+
+
+class AllToAllSequenceParallel:
+    """The pass of ``sequence_parallel="all_to_all"``: every activation in the stacks on 1/sp of the sequence, the
+    attention modules exchanging sequence for heads (module docstring)."""
+
+    def problems(self, r) -> list[str]:
+        return sequence_parallel_problems(r) + _all_to_all_problems(r)
+
+    def install(self, r) -> None:
+        r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
+        install_sequence_parallel(r, r.sequence, all_to_all=True)
+        _install_all_to_all_attention(r, r.sequence, r.model.config._attn_implementation)
+
+
+def _all_to_all_problems(r) -> list[str]:
+    tp, sp = r.tp, getattr(r.mesh, "sp", 1)
+    if sp < 2:
+        return ["sequence_parallel='all_to_all' needs a mesh with sp > 1 ranks per sequence "
+                "(init_mesh(..., sp=N)); this mesh has sp=1"]
+    if not r.plan.attention:
+        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that all-to-all sequence "
+                "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
+    problems = []
+    for pattern, site in r.plan.attention.items():
+        for path in r.match(pattern, "attention"):
+            module = r.modules[path]
+            if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
+                problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
+            heads = getattr(module, site.heads)
+            if heads % (tp * sp):
+                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}:"
+                                " all-to-all gives each sp rank whole heads")
+    return problems
+
+
+def _install_all_to_all_attention(r, sp, implementation: str) -> None:
+    """Each attention module calls all-to-all attention around ``implementation`` with its stack's stream;
+    cross-attention inputs enter the sp region (backward: their gradient, from this rank's heads only, is summed);
+    relative position biases are computed for the whole sequence."""
+    rank = torch.distributed.get_rank(sp.group)
+    for pattern, site in r.plan.attention.items():
+        for path in r.match(pattern):
+            module, stream = r.modules[path], sp.stream(r.stack_of(path))
+            module.__dict__[CONTEXT_ATTR] = AllToAllContext(sp.group, rank, stream, implementation,
+                                                            cross=site.kv_input is not None)
+            if site.kv_input is not None:
+                CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
+            if site.bias_method is not None:
+                setattr(module, site.bias_method, whole_sequence_bias(getattr(module, site.bias_method), stream))
+    set_attention(r.model, all_to_all_name(implementation))

@@ -1,0 +1,136 @@
+"""The gradients of a training step (:class:`StepGradients`, one per :class:`~shardlib.train.trainer.Trainer`):
+summed over tied pipeline stages and data-parallel replicas, their global norm over the whole mesh, clipping, and
+the names of non-finite ones. Split from the Trainer, which owns the step's order and delegates to this."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import get_total_norm
+
+from ..parallel.collectives import all_reduce_flat, reduce_flat
+from ..parallel.layout import named_layouts
+from .fsdp import local
+from .optim import owners, param_pairs
+
+
+class StepGradients:
+    """``params``: what this rank's model holds; ``optimizer``: what steps them (None: no step, each parameter is
+    its own stepped tensor); ``zero``: the ZeRO stage; ``fsdp``: whether FSDP2 (zero=3) reduces in backward;
+    ``left_out_of_ddp``: the parameters torch's DDP does not sum (:mod:`shardlib.train.dataparallel`)."""
+
+    def __init__(self, model: nn.Module, mesh, split, params: list, optimizer, zero: int, fsdp: bool,
+                 left_out_of_ddp: list):
+        self.model, self.mesh, self.split, self.params = model, mesh, split, params
+        self.optimizer, self.zero, self.fsdp, self.left_out_of_ddp = optimizer, zero, fsdp, left_out_of_ddp
+        self.owner = owners(optimizer)  # id(param) -> the dp rank stepping it (zero 1, 2)
+        self._counted: list | None = None
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, the tensor whose gradient the optimizer step reads) for what this rank steps."""
+        return param_pairs(self.optimizer) if self.optimizer is not None else [(p, p) for p in self.params]
+
+    def stepped(self) -> list[torch.Tensor]:
+        """The gradients the optimizer step reads, as this rank's local tensors."""
+        return [local(t.grad) for _, t in self.pairs() if t.grad is not None]
+
+    def reduce(self, ddp_summed: bool) -> None:
+        """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
+        summed over data-parallel replicas in flat all-reduces of at most 25 MiB each
+        (``collectives.FLAT_BUCKET_BYTES``); under zero=1 the gradients of parameters another dp rank steps are
+        then dropped; under zero=2 each is summed straight into the dp rank that steps it (flat reduces per dp
+        rank) and dropped elsewhere. ``ddp_summed``: torch's DDP summed them in the step's last backward, so only
+        the parameters left out of DDP are summed here."""
+        if self.split is not None:
+            self.split.sync_tied_grads()
+        if self.mesh.dp == 1 or self.fsdp:  # FSDP2 reduce-scatters in backward
+            return
+        group = self.mesh.group("dp")
+        candidates = self.left_out_of_ddp if ddp_summed else self.params
+        # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
+        used = torch.tensor([p.grad is not None for p in candidates], dtype=torch.uint8, device=self.mesh.device_type)
+        if candidates:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+        params = [p for p, u in zip(candidates, used.tolist()) if u]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.zero >= 2:
+            for owner in range(self.mesh.dp):
+                reduce_flat([p.grad for p in params if self.owner[id(p)] == owner], group, owner)
+        else:
+            all_reduce_flat([p.grad for p in params], group)
+        if self.owner:
+            for p in self.params:
+                if self.owner[id(p)] != self.mesh.local_rank("dp"):
+                    p.grad = None
+
+    def _norm_tensors(self) -> list[torch.Tensor]:
+        """The tensors (stepped by this rank) whose gradients count toward the global gradient norm (fixed by the
+        layouts, computed once): tensor-parallel shards on every tp rank, replicated parameters on tp rank 0,
+        tied ones on the first pp rank holding them; under zero, each on the dp rank stepping it."""
+        if self._counted is None:
+            layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
+            tp_rank = self.mesh.tp_rank if self.mesh.tp > 1 else 0
+            first_holder = self._first_pp_holder()
+            self._counted = [t for p, t in self.pairs()
+                             if (tp_rank == 0 or (id(p) in layouts and layouts[id(p)].is_sharded))
+                             and first_holder.get(id(p), True)]
+        return self._counted
+
+    def _first_pp_holder(self) -> dict[int, bool]:
+        """id(param) -> whether this pp rank is the lowest one holding it (tied parameters count once)."""
+        if self.split is None:
+            return {}
+        result = {}
+        for name, _, _, ranks in self.split.tied:
+            if self.split.pp_rank in ranks:
+                result[id(self.model.get_parameter(name))] = self.split.pp_rank == min(ranks)
+        return result
+
+    def norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradient of the whole (unsharded) model (a float64 scalar tensor on the
+        parameters' device): tensor-parallel shards summed, replicated and tied parameters counted once. The local
+        part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp."""
+        grads = [local(t.grad) for t in self._norm_tensors() if t.grad is not None]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        mine = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
+        total = mine.double().square().reshape(1)
+        for dim in ("tp", "pp") + (("dp",) if self.zero else ()):  # under zero each dp rank holds its own share
+            if self.mesh.size(dim) > 1:
+                dist.all_reduce(total, group=self.mesh.group(dim))
+        return total.sqrt()[0]
+
+    def clip(self, max_norm: float) -> float:
+        """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``
+        rule: by ``max_norm / (norm + 1e-6)`` when that is below 1, applied here to local tensors, which FSDP2's
+        DTensor gradients need); returns the norm before.
+
+        A non-finite norm is an error, on every rank alike (the norm is global), naming the parameters whose
+        gradients hold inf/nan on this rank: clipping cannot bound it, and scaling by ``max_norm / nan`` would write
+        nan into every parameter. Nothing is stepped. (Skipping the step instead is the fp16 loss scaler's answer
+        to an overflow that its scale caused; in fp32 / bf16 a non-finite gradient is a diverged run, which
+        Megatron also stops on.)"""
+        norm = self.norm()
+        value = float(norm)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"the gradient norm is {value} (max_grad_norm={max_norm}); the optimizer did "
+                                     f"not step. Non-finite gradients on this rank: {self.non_finite()}. "
+                                     "Lower the learning rate, or look for an overflowing loss or input")
+        grads = self.stepped()
+        if grads:
+            coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return value
+
+    def non_finite(self) -> str:
+        """The names of this rank's parameters whose (stepped) gradient holds an inf or nan, for error messages."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        bad = [names.get(id(p), "?") for p, t in self.pairs()
+               if t.grad is not None and not bool(torch.isfinite(local(t.grad)).all())]
+        if not bad:
+            return "none (they are on another rank)"
+        return ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
