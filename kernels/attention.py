@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import sys
 from dataclasses import dataclass
 

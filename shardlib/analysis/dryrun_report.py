@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from ..sharding.sharder import ShardReport
+from ..sharding.shard_report import ShardReport
 
 PHASES = ("forward", "backward", "step")
 

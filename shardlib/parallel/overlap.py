@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .casting import autocast_dtype, cast_for_linear
 from .collectives import Group
 
 
@@ -49,25 +50,12 @@ class _ColumnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _autocast_operands(x, weight, bias):
-    """``(x, weight, bias)`` cast to the autocast dtype where autocast is on for ``x``'s device (as ``F.linear`` casts
-    floating operands other than float64), else unchanged."""
-    device = x.device.type
-    if device not in ("cpu", "cuda", "xpu") or not torch.is_autocast_enabled(device):
-        return x, weight, bias, False
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t):
-        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-
-    return cast(x), cast(weight), cast(bias), True
-
-
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
     """``copy_to_tp(x)`` then ``F.linear(x, weight, bias)``, with the backward all-reduce of the input gradient
     overlapped with the weight-gradient GEMM (module docstring). Eager mode, a group of more than one rank."""
-    x, weight, bias, autocast = _autocast_operands(x, weight, bias)
-    if autocast:
-        with torch.autocast(x.device.type, enabled=False):
-            return _ColumnLinear.apply(x, weight, bias, group)
-    return _ColumnLinear.apply(x, weight, bias, group)
+    dtype = autocast_dtype(x.device.type)
+    if dtype is None:
+        return _ColumnLinear.apply(x, weight, bias, group)
+    with torch.autocast(x.device.type, enabled=False):  # the operands cast as F.linear would, autograd records it
+        return _ColumnLinear.apply(cast_for_linear(x, dtype), cast_for_linear(weight, dtype),
+                                   cast_for_linear(bias, dtype), group)

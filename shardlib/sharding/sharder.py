@@ -13,12 +13,11 @@ import torch
 from torch import nn
 
 from ..kernels import Kernels
-from ..parallel.layout import Layout
 from ..parallel.mesh import Mesh
 from ..parallel.random import RNGStatesTracker, rng_streams
 from .passes import Resolved, passes_for
 from .plan import PlanError
-from .sequence import ALL_TO_ALL, MEGATRON, sequence_mode  # noqa: F401  (the modes, also for shardlib.analysis.dryrun)
+from .sequence import sequence_mode
 from .shard_report import ShardReport
 from .sharded import ShardState, shard_state
 
@@ -106,4 +105,4 @@ def report(model: nn.Module) -> ShardReport:
     return shard_state(model).report
 
 
-__all__ = ["shard", "report", "ShardReport", "ShardState", "PlanError", "Layout"]
+__all__ = ["shard", "report"]
