@@ -13,7 +13,7 @@ function ``fit`` for good (refused here, at import).
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import os
 import sys
 
 
@@ -23,7 +23,7 @@ def lazy_attributes(package: str, names: dict[str, list[str]], modules: dict[str
     both = set(home) & set(submodules)
     if both:
         raise ValueError(f"{package}: {sorted(both)} named both as an attribute and as a module")
-    shadowed = set(home) & {m.name for m in pkgutil.iter_modules(sys.modules[package].__path__)}
+    shadowed = set(home) & _submodule_names(sys.modules[package].__path__)
     if shadowed:
         raise ValueError(f"{package}: lazy names {sorted(shadowed)} are also submodules, whose import would hide them")
 
@@ -41,3 +41,15 @@ def lazy_attributes(package: str, names: dict[str, list[str]], modules: dict[str
         return sorted(set(vars(sys.modules[package])) | set(home) | set(submodules))
 
     return __getattr__, __dir__
+
+
+def _submodule_names(path: list[str]) -> set[str]:
+    """The modules and packages in a package's folders (``pkgutil.iter_modules`` would import ``inspect``)."""
+    names = set()
+    for folder in path:
+        for entry in os.scandir(folder):
+            if entry.name.endswith(".py"):
+                names.add(entry.name[:-3])
+            elif entry.is_dir() and os.path.exists(os.path.join(entry.path, "__init__.py")):
+                names.add(entry.name)
+    return names
