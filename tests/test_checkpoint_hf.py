@@ -3,8 +3,8 @@ model does not own carried through bitwise, loads that refuse to do less than as
 / ``from_pretrained`` at the top level, and the recovery of what a killed writer left."""
 
 import json
+import logging
 import re
-import warnings
 
 import pytest
 import torch
@@ -101,7 +101,13 @@ def _deeper_checkpoint(tmp_path):
     return tmp_path / "deep", shallow, deep
 
 
-def test_load_refuses_a_checkpoint_with_tensors_the_model_lacks(tmp_path):
+def _warned(caplog, pattern: str) -> list[str]:
+    """The warnings of the ``shardlib.checkpoint`` logger matching ``pattern`` (one line each, no warnings prefix)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "shardlib.checkpoint" and r.levelno == logging.WARNING and re.search(pattern, r.getMessage())]
+
+
+def test_load_refuses_a_checkpoint_with_tensors_the_model_lacks(tmp_path, caplog):
     directory, shallow, deep = _deeper_checkpoint(tmp_path)
     before = {k: v.clone() for k, v in shallow.state_dict().items()}
     with pytest.raises(ckpt.CheckpointError, match=r"32 tensor\(s\) in .*deep that BertForMaskedLM does not have: "
@@ -109,14 +115,15 @@ def test_load_refuses_a_checkpoint_with_tensors_the_model_lacks(tmp_path):
         ckpt.load(shallow, directory)
     for k, v in shallow.state_dict().items():  # refused before any read
         assert torch.equal(v, before[k]), k
-    with pytest.warns(UserWarning, match=r"32 tensor\(s\) .* \(skipped\): bert\.encoder\.layer\.2\."):
+    with caplog.at_level(logging.WARNING, logger="shardlib.checkpoint"):
         ckpt.load(shallow, directory, strict=False)
+    assert _warned(caplog, r"32 tensor\(s\) .* \(skipped\): bert\.encoder\.layer\.2\.")
     deep_state = deep.state_dict()
     for k, v in shallow.state_dict().items():
         assert torch.equal(v, deep_state[k]), k
 
 
-def test_load_strict_false_names_missing_tensors(tmp_path):
+def test_load_strict_false_names_missing_tensors(tmp_path, caplog):
     shallow = BertForMaskedLM(BertConfig(**CONFIG))
     shardlib.shard(shallow, OfflineMesh())
     ckpt.save(shallow, tmp_path / "shallow")
@@ -124,11 +131,12 @@ def test_load_strict_false_names_missing_tensors(tmp_path):
     shardlib.shard(deep, OfflineMesh())
     with pytest.raises(ckpt.CheckpointError, match=r"missing from .*shallow: bert\.encoder\.layer\.2\."):
         ckpt.load(deep, tmp_path / "shallow")
-    with pytest.warns(UserWarning, match=r"missing from .*shallow \(left as initialized\)"):
+    with caplog.at_level(logging.WARNING, logger="shardlib.checkpoint"):
         ckpt.load(deep, tmp_path / "shallow", strict=False)
+    assert _warned(caplog, r"missing from .*shallow \(left as initialized\)")
 
 
-def test_from_pretrained_fine_tunes_a_head_from_a_base_checkpoint_only_when_asked(tmp_path):
+def test_from_pretrained_fine_tunes_a_head_from_a_base_checkpoint_only_when_asked(tmp_path, caplog):
     """A BertModel checkpoint into BertForSequenceClassification: refused by default (the classifier is missing,
     the checkpoint has tensors the class names otherwise), with ``strict=False`` loaded with a warning that names
     the classifier, which keeps HF's initialization (finite, not zero-filled memory)."""
@@ -136,11 +144,10 @@ def test_from_pretrained_fine_tunes_a_head_from_a_base_checkpoint_only_when_aske
     BertModel(BertConfig(**CONFIG)).save_pretrained(tmp_path / "base")
     with pytest.raises(ckpt.CheckpointError, match=r"missing from .*classifier\.weight"):
         shardlib.from_pretrained(BertForSequenceClassification, tmp_path / "base", OfflineMesh())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="shardlib.checkpoint"):
         model = shardlib.from_pretrained(BertForSequenceClassification, tmp_path / "base", OfflineMesh(),
                                          strict=False)
-    assert any("classifier.weight" in str(w.message) for w in caught)
+    assert [r.name for r in caplog.records if "classifier.weight" in r.getMessage()] == ["shardlib.checkpoint"]
     assert torch.isfinite(model.classifier.weight).all() and model.classifier.weight.abs().sum() > 0
     base = BertModel.from_pretrained(tmp_path / "base").state_dict()
     for name, value in base.items():
@@ -160,7 +167,10 @@ def test_top_level_from_pretrained_with_torch_dtype_and_save_pretrained(hf_dir, 
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, expected[k]), k
     with pytest.raises(ckpt.CheckpointError, match="exists; pass overwrite=True"):
-        shardlib.save_pretrained(model, out)
+        shardlib.save_pretrained(model, out, overwrite=False)
+    (out / "stale.txt").write_text("from an older save")
+    assert shardlib.save_pretrained(model, out) == out  # replaced by default, as transformers does: atomically
+    assert not (out / "stale.txt").exists() and BertForMaskedLM.from_pretrained(out, dtype=torch.bfloat16)
     assert not list(tmp_path.glob(".bf16.*"))  # neither staging nor scratch left behind
 
 

@@ -149,7 +149,7 @@ SHARD_REFUSALS = {
     "sequence-dropout-not-dropout": (
         bert, OfflineMesh(tp=2), dict(sequence_parallel=True),
         lambda plan: dataclasses.replace(plan, sequence_dropout=("bert.encoder.layer.*.output.dense",)),
-        "bert.encoder.layer.0.output.dense: sequence_dropout applies to nn.Dropout, found Linear"),
+        "bert.encoder.layer.0.output.dense: sequence_dropout applies to torch.nn.Dropout, found torch.nn.Linear"),
     "all-to-all-no-attention": (bert, OfflineMesh(sp=2), dict(sequence_parallel="all_to_all"),
                                 lambda plan: dataclasses.replace(plan, attention={}),
                                 r"the policy of BertForMaskedLM lists no attention modules \(Plan.attention\)"),

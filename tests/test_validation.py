@@ -84,8 +84,30 @@ def test_style_on_wrong_module_type_is_an_error():
     policy = policy_for(tiny_bert())
     bad = type(policy)(name="bad", model_classes=(), make_plan=lambda m, tp: Plan(
         styles={"bert.embeddings.LayerNorm": RowwiseParallel()}))
-    with pytest.raises(shardlib.PlanError, match="bert.embeddings.LayerNorm: RowwiseParallel applies to Linear, found LayerNorm"):
+    with pytest.raises(shardlib.PlanError, match="bert.embeddings.LayerNorm: RowwiseParallel applies to "
+                                                 "torch.nn.Linear, found torch.nn.LayerNorm"):
         shardlib.shard(tiny_bert(), FakeMesh(tp=2), policy=bad)
+
+
+class Linear(nn.Module):
+    """A wrapper named like the layer it wraps (peft's ``lora.Linear`` is one)."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x):
+        return self.base_layer(x)
+
+
+def test_a_look_alike_class_is_named_by_its_full_path():
+    """Not "ColwiseParallel applies to Linear, found Linear" (a peft LoRA layer, before)."""
+    model = tiny_bert()
+    layer = model.bert.encoder.layer[0].attention.self
+    layer.query = Linear(layer.query)
+    with pytest.raises(shardlib.PlanError, match=r"attention.self.query: ColwiseParallel applies to torch.nn.Linear, "
+                                                 r"found test_validation.Linear"):
+        shardlib.shard(model, FakeMesh(tp=2))
 
 
 def test_all_problems_reported_together():

@@ -24,10 +24,14 @@ from .reader import ShardedCheckpoint
 from .saving import _broadcast_str, claim, commit, stage
 
 
-def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool = False,
+def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool = True,
                     max_shard_bytes: int = 2 << 30) -> Path:
     """Write ``model`` (sharded, any layout) as a plain HF checkpoint that ``from_pretrained`` of transformers or
-    :func:`shardlib.from_pretrained` loads bitwise. Every rank calls it; atomic like every shardlib write."""
+    :func:`shardlib.from_pretrained` loads bitwise: ``config.json``, the safetensors weights (with an index past
+    ``max_shard_bytes``) and ``generation_config.json`` where the model has one. Tokenizer files are the user's, as
+    in transformers (``tokenizer.save_pretrained(directory)``). Every rank calls it. An existing ``directory`` is
+    replaced, as transformers does, but atomically: a crash leaves the old checkpoint or the new one, never a mix
+    (``overwrite=False`` refuses an existing one)."""
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     claim(directory, overwrite)

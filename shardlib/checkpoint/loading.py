@@ -3,11 +3,14 @@ optimizer state; building a sharded model from either."""
 
 from __future__ import annotations
 
+import copy
+import inspect
+import logging
 import re
-import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -20,6 +23,8 @@ from ..train.optim import holds_state, set_param_state
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .reader import ShardedCheckpoint
 from .tensors import fill_local, local_tensors, model_tensor_names, tp_rank
+
+log = logging.getLogger("shardlib.checkpoint")
 
 
 def _unmatched(model: nn.Module, source: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
@@ -37,8 +42,9 @@ def _unmatched(model: nn.Module, source: str, missing: list[str], unexpected: li
                      f"{'' if strict else ' (skipped)'}: {_names(unexpected)}")
     if lines and strict:
         raise CheckpointError("; ".join(lines) + " (strict=False loads the rest)")
-    for line in lines:
-        warnings.warn(line, stacklevel=3)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # the same names on every rank: said once, as HF does
+        for line in lines:
+            log.warning("%s", line)
 
 
 def _names(names: list[str]) -> str:
@@ -71,11 +77,12 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
     them). Every refusal comes before the first read."""
     model_names = model_tensor_names(model)
     to_hub = _hub_keys(model, files, model_names)
-    found, missing = [], []
+    found, missing, initialized = [], [], []
     for tensor, names in local_tensors(model):
         key = next((to_hub(n) for n in names if to_hub(n) in files), None)
         if key is None:
             missing.append(" = ".join(to_hub(n) for n in names))
+            initialized.append((tensor, layout_of(model, names[0])))
             continue
         layout = layout_of(model, names[0])
         shape = files.shape(key)
@@ -88,7 +95,26 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
     rank = tp_rank(model)
     for tensor, name, key, layout in found:
         fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
+    _agree_across_replicas(model, initialized)
     return [name for _, name, _, _ in found]
+
+
+def _agree_across_replicas(model: nn.Module, tensors: list[tuple[torch.Tensor, Layout]]) -> None:
+    """Tensors the checkpoint lacked keep HF's initialization, drawn from each rank's own generator: ranks that
+    were not seeded alike would train different copies of a replicated head, silently. Each such tensor is
+    broadcast from the first rank of every mesh dimension that replicates it (dp and sp always, tp unless the
+    tensor is tp-sharded, whose shards may differ)."""
+    state = shard_state(model, required=False)
+    mesh = state.mesh if state is not None else None
+    if not tensors or not dist.is_initialized() or not hasattr(mesh, "group"):  # an OfflineMesh: one process
+        return
+    for dim in ("dp", "sp", "tp"):
+        if mesh.size(dim) == 1:
+            continue
+        group = mesh.group(dim)
+        for tensor, layout in tensors:
+            if dim != "tp" or not layout.is_sharded:
+                dist.broadcast(tensor.data, group=group, group_src=0)
 
 
 def _build_sharded(model_class, config, mesh, shard_options: dict, *, init: str = "buffers",
@@ -105,16 +131,52 @@ def _build_sharded(model_class, config, mesh, shard_options: dict, *, init: str 
     return model
 
 
-def from_pretrained(model_class, path: str | Path, mesh, *, torch_dtype: torch.dtype | None = None,
-                    strict: bool = True, **shard_options) -> nn.Module:
+def shard_option_names() -> frozenset[str]:
+    """The keyword options of :func:`shardlib.shard` (``from_pretrained`` tells them from config overrides)."""
+    from ..sharding.sharder import shard
+
+    return frozenset(n for n, p in inspect.signature(shard).parameters.items() if p.kind is p.KEYWORD_ONLY)
+
+
+def with_overrides(config, overrides: dict, model_class):
+    """A copy of ``config`` with ``overrides`` set, as transformers' ``from_pretrained`` sets its keyword arguments
+    that name config attributes (``num_labels``, ``id2label``, ``problem_type``, ``hidden_dropout_prob`` ...); one
+    that names none is refused, naming it (transformers passes it to the model's constructor, which refuses it)."""
+    unknown = sorted(k for k in overrides if not hasattr(config, k))
+    if unknown:
+        options = ", ".join(sorted(shard_option_names()))
+        raise TypeError(f"from_pretrained({getattr(model_class, '__name__', model_class)}, ...): "
+                        f"{', '.join(map(repr, unknown))} is neither an attribute of {type(config).__name__} nor a "
+                        f"shard option ({options})")
+    config = copy.deepcopy(config)
+    for key, value in overrides.items():
+        setattr(config, key, value)  # num_labels: transformers' setter rebuilds id2label / label2id
+    return config
+
+
+def from_pretrained(model_class, path: str | Path, mesh, *, config=None, torch_dtype: torch.dtype | None = None,
+                    strict: bool = True, shard: dict | None = None, **kwargs) -> nn.Module:
     """Build ``model_class`` (an HF model class or Auto class) on the meta device, shard it over ``mesh`` and read
     each rank's slice of each tensor straight from the HF safetensors checkpoint at ``path`` (single file or
-    index + shards) into the parameters, converted to ``torch_dtype`` when given. ``strict=False``: tensors the
-    checkpoint lacks keep HF's initialization and extra ones are skipped, each named in a warning (a head
-    fine-tuned from a base checkpoint). ``shard_options`` are :func:`shardlib.shard`'s. Returns the model in
-    eval mode, as HF does."""
+    index + shards) into the parameters, converted to ``torch_dtype`` when given. Returns the model in eval mode,
+    as HF does.
+
+    As in transformers: ``config`` replaces the checkpoint's ``config.json``; a keyword argument that names a config
+    attribute overrides it (``num_labels=2``, ``problem_type=...``, ``hidden_dropout_prob=0.0``); ``strict=False``:
+    tensors the checkpoint lacks keep HF's initialization and extra ones are skipped, each named once in a warning
+    on the ``shardlib.checkpoint`` logger (a head fine-tuned from a base checkpoint). :func:`shardlib.shard`'s
+    options go in ``shard=dict(...)``, or by name as keyword arguments (``sequence_parallel=True``); a keyword
+    argument that is neither is refused, naming it."""
     path = Path(path)
-    config = read_hf_config(path)
+    shard_options, overrides = dict(shard or {}), {}
+    for key, value in kwargs.items():
+        if key in shard_option_names():
+            if key in shard_options:
+                raise TypeError(f"from_pretrained: shard option {key!r} given twice (by name and in shard=)")
+            shard_options[key] = value
+        else:
+            overrides[key] = value
+    config = with_overrides(config if config is not None else read_hf_config(path), overrides, model_class)
     model = _build_sharded(model_class, config, mesh, shard_options, init="buffers" if strict else "all",
                            torch_dtype=torch_dtype)
     with SafetensorsFiles(path) as files:

@@ -22,8 +22,10 @@ are plain ``torch.Generator`` objects, so it works on any device, and under ``to
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
+import torch.distributed as dist
 
 #: Offset added to the base seed for the tensor-parallel stream (Megatron uses 2718 too).
 TP_SEED_OFFSET = 2718
@@ -115,6 +117,24 @@ def _set_state(state) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
+
+
+def generator_disagreement(mesh) -> list[str]:
+    """The mesh dimensions (tp, sp) over which torch's default generator is not in the same state on every rank:
+    replicated dropout there would draw different masks and the replicas of every replicated parameter would train
+    apart, silently. One small all-reduce per dimension of more than one rank; none without process groups."""
+    if not dist.is_initialized() or not hasattr(mesh, "group"):
+        return []
+    digest = hashlib.sha256(b"".join(s.numpy().tobytes() for s in _get_state() if s is not None)).digest()
+    value = int.from_bytes(digest[:7], "little")  # fits an int64, as its negation does
+    apart = []
+    for dim in ("tp", "sp"):
+        if mesh.size(dim) > 1:
+            both = torch.tensor([value, -value], dtype=torch.int64, device=mesh.device_type)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.group(dim))
+            if both.tolist() != [value, -value]:  # the maximum and the minimum differ from this rank's
+                apart.append(dim)
+    return apart
 
 
 @contextlib.contextmanager

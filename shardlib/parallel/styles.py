@@ -36,6 +36,15 @@ class ShardContext:
         return {"tp_size": self.tp, "tp_rank": self.rank}
 
 
+def class_path(cls: type) -> str:
+    """``torch.nn.Linear``, ``peft.tuners.lora.layer.Linear``: a class named so that look-alikes are told apart
+    (torch's own by their public path)."""
+    module = cls.__module__
+    if module.startswith("torch.nn.modules."):
+        module = "torch.nn"
+    return f"{module}.{cls.__qualname__}"
+
+
 class Style:
     def check(self, path: str, module: nn.Module, tp: int) -> list[str]:
         return []
@@ -45,7 +54,7 @@ class Style:
 
     def _expect(self, path, module, kind) -> list[str]:
         if not isinstance(module, kind):
-            return [f"{path}: {type(self).__name__} applies to {kind.__name__}, found {type(module).__name__}"]
+            return [f"{path}: {type(self).__name__} applies to {class_path(kind)}, found {class_path(type(module))}"]
         return []
 
     def _linear_dim_divides(self, path, module, attr: str, tp: int) -> list[str]:
@@ -115,7 +124,8 @@ class VocabParallel(Style):
             return self._embedding_options(path, module)
         if isinstance(module, nn.Linear):
             return []
-        return [f"{path}: VocabParallel applies to nn.Embedding or nn.Linear, found {type(module).__name__}"]
+        return [f"{path}: VocabParallel applies to torch.nn.Embedding or torch.nn.Linear, found "
+                f"{class_path(type(module))}"]
 
     def apply(self, path, module, ctx):
         if isinstance(module, nn.Embedding):

@@ -39,6 +39,7 @@ from ..parallel.collectives import (
     Group, all_gather, all_gather_from_tp, gather_from_tp, reduce_scatter_to_tp, scatter_to_tp,
 )
 from ..parallel.gradsync import ReplicatedGradSync
+from ..parallel.styles import class_path
 
 SEQ_DIM = 1
 
@@ -195,7 +196,7 @@ def sequence_parallel_problems(r) -> list[str]:
     """What stops either kind of sequence parallelism on ``r`` (a :class:`shardlib.sharding.passes.Resolved`)."""
     problems = [] if r.plan.trunk else ["sequence_parallel needs the policy's layer trunk (Plan.trunk)"]
     for pattern in r.plan.sequence_dropout:
-        problems += [f"{p}: sequence_dropout applies to nn.Dropout, found {type(r.modules[p]).__name__}"
+        problems += [f"{p}: sequence_dropout applies to torch.nn.Dropout, found {class_path(type(r.modules[p]))}"
                      for p in r.match(pattern, "sequence_dropout") if not isinstance(r.modules[p], torch.nn.Dropout)]
     return problems
 

@@ -219,6 +219,8 @@ class TrainCheckpoints:
                         break
                     except CheckpointError as exc:
                         log.warning("skipping %s", exc)
+                if chosen is None:
+                    log.warning("resume='auto': no complete checkpoint in %s; starting at step 0", self.root)
             else:
                 try:
                     check_resumable(Path(resume), self.trainer.model)

@@ -145,7 +145,9 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
         save_interval: int | None = None, keep_last: int = 2, resume: str | Path | None = None,
         metrics: dict[str, Callable] | None = None, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
         prefetch_factor: int | None = None, progress: bool = True, async_save: bool = True) -> FitResult:
-    """Train ``trainer``'s model on ``train_data`` (a map-style dataset or an iterable of dict samples).
+    """Train ``trainer``'s model on ``train_data``: a map-style dataset of dict samples (a list of dicts, a torch
+    ``Dataset``, a ``datasets.Dataset`` with ``with_format("torch")``) in a seeded global order, or an iterable of
+    them (a ``datasets.IterableDataset``, a generator) read in its own order.
 
     ``batch_size``: the global batch (dp x microbatches must divide it). Stops after ``epochs`` epochs or
     ``max_steps`` optimizer steps, whichever comes first (one is required). ``eval_data`` is evaluated every
@@ -153,9 +155,10 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     ``fn(output, microbatch)`` giving per-example values (accuracy: ``(out["logits"].argmax(-1) ==
     mb["labels"]).float()``). ``lr_scheduler``: a scheduler on ``trainer.optimizer`` or a function of
     ``(optimizer)`` / ``(optimizer, total_steps)`` (:func:`warmup_cosine`), stepped after every optimizer step.
-    ``save_dir``: logs (``log.jsonl``, TensorBoard) and, every ``save_interval`` steps and at the end,
-    checkpoints in ``save_dir/checkpoints`` (the newest ``keep_last`` kept). ``resume``: ``"auto"`` (the newest
-    complete checkpoint in ``save_dir``, if any) or a checkpoint directory. ``seed`` fixes the sample order.
+    ``save_dir``: logs (``log.jsonl``, TensorBoard) and checkpoints in ``save_dir/checkpoints`` (the newest
+    ``keep_last`` kept): at the end of the run, and every ``save_interval`` steps when given. ``resume``:
+    ``"auto"`` (the newest complete checkpoint in ``save_dir``; without one the run starts at step 0 and says so)
+    or a checkpoint directory. ``seed`` fixes the sample order.
     ``async_save``: write checkpoints in a background thread (the loop blocks only to copy the shards); False
     writes them in the loop, which costs less where training already uses every CPU core (docs/training.md).
     Everything is checked before anything is written; see docs/training.md.
@@ -228,8 +231,9 @@ class FitLoop:
                     self._evaluate()
             if self.evals is not None and (not self.result.evals or self.result.evals[-1]["step"] != self.step):
                 self._evaluate()
-            if self.save_interval and self.last_saved != self.step and self.step > self.result.first_step:
-                self._save()
+            if self.checkpoints.root is not None and self.last_saved != self.step \
+                    and self.step > self.result.first_step:
+                self._save()  # the end of every run with a save_dir, save_interval or not
             self.checkpoints.wait()
         finally:
             log.close()
