@@ -58,3 +58,13 @@ def test_bert_sst2_short_fit_at_tp2():
     assert "Mesh(dp=1, pp=1, tp=2" in out
     assert re.search(r"held-out accuracy by step: 2: \d+\.\d% 4: \d+\.\d%", out), out
     assert re.search(r"trained 4 steps .* final accuracy \d+\.\d%", out), out
+
+
+@ci_only("about 20 s; from_pretrained's overrides, the warning and the new head's agreement are test_finetune's")
+def test_finetune_head_reloads_with_plain_transformers(tmp_path):
+    out = _run(["-m", "shardlib.cli", "run", "--nproc", "2", "examples/finetune_head.py", "--tp", "2",
+                "--max-steps", "6", "--train-samples", "256", "--eval-samples", "60", "--base", str(tmp_path / "base"),
+                "--export", str(tmp_path / "export"), *QUIET])
+    assert "Mesh(dp=1, pp=1, tp=2" in out and "wrote a randomly initialized BertModel" in out
+    match = re.search(r"predictions agree on (\d+)% of 50 sentences, max \|logit difference\| ([0-9.e+-]+)", out)
+    assert match and match.group(1) == "100" and float(match.group(2)) < 1e-5, out
