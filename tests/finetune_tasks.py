@@ -79,3 +79,30 @@ def shard_with_generators_apart() -> str:
     except shardlib.PlanError as exc:
         return str(exc)
     return "no error"
+
+
+def fit_until_sigterm(workdir: str) -> dict:
+    """``fit`` at dp=2 x tp=2 with a save_dir; rank 0 alone receives SIGTERM while its 3rd batch is collated."""
+    import os
+    import signal
+
+    torch.manual_seed(0)
+    model = shardlib.shard(BertForSequenceClassification(BertConfig(**BASE, num_labels=2)), mesh(dp=2, tp=2))
+    trainer = shardlib.Trainer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    calls = []
+
+    def collate(samples):
+        calls.append(1)
+        if len(calls) == 3 and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.utils.data.default_collate(samples)
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer.fit(samples_as("list"), batch_size=8, max_steps=10, save_dir=str(Path(workdir) / "run"),
+                    collate_fn=collate, progress=False)
+        status = "returned"
+    except SystemExit as exc:
+        status = exc.code
+    return {"status": status, "handler_restored": signal.getsignal(signal.SIGTERM) is before,
+            "checkpoints": sorted(p.name for p in (Path(workdir) / "run" / "checkpoints").iterdir())}

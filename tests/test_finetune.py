@@ -124,6 +124,14 @@ def test_fit_with_a_save_dir_ends_with_a_checkpoint_without_save_interval(traine
     assert again.first_step == 3 and again.resumed_from == result.checkpoints[0]
 
 
+def test_sigterm_on_one_rank_saves_the_step_on_all_and_exits_143(pool, tmp_path):
+    """A launcher's SIGTERM reaching rank 0 during step 3: every rank finishes the step, step 3 is saved, every rank
+    leaves fit with SystemExit(143), and fit's handler is gone again."""
+    results = pool.run(finetune_tasks.fit_until_sigterm, str(tmp_path))
+    assert all(r == {"status": 143, "handler_restored": True, "checkpoints": ["step-00000003"]} for r in results), \
+        results
+
+
 def test_resume_auto_without_a_checkpoint_says_it_starts_fresh(trainer, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="shardlib.train"):
         result = trainer.fit(samples(), batch_size=4, max_steps=1, save_dir=tmp_path, resume="auto",

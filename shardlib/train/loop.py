@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from .batches import first_tensor, split_batch
 from .checkpoints import TrainCheckpoints
 from .data import EpochData
 from .logs import TrainLog
+from .termination import EXIT_STATUS, SigtermStop
 
 
 @dataclass
@@ -161,6 +163,8 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     or a checkpoint directory. ``seed`` fixes the sample order.
     ``async_save``: write checkpoints in a background thread (the loop blocks only to copy the shards); False
     writes them in the loop, which costs less where training already uses every CPU core (docs/training.md).
+    With a ``save_dir``, SIGTERM saves the step in progress and then raises ``SystemExit``
+    (:mod:`shardlib.train.termination`).
     Everything is checked before anything is written; see docs/training.md.
     """
     mesh = shard_state(trainer.model).mesh
@@ -189,7 +193,8 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     checkpoints.remove_unfinished()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     log = TrainLog(save_dir, enabled=rank0, total_steps=total, start_step=loop.step, progress=progress)
-    return loop.run(log)
+    with SigtermStop(save_dir is not None, mesh.device_type) as loop.sigterm:
+        return loop.run(log)
 
 
 class FitLoop:
@@ -206,6 +211,7 @@ class FitLoop:
         self.result = FitResult(step=0, epoch=0, first_step=0)
         self.last_saved: int | None = None
         self.log: TrainLog | None = None
+        self.sigterm = SigtermStop(False)  # fit() installs the real one around run()
         self._window: list[float] = []
         self._window_start, self._window_tokens = time.perf_counter(), 0
 
@@ -259,6 +265,8 @@ class FitLoop:
                 self.scheduler.step()  # a skipped fp16 step does not advance the schedule (as in Megatron)
             self.step, self.position, stepped = self.step + 1, self.position + 1, True
             self._after_step(loss, batch)
+            if self.sigterm.requested():
+                self._stop_on_sigterm()
             if self._done():
                 return True
         if not stepped and self.position == 0:
@@ -298,6 +306,16 @@ class FitLoop:
                   **evaluate(self.trainer, self.evals, self.metrics)}
         self.result.evals.append(record)
         self.log.record(record)
+
+    def _stop_on_sigterm(self) -> None:
+        """Save this step (unless just saved), wait for the write, and leave fit with SIGTERM's exit status."""
+        if self.last_saved != self.step:
+            self._save()
+        self.checkpoints.wait()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logging.getLogger("shardlib.train").warning("SIGTERM: stopped at step %d, saved %s", self.step,
+                                                        self.checkpoints.saved[-1])
+        raise SystemExit(EXIT_STATUS)
 
     def _save(self) -> None:
         scaler = self.trainer.scaler
