@@ -17,9 +17,10 @@ q/k/v fwd+bwd, 2 threads, 0.98-1.04 x stock; ``benchmarks/kernel_fused_qkv.py``)
 GEMMs at the speed of the fused N = 3n one on CPU, so fusing saves little there and the copies (``W`` in forward,
 ``g`` in backward) can cost a few percent. The Function saves no concatenated weight for backward (7 MB per
 BERT-base layer), saves ``x`` once instead of once per member (three autocast copies of it under stock bf16
-autocast), and returns outputs that are not autograd views of one tensor, which the hand-off of :mod:`shardlib.kernels.fused_qkv` needs. Gradient
-``dW_i`` row views share one buffer; ``dx`` sums over all N features in one GEMM, so it differs from the sum of
-three separate GEMMs in float32 rounding (the forward is bitwise equal on MKL).
+autocast), and returns outputs that are not autograd views of one tensor, which the hand-off of
+:mod:`shardlib.kernels.fused_qkv` needs. Gradient ``dW_i`` row views share one buffer; ``dx`` sums over all N
+features in one GEMM, so it differs from the sum of three separate GEMMs in float32 rounding (the forward is bitwise
+equal on MKL).
 """
 
 from __future__ import annotations

@@ -266,8 +266,8 @@ def test_plan_function_and_plan_module_do_not_collide():
 
     assert callable(shardlib.plan) and shardlib.plan.__module__ == "shardlib.analysis.dryrun"
     module = importlib.import_module("shardlib.sharding.plan")
-    assert (module.Plan, module.PlanError, module.Stack) == (Plan, PlanError, Stack) == (shardlib.Plan,
-                                                                                       shardlib.PlanError, shardlib.Stack)
+    assert (module.Plan, module.PlanError, module.Stack) == (Plan, PlanError, Stack)
+    assert (Plan, PlanError, Stack) == (shardlib.Plan, shardlib.PlanError, shardlib.Stack)
 
 
 @ci_only("about 7 s: a subprocess that imports torch and transformers")
