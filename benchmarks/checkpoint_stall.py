@@ -64,8 +64,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from _workloads import classification_samples  # noqa: E402
-from _machine import (  # noqa: E402
-    free_port, loopback_ifname, machine_busy_s, print_traceback, wait_idle,
+from _harness import (  # noqa: E402
+    free_port, loopback_ifname, machine_busy_s, run_rank, wait_idle,
 )
 
 FULL = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
@@ -217,10 +217,6 @@ def _worker(rank: int, world: int, port: int, opts: dict, work: str) -> None:
         dist.destroy_process_group()
 
 
-def _entry(rank: int, *args) -> None:
-    print_traceback(_worker, rank, *args)
-
-
 # ------------------------------------------------------------------------------------------------------- parent
 def _analyse(r: dict, interval: int) -> dict:
     """Per save: blocked (FitResult), the loop's gap at the save minus the typical gap, the background write, the
@@ -274,7 +270,7 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     work = tempfile.mkdtemp(prefix="checkpoint_stall_")
     try:
-        mp.start_processes(_entry, args=(args.world, free_port(), opts, work), nprocs=args.world, join=True,
+        mp.start_processes(run_rank, args=(_worker, args.world, free_port(), opts, work), nprocs=args.world, join=True,
                            start_method="spawn")
         with open(os.path.join(work, "result.json")) as f:
             r = json.load(f)

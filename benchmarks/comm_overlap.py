@@ -24,26 +24,17 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import loopback_ifname, print_traceback, wait_idle  # noqa: E402
+from _harness import loopback_ifname, run_rank, timed, wait_idle  # noqa: E402
 
 
 def _median_ms(fn, steps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed(fn, steps, warmup=3, barrier=dist.barrier)) * 1e3
 
 
 def _measure(steps: int) -> dict[str, float]:
@@ -70,10 +61,6 @@ def _measure(steps: int) -> dict[str, float]:
     }
 
 
-def _rank(rank: int, store_path: str, steps: int, queue) -> None:
-    print_traceback(_worker, rank, store_path, steps, queue)
-
-
 def _worker(rank: int, store_path: str, steps: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -94,7 +81,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(os.path.join(tmp, "store"), args.steps, queue), nprocs=2,
+        mp.start_processes(run_rank, args=(_worker, os.path.join(tmp, "store"), args.steps, queue), nprocs=2,
                            start_method="spawn")
     r = queue.get()
     for name, ms in r.items():

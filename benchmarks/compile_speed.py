@@ -25,10 +25,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout, as on the GPU machine)
-import tp_throughput as tpb  # noqa: E402  (sets the offline environment before transformers is imported)
-
 import torch  # noqa: E402
+
+import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout, as on the GPU machine)
+import _tp_throughput_workload as tpw  # noqa: E402  (the models and inputs of tp_throughput)
+import tp_throughput as tpb  # noqa: E402  (sets the offline environment before transformers is imported)
 
 CPU_MODES = ("unsharded", "unsharded_compiled", "shardlib", "shardlib_compiled")
 
@@ -69,8 +70,8 @@ def _gpu_model(size: str, variant: str):
 
     import shardlib
 
-    torch.manual_seed(tpb.SEED)
-    model = getattr(transformers, tpb.MODEL_CLASS[tpb.family(size)])(tpb.model_config(size)).cuda()
+    torch.manual_seed(tpw.SEED)
+    model = getattr(transformers, tpw.MODEL_CLASS[tpb.family(size)])(tpw.model_config(size)).cuda()
     if variant.startswith("kernels"):
         kernels = shardlib.Kernels(fused_qkv=True, bias_gelu=tpb.family(size) != "t5", dropout_add=True)
         model = shardlib.shard(model, shardlib.init_mesh(), kernels=kernels)
@@ -82,12 +83,12 @@ def _gpu_model(size: str, variant: str):
 def _gpu_time(size: str, variant: str, dtype, batch: int, seq: int, steps: int) -> tuple[float, float]:
     model = _gpu_model(size, variant)
     inputs = {k: v.cuda() if torch.is_tensor(v) else v
-              for k, v in tpb._make_inputs(size, model.config, batch, seq, seq).items()}
+              for k, v in tpw._make_inputs(size, model.config, batch, seq, seq).items()}
 
     def step():
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            hs = tpb._final_states(size, model(**inputs))
+            hs = tpw._final_states(size, model(**inputs))
         sum(h.float().pow(2).mean() for h in hs).backward()
 
     t0 = time.perf_counter()

@@ -70,8 +70,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from _workloads import classification_samples  # noqa: E402
-from _machine import (  # noqa: E402
-    free_port, loopback_ifname, machine_busy_s, print_closing, print_traceback, wait_idle,
+from _harness import (  # noqa: E402
+    free_port, loopback_ifname, machine_busy_s, print_closing, run_rank, wait_idle,
 )
 
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2)}
@@ -167,10 +167,6 @@ def _worker(rank: int, world: int, port: int, layout: str, opts: dict, out: str)
     dist.destroy_process_group()
 
 
-def _entry(rank: int, *args) -> None:
-    print_traceback(_worker, rank, *args)
-
-
 # ------------------------------------------------------------------------------------------------------- parent
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -216,7 +212,7 @@ def main(argv=None) -> int:
         tmp = tempfile.mkdtemp(prefix="fit_overhead_")
         try:
             out = os.path.join(tmp, "result.json")
-            mp.start_processes(_entry, args=(2, free_port(), layout, opts, out), nprocs=2, join=True,
+            mp.start_processes(run_rank, args=(_worker, 2, free_port(), layout, opts, out), nprocs=2, join=True,
                                start_method="spawn")
             with open(out) as f:
                 results[layout] = json.load(f)

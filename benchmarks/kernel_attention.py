@@ -30,7 +30,7 @@ from transformers.models.t5 import modeling_t5
 from transformers.models.vit import modeling_vit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine_busy_s  # noqa: E402
+from _harness import machine_busy_s, timed  # noqa: E402
 
 from shardlib.kernels.attention import inner_attention  # noqa: E402
 
@@ -62,17 +62,12 @@ def step(fn, module, q, k, v, kwargs, dropout, grad):
     out.backward(grad)
 
 
-def timed(fn, module, shape, kwargs, dropout, repeats) -> float:
+def step_seconds(fn, module, shape, kwargs, dropout, repeats) -> float:
+    """Median seconds of one forward + backward of ``fn`` after one warm-up."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(shape, generator=g, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape[0], shape[2], shape[1], shape[3], generator=g)
-    step(fn, module, q, k, v, kwargs, dropout, grad)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step(fn, module, q, k, v, kwargs, dropout, grad)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(lambda: step(fn, module, q, k, v, kwargs, dropout, grad), repeats, warmup=1))
 
 
 def main() -> None:
@@ -97,7 +92,7 @@ def main() -> None:
                 for r in range(args.rounds):
                     order = ("eager", "sdpa") if r % 2 == 0 else ("sdpa", "eager")
                     for mode in order:
-                        rows[mode].append(timed(eager if mode == "eager" else sdpa, module, shape, kwargs, dropout,
+                        rows[mode].append(step_seconds(eager if mode == "eager" else sdpa, module, shape, kwargs, dropout,
                                                 args.repeats))
                 wall = time.perf_counter() - t0
                 # cores busy with other processes (machine-wide busy time minus this process' CPU time)

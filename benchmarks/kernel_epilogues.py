@@ -34,7 +34,7 @@ from transformers.models.bert.modeling_bert import BertIntermediate, BertOutput,
 from transformers.models.vit.modeling_vit import ViTLayer, ViTMLP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_busy_s, wait_idle  # noqa: E402
+from _harness import machine_busy_s, wait_idle  # noqa: E402
 
 from shardlib.kernels import epilogues as E  # noqa: E402
 

@@ -22,7 +22,7 @@ Each time is the median over ``--rounds`` rounds of the median of ``--repeats`` 
 modes of a round run back to back (order reversed every other round), and each ratio is the median over rounds of
 that round's mode / stock, so a neighbour that comes and goes between rounds cancels out (< 1: faster than stock).
 The machine has 2 cores shared with other jobs: the CPU taken by *other* processes during each size is sampled
-(``benchmarks/_machine.py``: machine-wide busy time minus this process' CPU time) and printed, and each size first
+(``benchmarks/_harness.py``: machine-wide busy time minus this process' CPU time) and printed, and each size first
 waits up to ``--wait-idle`` seconds for the machine to go quiet; trust ratios, not absolute times, and rerun when
 the ``others`` column is well above 0.
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import machine_busy_s, wait_idle  # noqa: E402
+from _harness import machine_busy_s, timed, wait_idle  # noqa: E402
 
 from shardlib.kernels.fused_qkv import fuse_linears, fused_group  # noqa: E402
 
@@ -82,17 +82,14 @@ def forward_only(mods, x):
     return outs
 
 
-def timed(fn, params, repeats: int, warmup: int = 2) -> float:
-    times = []
-    for i in range(warmup + repeats):
+def step_seconds(fn, params, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn`` after ``warmup`` calls, the gradients dropped before each."""
+
+    def drop_grads():
         for p in params:
             p.grad = None
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    return statistics.median(times)
+
+    return statistics.median(timed(fn, repeats, warmup=warmup, before=drop_grads))
 
 
 def run_size(batch, seq, out, rounds, repeats):
@@ -117,7 +114,7 @@ def run_size(batch, seq, out, rounds, repeats):
     order = list(modes)
     for r in range(rounds):
         for name in (order if r % 2 == 0 else order[::-1]):  # ABBA: drift hits every mode alike
-            results[name].append(timed(modes[name], params, repeats))
+            results[name].append(step_seconds(modes[name], params, repeats))
     wall = time.perf_counter() - t0
     load = (machine_busy_s() - b0 - (time.process_time() - c0)) / wall  # cores used by other processes
     assert group.own_calls == 0 and group.fused_gemms == group.handed_out // 2 > 0, group  # fusion really ran

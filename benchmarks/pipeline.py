@@ -81,8 +81,6 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import os
 import statistics
 import sys
@@ -96,338 +94,12 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardlib  # noqa: E402
-from shardlib.train import Trainer  # noqa: E402
 
-from _machine import machine_busy_s, status_kib, wait_idle  # noqa: E402
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
-IDLE_CORES = 0.1
-TARGET_M, TARGET_RATIO = 8, 1.15
-DEFAULT_SEQ = {"bert": 32, "t5": 16}  # what keeps the full sweep near 10 minutes on 2 cores
-
-BASE = {
-    "bert": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
-                 vocab_size=30522),
-    "t5": dict(num_layers=12, num_decoder_layers=12, d_model=768, d_kv=64, num_heads=12, d_ff=3072,
-               vocab_size=32128),
-}
-TINY = {  # --quick
-    "bert": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=1000),
-    "t5": dict(num_layers=4, num_decoder_layers=4, d_model=64, d_kv=16, num_heads=4, d_ff=256, vocab_size=1000),
-}
-
-
-# ------------------------------------------------------------------------------------------------- models
-def model_config(name: str, quick: bool, layers: int | None):
-    from transformers import BertConfig, T5Config
-
-    fields = dict((TINY if quick else BASE)[name])
-    if name == "bert":
-        if layers:
-            fields["num_hidden_layers"] = layers
-        return BertConfig(**fields, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if layers:
-        fields.update(num_layers=layers, num_decoder_layers=layers)
-    return T5Config(**fields, dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
-                    decoder_start_token_id=0)
-
-
-def describe(name: str, config, batch: int, seq: int) -> str:
-    if name == "bert":
-        return (f"BertForMaskedLM: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                f"{config.num_attention_heads} heads, intermediate {config.intermediate_size}, vocab "
-                f"{config.vocab_size}; batch {batch} x {seq} tokens")
-    return (f"T5ForConditionalGeneration: {config.num_layers} + {config.num_decoder_layers} layers, d_model "
-            f"{config.d_model}, {config.num_heads} heads, d_ff {config.d_ff}, vocab {config.vocab_size}; batch {batch} "
-            f"x ({seq} encoder + {seq} decoder) tokens")
-
-
-def build_model(name: str, config):
-    from transformers import BertForMaskedLM, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = (BertForMaskedLM if name == "bert" else T5ForConditionalGeneration)(config)
-    return model.train()
-
-
-def make_batch(config, batch: int, seq: int) -> dict:
-    """The first entry is the first stage's positional input (Trainer takes the first tensor)."""
-    g = torch.Generator().manual_seed(1)
-    return dict(input_ids=torch.randint(1, config.vocab_size, (batch, seq), generator=g),
-                attention_mask=torch.ones(batch, seq, dtype=torch.long),
-                labels=torch.randint(1, config.vocab_size, (batch, seq), generator=g))
-
-
-# ------------------------------------------------------------------------------------------------- helpers
-def all_reduce(values, op=dist.ReduceOp.SUM) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-class LoadMeter:
-    """Foreign CPU use (cores) over a window: the machine's busy time minus both ranks' own CPU time."""
-
-    def __enter__(self):
-        self.busy, self.own, self.wall = machine_busy_s(), time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.busy = machine_busy_s() - self.busy
-        self.own = time.process_time() - self.own
-        self.wall = time.perf_counter() - self.wall
-
-    def foreign(self) -> float | None:
-        own = all_reduce([self.own])[0]
-        busy = all_reduce([self.busy if dist.get_rank() == 0 else 0.0])[0]
-        wall = all_reduce([self.wall], dist.ReduceOp.MAX)[0]
-        return max(0.0, (busy - own) / wall) if wall >= 0.5 else None  # /proc/stat ticks are 10 ms
-
-
-class SavedBytes:
-    """``saved_tensors_hooks`` that count the bytes of the storages saved for backward and alive at once."""
-
-    def __init__(self, skip_ptrs: set[int]):
-        self.skip, self.live, self.current, self.peak = skip_ptrs, {}, 0, 0
-
-    def pack(self, t: torch.Tensor):
-        try:
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            key, nbytes = ("id", id(t)), t.numel() * t.element_size()
-        if key in self.skip or nbytes == 0:
-            return _Holder(t, None, None)
-        entry = self.live.get(key)
-        if entry is None:
-            self.live[key] = [1, nbytes]
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        else:
-            entry[0] += 1
-        return _Holder(t, self, key)
-
-    @staticmethod
-    def unpack(holder):
-        return holder.tensor
-
-    def release(self, key) -> None:
-        entry = self.live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self.live[key]
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-class _Holder:
-    __slots__ = ("tensor", "counter", "key")
-
-    def __init__(self, tensor, counter, key):
-        self.tensor, self.counter, self.key = tensor, counter, key
-
-    def __del__(self):
-        if self.counter is not None:
-            self.counter.release(self.key)
-
-
-def rss_growth(fn) -> float | None:
-    """Peak RSS during ``fn()`` minus RSS before it (bytes), or None where VmHWM cannot be reset."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        fn()
-        return None
-    fn()
-    return (status_kib("VmHWM") - before) * 1024.0
-
-
-def parameter_storages(model) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in model.parameters() if not p.is_meta}
-
-
-# ------------------------------------------------------------------------------------------------- stages alone
-def capture_inputs(split) -> tuple[dict, list]:
-    """Record each local stage's last real inputs (one microbatch): {stage index: (args, kwargs)}."""
-    store: dict = {}
-
-    def clone(v):
-        return v.detach().clone() if torch.is_tensor(v) else v
-
-    def hook(module, args, kwargs):
-        if any(torch.is_tensor(v) and v.is_meta for v in (*args, *kwargs.values())):
-            return
-        store[module.index] = (tuple(clone(a) for a in args), {k: clone(v) for k, v in kwargs.items()})
-
-    return store, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in split.stage_modules]
-
-
-def run_stage_alone(module, args: tuple, kwargs: dict) -> None:
-    """Forward then backward of one stage on recorded inputs, as the schedule runs it, without communication."""
-    inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) if torch.is_tensor(a) else a for a in args)
-    outs = module(*inputs, **kwargs)
-    if module.route.is_last:
-        outs[0].backward()
-        module.outputs.clear()
-    else:
-        outs = [o for o in outs if torch.is_tensor(o) and o.requires_grad]
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-
-def measure_quietly(fn, args, log):
-    """Run ``fn()`` (a timed measurement, the same on both ranks) while metering the other processes' CPU use; when
-    it was above IDLE_CORES, wait for the machine to go quiet and measure again (up to ``--retries`` times). Returns
-    (result, foreign cores of the kept measurement)."""
-    for attempt in range(args.retries + 1):
-        with LoadMeter() as meter:
-            result = fn()
-        foreign = meter.foreign()
-        if foreign is None or foreign <= IDLE_CORES or attempt == args.retries:
-            return result, foreign
-        log(f"    (other processes used {foreign:.2f} cores meanwhile: waiting for quiet, then measuring again)")
-        if dist.get_rank() == 0:
-            wait_idle(min(args.wait_idle, 60.0), IDLE_CORES)
-        dist.barrier()
-
-
-def time_stages(model, split, captured: dict, args, log) -> dict:
-    """Per stage (all stages, gathered over the ranks), for one microbatch: bytes saved for backward ("saved"),
-    median fwd+bwd ms with both ranks computing at once ("together") and with one rank at a time ("alone"), and
-    the other processes' CPU use while each was timed ("together_foreign", "alone_foreign")."""
-    saved = {}
-    skip = parameter_storages(model)
-    for module in split.stage_modules:  # warm-up; counting hooks cost time, so this untimed run measures memory
-        dist.barrier()
-        counter = SavedBytes(skip)
-        with counter.hooks():
-            run_stage_alone(module, *captured[module.index])
-        saved[module.index] = counter.peak
-
-    def timed(together: bool):
-        times = {m.index: [] for m in split.stage_modules}
-        for _ in range(args.stage_repeats):
-            for module in split.stage_modules:
-                for turn in [None] if together else range(dist.get_world_size()):
-                    dist.barrier()  # together: both ranks compute at once, as in the pipeline's steady state
-                    if turn is None or turn == dist.get_rank():
-                        t0 = time.perf_counter()
-                        run_stage_alone(module, *captured[module.index])
-                        times[module.index].append(time.perf_counter() - t0)
-        return times
-
-    n = split.num_stages
-    result = {"saved": all_reduce([float(saved.get(s, 0)) for s in range(n)])}
-    for key, together in (("together", True), ("alone", False)):
-        times, foreign = measure_quietly(lambda: timed(together), args, log)
-        result[key] = all_reduce([statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)])
-        result[key + "_foreign"] = foreign
-    return result
-
-
-# ------------------------------------------------------------------------------------------------- one split
-def bench_split(name, config, batch, spr, schedules, microbatches, args, log) -> dict:
-    """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
-    model = shardlib.shard(build_model(name, config), MESH, stages_per_rank=spr)
-    split = shardlib.shard_state(model).pipeline
-    out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stages": {}, "mem": {}}
-    trainers: dict = {}
-
-    def trainer(sched, m):
-        if (sched, m) not in trainers:
-            trainers[(sched, m)] = Trainer(model, None, microbatches=m, schedule=sched)
-        return trainers[(sched, m)]
-
-    cpu: list[float] = []  # this rank's main-thread CPU time of each step: its compute (waits on gloo are idle)
-
-    def step(tr):
-        tr.zero_grad()
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        tr.forward_backward(batch)
-        cpu.append(time.thread_time() - c0)
-        return time.perf_counter() - t0
-
-    for m in microbatches:
-        captured, handles = capture_inputs(split)  # the first step at this m records one microbatch's inputs
-        for sched in schedules:
-            tr = trainer(sched, m)
-            try:  # torch refuses some combinations when the schedule is built, before any communication
-                first = step(tr)
-            except ValueError as e:
-                out["cells"][(sched, m)] = {"error": str(e).split(": ", 1)[-1]}
-                log(f"  {TITLES[sched]:<17} m={m:<3} n/a: {out['cells'][(sched, m)]['error']}")
-                continue
-            for h in handles:
-                h.remove()
-            handles = []
-            for _ in range(args.warmup - 1):
-                step(tr)
-
-            def timed():
-                cpu.clear()
-                return [step(tr) for _ in range(args.repeats)]
-
-            times, foreign = measure_quietly(timed, args, log)
-            times = all_reduce(times, dist.ReduceOp.MAX)  # a step lasts until its slower rank is done
-            busy = all_reduce([statistics.median(cpu) * 1e3 if r == dist.get_rank() else 0.0 for r in range(2)])
-            first = all_reduce([first], dist.ReduceOp.MAX)[0]
-            out["cells"][(sched, m)] = {"times": times, "first": first, "foreign": foreign, "cpu_ms": busy}
-            log(f"  {TITLES[sched]:<17} m={m:<3} median {statistics.median(times) * 1e3:8.1f} ms  "
-                f"(CPU per rank {busy[0]:.0f} / {busy[1]:.0f} ms; first step {first * 1e3:.0f} ms; others' CPU "
-                f"{_fmt_cores(foreign)})")
-        for h in handles:
-            h.remove()
-        if len(captured) == len(split.stage_modules):
-            model.zero_grad(set_to_none=True)
-            out["stages"][m] = r = time_stages(model, split, captured, args, log)
-            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in r["together"])
-                + " ms per microbatch, both ranks at once (one rank at a time: "
-                + " / ".join(f"{t:.1f}" for t in r["alone"]) + f"; others' CPU {_fmt_cores(r['together_foreign'])}"
-                f", {_fmt_cores(r['alone_foreign'])})")
-        del captured
-    mm = args.memory_m
-    for sched in schedules:
-        cell = out["cells"].get((sched, mm))
-        if cell is None or "error" in cell:
-            continue
-        tr = trainer(sched, mm)
-        tr.zero_grad()
-        counter = SavedBytes(parameter_storages(model))
-
-        def run():
-            with counter.hooks():
-                tr.forward_backward(batch)
-
-        dist.barrier()
-        growth = rss_growth(run)
-        peak = all_reduce([counter.peak if r == dist.get_rank() else 0.0 for r in range(2)])
-        mine = -1.0 if growth is None else growth
-        rss = all_reduce([mine if r == dist.get_rank() else 0.0 for r in range(2)])
-        rss = None if min(rss) < 0 else rss
-        out["mem"][sched] = {"saved": peak, "rss": rss}
-        log(f"  memory           {TITLES[sched]:<17} m={mm}: peak saved " + " / ".join(_mib(x) for x in peak)
-            + " (rank 0 / rank 1)")
-    trainers.clear()
-    del model, split
-    gc.collect()
-    return out
-
-
-# ------------------------------------------------------------------------------------------------- report
-def _mib(x: float) -> str:
-    return f"{x / 2**20:.1f} MiB"
-
-
-def _fmt_cores(x: float | None) -> str:
-    return "n/a (window < 0.5 s)" if x is None else f"{x:.2f} cores"
+from _harness import wait_idle  # noqa: E402
+from _pipeline_workload import (  # noqa: E402
+    BASE, DEFAULT_SEQ, IDLE_CORES, SCHEDULES, STAGES_PER_RANK, TARGET_M, TARGET_RATIO, TITLES, _mib, bench_split,
+    describe, make_batch, model_config,
+)
 
 
 def ideal_ms(stage_ms: list[float], m: int, pp: int = 2) -> float:
@@ -558,11 +230,7 @@ def _layer_span(layers) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- main
-MESH = None
-
-
 def main(argv=None) -> int:
-    global MESH
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bert,t5", help="comma-separated subset of: bert, t5 (default both)")
@@ -600,7 +268,7 @@ def main(argv=None) -> int:
                 "microbatch count and --memory-m must divide --batch; --warmup >= 1")
 
     torch.set_num_threads(1)
-    MESH = shardlib.init_mesh(pp=2)
+    mesh = shardlib.init_mesh(pp=2)
     rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise SystemExit("run on exactly 2 ranks: shardlib run --nproc 2 benchmarks/pipeline.py")
@@ -631,7 +299,7 @@ def main(argv=None) -> int:
         for spr in (1, 2):
             scheds = [s for s in args.schedules if STAGES_PER_RANK[s] == spr]
             if scheds:
-                results[spr] = bench_split(name, config, batch, spr, scheds, microbatches, args, log)
+                results[spr] = bench_split(mesh, name, config, batch, spr, scheds, microbatches, args, log)
         if rank == 0:
             out_lines += ["", *report(name, config, args.batch, seq, results, microbatches, args, warnings)]
     log("\n" + "\n".join(out_lines))

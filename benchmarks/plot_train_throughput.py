@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 import sys
 from pathlib import Path
 
@@ -91,13 +92,10 @@ def plot_loss(meta: dict, rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _wrap(title: str) -> str:
-    """Break a mode title in two lines at the middle space (the tick labels stay narrow)."""
-    words = title.split()
-    if len(words) < 3:
-        return title
-    half = len(words) // 2
-    return " ".join(words[:half]) + "\n" + " ".join(words[half:])
+def _wrap(title: str, width: int = 14) -> str:
+    """A mode title in lines of at most ``width`` characters (a longer word alone), so that neighbouring tick labels
+    never overlap (before, two titles of 4-rank modes ran into each other)."""
+    return textwrap.fill(title, width, break_long_words=False)
 
 
 def main(argv=None) -> int:

@@ -91,9 +91,10 @@ def test_missing_tensors_are_logged_once_on_rank_zero_only_and_initialized_alike
     assert len(first["classifier"]) == 5 + 1  # 5 labels' weight rows, then the bias
 
 
-def test_tp_ranks_whose_generators_differ_are_refused_before_any_change(pool):
-    """Unseeded ranks (or ranks seeded apart) would draw different replicated dropout masks and train apart."""
-    messages = pool.run(finetune_tasks.shard_with_generators_apart)
+def test_training_tp_ranks_whose_generators_differ_is_refused(pool):
+    """Unseeded ranks (or ranks seeded apart) would draw different replicated dropout masks and train apart: the
+    Trainer refuses them (``shard`` does not: loading for inference needs no common seed)."""
+    messages = pool.run(finetune_tasks.trainer_with_generators_apart)
     assert all("default generator is not in the same state on every rank of the tp group" in m and
                "torch.manual_seed(seed)" in m for m in messages), messages
 

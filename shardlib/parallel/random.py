@@ -122,7 +122,8 @@ def _set_state(state) -> None:
 def generator_disagreement(mesh) -> list[str]:
     """The mesh dimensions (tp, sp) over which torch's default generator is not in the same state on every rank:
     replicated dropout there would draw different masks and the replicas of every replicated parameter would train
-    apart, silently. One small all-reduce per dimension of more than one rank; none without process groups."""
+    apart, silently (the Trainer refuses it). One small all-reduce per dimension of more than one rank; none without
+    process groups."""
     if not dist.is_initialized() or not hasattr(mesh, "group"):
         return []
     digest = hashlib.sha256(b"".join(s.numpy().tobytes() for s in _get_state() if s is not None)).digest()

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kernels import Kernels
 from ..parallel.mesh import Mesh
-from ..parallel.random import RNGStatesTracker, generator_disagreement, rng_streams
+from ..parallel.random import RNGStatesTracker, rng_streams
 from .passes import Resolved, passes_for
 from .plan import PlanError
 from .sequence import sequence_mode
@@ -77,12 +77,6 @@ def shard(
     options["sequence_mode"] = sequence_mode(sequence_parallel, r.problems)
     passes = passes_for(r)
     problems = [problem for p in passes for problem in p.problems(r)]
-    apart = generator_disagreement(mesh)
-    if apart:
-        problems.append(f"torch's default generator is not in the same state on every rank of the {' and '.join(apart)}"
-                        " group: replicated dropout would draw different masks there and the copies of every "
-                        "replicated parameter would train apart. Seed every rank alike first: torch.manual_seed(seed) "
-                        "or shardlib.manual_seed(seed, mesh)")
     if r.problems or problems:
         sp = getattr(mesh, "sp", 1)
         raise PlanError(

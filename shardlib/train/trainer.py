@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..analysis.compiling import compile_model
+from ..parallel.random import generator_disagreement
 from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharding.sharded import shard_state
@@ -116,6 +117,12 @@ class Trainer:
         if compile and zero == 3:  # checked before anything changes the model
             raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
+        apart = generator_disagreement(state.mesh)  # before anything changes the model
+        if apart:
+            raise ValueError(f"torch's default generator is not in the same state on every rank of the "
+                             f"{' and '.join(apart)} group: replicated dropout would draw different masks there and "
+                             "the copies of every replicated parameter would train apart. Seed every rank alike "
+                             "before training: torch.manual_seed(seed) or shardlib.manual_seed(seed, mesh)")
         check_schedule(schedule, self.split)
         self.microbatches, self.schedule_name = microbatches, schedule
         self.max_grad_norm, self.loss_fn = max_grad_norm, loss_fn

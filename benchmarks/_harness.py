@@ -1,0 +1,203 @@
+"""The harness every benchmark uses, so that each script keeps only its workload and what it measures:
+
+* the machine: how busy it is (:func:`machine_busy_s`), waiting for it to go quiet (:func:`wait_idle`; 2 cores: one
+  busy neighbour halves a mode's speed), this process' memory (:func:`status_kib`);
+* timing: :func:`timed` (seconds per call, after warm-up, optionally behind a barrier), :func:`interleaved` (modes
+  in alternating rounds, so drift hits every mode alike);
+* statistics: :func:`median_spread` (median and range), :func:`paired_ratio` (the median of per-round ratios of a
+  mode to its baseline, which cancels drift between rounds), :func:`fmt_median`;
+* output: :func:`print_table` (markdown), :func:`write_json`, :func:`print_closing`;
+* ranks: :func:`spawn_ranks` (gloo ranks on loopback, each ``fn(rank, world, port, *args)``, with a deadline),
+  :func:`run_rank`, :func:`loopback_ifname`, :func:`free_port`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all CPUs; /proc/stat, steal excluded)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq = v
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(timeout_s: float, threshold_cores: float) -> float:
+    """Sample the machine's CPU use in 1 s windows until it is at most ``threshold_cores`` or ``timeout_s`` has
+    passed; return the last sample (cores busy)."""
+    start = time.perf_counter()
+    while True:
+        b0, t0 = machine_busy_s(), time.perf_counter()
+        time.sleep(1.0)
+        load = (machine_busy_s() - b0) / (time.perf_counter() - t0)
+        waited = time.perf_counter() - start
+        if load <= threshold_cores or waited >= timeout_s:
+            if waited > 1.5:
+                print(f"  (waited {waited:.0f} s for other processes to go quiet; now {load:.2f} cores busy)",
+                      flush=True)
+            return load
+
+
+def loopback_ifname() -> str:
+    """The loopback interface's name (for GLOO_SOCKET_IFNAME: ranks talk over loopback only)."""
+    try:
+        for name in sorted(os.listdir("/sys/class/net")):
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
+                    return name
+    except OSError:
+        pass
+    return "lo"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(rank: int, worker, *args) -> None:
+    """``worker(rank, *args)`` in a spawned rank, printing its traceback before the failure propagates:
+    ``torch.multiprocessing.start_processes(run_rank, args=(worker, ...), ...)``."""
+    try:
+        worker(rank, *args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+
+
+def status_kib(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM, ...), 0 when absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def print_closing(summary: list[str], warnings: list[str], started: float) -> None:
+    """A benchmark's last lines: its summary, its warnings, the total wall time since ``started``."""
+    print()
+    for line in summary:
+        print(line)
+    for line in warnings:
+        print("WARNING:", line)
+    print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def timed(fn, repeats: int, *, warmup: int = 0, before=None, barrier=None) -> list[float]:
+    """Seconds per call of ``fn`` over ``repeats`` calls after ``warmup`` untimed ones; ``before()`` runs untimed
+    ahead of each call (then a ``gc.collect()``), ``barrier()`` (e.g. ``dist.barrier``) right before the clock
+    starts, so that every rank starts together."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        gc.collect()
+        if barrier is not None:
+            barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def interleaved(modes: dict, rounds: int, *, idle_cores: float | None = None, idle_timeout_s: float = 60.0) -> dict:
+    """``{mode: [value per round]}``: each round calls every ``modes[name]()`` once, in order (A, B, A, B, ...), so
+    that a slow spell of the machine falls on every mode alike; with ``idle_cores``, each call first waits for the
+    machine to be at most that busy."""
+    samples: dict[str, list] = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, run in modes.items():
+            if idle_cores is not None:
+                wait_idle(idle_timeout_s, idle_cores)
+            samples[name].append(run())
+    return samples
+
+
+# -------------------------------------------------------------------------------------------------- statistics
+def median_spread(values) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    values = list(values)
+    return statistics.median(values), min(values), max(values)
+
+
+def paired_ratio(values, baseline) -> tuple[float, float, float]:
+    """Median, min and max of the per-round ratios ``values[i] / baseline[i]`` (rounds paired: drift cancels)."""
+    return median_spread(v / b for v, b in zip(values, baseline, strict=True))
+
+
+def fmt_median(values, fmt: str = "{:.2f}") -> str:
+    """``1.23 [1.10-1.40]``: median and range; one value alone, ``n/a`` for none."""
+    values = list(values)
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    med, lo, hi = median_spread(values)
+    return f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
+
+
+def fmt_cores(x: float | None) -> str:
+    """Other processes' CPU use during a measurement, in cores (None: the window was too short to tell)."""
+    return "n/a (window < 0.5 s)" if x is None else f"{x:.2f} cores"
+
+
+# ------------------------------------------------------------------------------------------------------ output
+def print_table(title: str | None, header: list[str], rows) -> None:
+    """A markdown table (``rows``: lists of cells, as strings), under a ``###`` title when given."""
+    if title:
+        print(f"\n### {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(["---"] * len(header)) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+    print()
+
+
+def write_json(path: str | Path, data) -> None:
+    """``data`` as indented JSON at ``path`` (its folder created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------------- ranks
+def spawn_ranks(fn, nprocs: int, args: tuple, deadline_s: float) -> str | None:
+    """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` fresh (spawned) processes that rendezvous on a free
+    loopback ``port``; None when all finished, else why not (a rank failed, exited, or missed the deadline and was
+    killed with the others). Results go where ``fn`` writes them (files)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(run_rank, args=(fn, nprocs, free_port(), *args), nprocs=nprocs, join=False,
+                             start_method="spawn")
+    end = time.perf_counter() + deadline_s
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.perf_counter() > end:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                return f"workers did not finish within {deadline_s:.0f} s (killed)"
+    except mp.ProcessRaisedException as exc:
+        return f"worker failed: {str(exc).strip().splitlines()[-1]}"
+    except mp.ProcessExitedException as exc:
+        return f"worker exited: {exc}"
+    return None
