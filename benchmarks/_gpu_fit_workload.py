@@ -206,7 +206,9 @@ def plain_loop(opts, dtype, batches):
         model = transformers.BertForSequenceClassification(config)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
-    autocast = (lambda: torch.autocast(opts["device"], dtype=dtype)) if dtype else contextlib.nullcontext
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)  # fp32 / tf32: no autocast
+    autocast = (lambda: torch.autocast(opts["device"], dtype=autocast_dtype)) if autocast_dtype \
+        else contextlib.nullcontext
 
     def run():
         for b in batches:

@@ -5,7 +5,7 @@
 * timing: :func:`timed` (seconds per call, after warm-up, optionally behind a barrier), :func:`interleaved` (modes
   in alternating rounds, so drift hits every mode alike);
 * statistics: :func:`median_spread` (median and range), :func:`paired_ratio` (the median of per-round ratios of a
-  mode to its baseline, which cancels drift between rounds), :func:`fmt_median`;
+  mode to its baseline, which cancels drift between rounds), :func:`fmt_cores`;
 * output: :func:`print_table` (markdown), :func:`write_json`, :func:`print_closing`;
 * ranks: :func:`spawn_ranks` (gloo ranks on loopback, each ``fn(rank, world, port, *args)``, with a deadline),
   :func:`run_rank`, :func:`loopback_ifname`, :func:`free_port`.
@@ -120,15 +120,16 @@ def timed(fn, repeats: int, *, warmup: int = 0, before=None, barrier=None) -> li
 
 
 def interleaved(modes: dict, rounds: int, *, idle_cores: float | None = None, idle_timeout_s: float = 60.0) -> dict:
-    """``{mode: [value per round]}``: each round calls every ``modes[name]()`` once, in order (A, B, A, B, ...), so
-    that a slow spell of the machine falls on every mode alike; with ``idle_cores``, each call first waits for the
-    machine to be at most that busy."""
+    """``{mode: [value per round]}``: each round calls every ``modes[name]()`` once, in ABBA order (A B C, then
+    C B A, ...), so that a slow spell of the machine falls on every mode alike; with ``idle_cores``, each call first
+    waits for the machine to be at most that busy."""
     samples: dict[str, list] = {name: [] for name in modes}
-    for _ in range(rounds):
-        for name, run in modes.items():
+    order = list(modes)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
             if idle_cores is not None:
                 wait_idle(idle_timeout_s, idle_cores)
-            samples[name].append(run())
+            samples[name].append(modes[name]())
     return samples
 
 
@@ -142,17 +143,6 @@ def median_spread(values) -> tuple[float, float, float]:
 def paired_ratio(values, baseline) -> tuple[float, float, float]:
     """Median, min and max of the per-round ratios ``values[i] / baseline[i]`` (rounds paired: drift cancels)."""
     return median_spread(v / b for v, b in zip(values, baseline, strict=True))
-
-
-def fmt_median(values, fmt: str = "{:.2f}") -> str:
-    """``1.23 [1.10-1.40]``: median and range; one value alone, ``n/a`` for none."""
-    values = list(values)
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    med, lo, hi = median_spread(values)
-    return f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
 
 
 def fmt_cores(x: float | None) -> str:
@@ -173,10 +163,10 @@ def print_table(title: str | None, header: list[str], rows) -> None:
 
 
 def write_json(path: str | Path, data) -> None:
-    """``data`` as indented JSON at ``path`` (its folder created)."""
+    """``data`` as indented JSON at ``path`` (its folder created; what JSON cannot hold written as ``str``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------------- ranks

@@ -58,11 +58,9 @@ checkout too (``PYTHONPATH=$PWD``, no ``pip install``): ``shardlib.kernels`` / `
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -74,6 +72,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 
 import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout)
+from _harness import write_json  # noqa: E402
 from _gpu_fit_workload import (  # noqa: E402
     BATCH, FAILURES, FULL, SMALL, anatomy, resume_check, section, sst2_like, throughput,
 )
@@ -150,7 +149,7 @@ def main() -> int:
         print(f"max GPU memory allocated: {results['max_memory_allocated_gib']:.2f} GiB")
     print(f"wall {results['wall_s']:.0f} s; failures: {FAILURES or 'none'}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        write_json(args.json, results)
     dist.destroy_process_group()
     return 1 if FAILURES else 0
 

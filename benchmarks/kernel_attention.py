@@ -30,7 +30,7 @@ from transformers.models.t5 import modeling_t5
 from transformers.models.vit import modeling_vit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import machine_busy_s, timed  # noqa: E402
+from _harness import interleaved, machine_busy_s, paired_ratio, timed  # noqa: E402
 
 from shardlib.kernels.attention import inner_attention  # noqa: E402
 
@@ -88,16 +88,13 @@ def main() -> None:
                 module.train(dropout > 0)
                 eager, sdpa = inner_attention(module, "eager"), inner_attention(module, "sdpa")
                 busy0, own0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
-                rows = {"eager": [], "sdpa": []}
-                for r in range(args.rounds):
-                    order = ("eager", "sdpa") if r % 2 == 0 else ("sdpa", "eager")
-                    for mode in order:
-                        rows[mode].append(step_seconds(eager if mode == "eager" else sdpa, module, shape, kwargs, dropout,
-                                                args.repeats))
+                rows = interleaved({mode: (lambda fn=fn: step_seconds(fn, module, shape, kwargs, dropout,
+                                                                      args.repeats))
+                                    for mode, fn in (("eager", eager), ("sdpa", sdpa))}, args.rounds)
                 wall = time.perf_counter() - t0
                 # cores busy with other processes (machine-wide busy time minus this process' CPU time)
                 others = max(0.0, (machine_busy_s() - busy0 - (time.process_time() - own0)) / wall)
-                ratio = statistics.median(s / e for s, e in zip(rows["sdpa"], rows["eager"]))
+                ratio = paired_ratio(rows["sdpa"], rows["eager"])[0]
                 print(f"{name:<10} {label:>5} {dropout:>7.1f} {statistics.median(rows['eager']) * 1e3:>8.2f} "
                       f"{statistics.median(rows['sdpa']) * 1e3:>8.2f} {ratio:>10.2f} {others:>6.2f}", flush=True)
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import machine_busy_s, timed, wait_idle  # noqa: E402
+from _harness import interleaved, machine_busy_s, paired_ratio, timed, wait_idle  # noqa: E402
 
 from shardlib.kernels.fused_qkv import fuse_linears, fused_group  # noqa: E402
 
@@ -109,21 +109,18 @@ def run_size(batch, seq, out, rounds, repeats):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     group = fused_group(fused[0])
     group.reset_counters()
-    results = {k: [] for k in modes}
     b0, c0, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
-    order = list(modes)
-    for r in range(rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):  # ABBA: drift hits every mode alike
-            results[name].append(step_seconds(modes[name], params, repeats))
+    results = interleaved({name: (lambda fn=fn: step_seconds(fn, params, repeats)) for name, fn in modes.items()},
+                          rounds)
     wall = time.perf_counter() - t0
     load = (machine_busy_s() - b0 - (time.process_time() - c0)) / wall  # cores used by other processes
     assert group.own_calls == 0 and group.fused_gemms == group.handed_out // 2 > 0, group  # fusion really ran
     medians = {k: statistics.median(v) * 1e3 for k, v in results.items()}
     # ratios paired within a round (the modes of one round ran seconds apart, under the same neighbours)
     ratios = {
-        "fused": statistics.median(f / s for f, s in zip(results["fused"], results["stock"])),
-        "cat": statistics.median(c / s for c, s in zip(results["cat"], results["stock"])),
-        "fwd": statistics.median(f / s for f, s in zip(results["fwd-only fused"], results["fwd-only stock"])),
+        "fused": paired_ratio(results["fused"], results["stock"])[0],
+        "cat": paired_ratio(results["cat"], results["stock"])[0],
+        "fwd": paired_ratio(results["fwd-only fused"], results["fwd-only stock"])[0],
     }
     return medians, ratios, load
 

@@ -109,9 +109,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout, as on the GPU machine)
 import tp_throughput as tpb  # noqa: E402  (sets the offline environment before transformers is imported)
-from _harness import loopback_ifname, print_closing, wait_idle  # noqa: E402
+from _harness import loopback_ifname, print_closing, wait_idle, write_json  # noqa: E402
 from _train_throughput_workload import (  # noqa: E402
     BASELINE, CHECKED_STEPS, DEFAULT_LR, DEFAULT_MODES, DEFAULT_PRECISIONS, DEFAULT_STEPS, LAST_K, QUICK_MODES, ROOT,
     SIZES, TOLERANCE, mode_spec, run_mode, threads_for,
@@ -323,7 +322,7 @@ def main(argv=None) -> int:
             if r["foreign_cores"] > tpb.IDLE_CORES and args.device == "cpu":
                 warnings.append(f"{mode}/{precision}: other processes used {r['foreign_cores']:.2f} cores on "
                                 "average meanwhile; its numbers are not reliable")
-        (args.out / "runs.json").write_text(json.dumps(meta, indent=1))  # after every mode: a partial run plots
+        write_json(args.out / "runs.json", meta)  # after every mode: a partial run plots
     rows = summarize(*load_results(args.out))
     print_table(meta, rows)
     failed = [f"{r['mode']}/{r['precision']}: " + (r.get("error") or r["check"]) for r in rows
