@@ -36,7 +36,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "kernels": ["Kernels"],
     "analysis.dryrun": ["plan", "PlanReport"],
     "analysis.compiling": ["compile_model"],
-    "checkpoint": ["from_pretrained", "save_pretrained"],
+    "checkpoint": ["from_pretrained", "save_pretrained", "save_adapter", "load_adapter"],
     "train": ["Trainer", "TrainingArguments", "dp_shard"],
 }, modules={name: name for name in ("parallel", "sharding", "analysis", "kernels", "policies", "pipeline", "train",
                                     "checkpoint", "safetensors_io", "cli")} | {"export": "analysis.export"})
@@ -46,5 +46,6 @@ __all__ = [
     "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG", "Layout", "layout_of",
     "named_layouts", "full_state_dict", "load_full_state_dict", "materialize", "manual_seed", "RNGStatesTracker",
     "Trainer", "TrainingArguments", "dp_shard", "checkpoint", "train", "Kernels", "shard_state", "ShardState",
-    "plan", "PlanReport", "compile_model", "export", "from_pretrained", "save_pretrained",
+    "plan", "PlanReport", "compile_model", "export", "from_pretrained", "save_pretrained", "save_adapter",
+    "load_adapter",
 ]

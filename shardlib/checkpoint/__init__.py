@@ -19,10 +19,11 @@ rank finished and fsynced its files and ``shardlib.json`` is complete. A crash m
 checkpoint untouched, and the next save or load finishes or removes what it left.
 
 Modules: :mod:`.format`, :mod:`.atomic`, :mod:`.tensors` (the model side), :mod:`.reader`, :mod:`.saving`,
-:mod:`.loading`, :mod:`.conversion`, :mod:`.hf_save`.
+:mod:`.loading`, :mod:`.conversion`, :mod:`.hf_save`, :mod:`.adapter` (LoRA adapters in peft's format).
 """
 
 from ..safetensors_io import CheckpointError, SafetensorsFile, SafetensorsFiles, checksum_of, file_checksum
+from .adapter import load_adapter, save_adapter
 from .atomic import recover
 from .conversion import convert, export_hf
 from .format import FORMAT, METADATA, READABLE_FORMATS, Piece, hf_class_name, rank_file, replicated_file
@@ -35,5 +36,5 @@ __all__ = [
     "CheckpointError", "SafetensorsFile", "SafetensorsFiles", "checksum_of", "file_checksum", "recover", "convert",
     "export_hf", "FORMAT", "METADATA", "READABLE_FORMATS", "Piece", "hf_class_name", "rank_file", "replicated_file",
     "save_pretrained", "from_pretrained", "from_sharded", "load", "load_hf_weights", "whole_buffer",
-    "ShardedCheckpoint", "StagedSave", "commit", "save", "stage",
+    "ShardedCheckpoint", "StagedSave", "commit", "save", "stage", "save_adapter", "load_adapter",
 ]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..safetensors_io import CheckpointError
+from .adapter import is_peft_model, save_adapter
 from .atomic import AtomicDirectory, scratch_dir
 from .conversion import write_hf
 from .reader import ShardedCheckpoint
@@ -31,7 +32,12 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool 
     ``max_shard_bytes``) and ``generation_config.json`` where the model has one. Tokenizer files are the user's, as
     in transformers (``tokenizer.save_pretrained(directory)``). Every rank calls it. An existing ``directory`` is
     replaced, as transformers does, but atomically: a crash leaves the old checkpoint or the new one, never a mix
-    (``overwrite=False`` refuses an existing one)."""
+    (``overwrite=False`` refuses an existing one).
+
+    A peft model saves its adapters alone, in peft's format, as ``PeftModel.save_pretrained`` does
+    (:func:`.adapter.save_adapter`)."""
+    if is_peft_model(model):
+        return save_adapter(model, directory, overwrite=overwrite)
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank() == 0
     claim(directory, overwrite)

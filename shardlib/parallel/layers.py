@@ -134,11 +134,15 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
 
 
 class RowParallelLinear(_TPModule, nn.Linear):
-    """Linear with its input features split over the TP group; the output is all-reduced (bias added after)."""
+    """Linear with its input features split over the TP group; the output is all-reduced (bias added after).
+
+    ``reduce_output=False``: return this rank's partial sum ``x_r W_r^T`` alone, neither reduced nor biased: the
+    caller adds more partial sums (a LoRA adapter's) and then reduces once and adds ``bias`` itself."""
 
     def __init__(self, linear: nn.Linear, group: Group | None, *, tp_size: int | None = None,
-                 tp_rank: int | None = None, sequence=None):
+                 tp_rank: int | None = None, sequence=None, reduce_output: bool = True):
         nn.Module.__init__(self)
+        self.reduce_output = reduce_output
         n, r = self._init_tp(group, tp_size, tp_rank)
         out_features, in_features = linear.weight.shape
         if in_features % n:
@@ -155,6 +159,8 @@ class RowParallelLinear(_TPModule, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
+        if not self.reduce_output:
+            return F.linear(x, self.weight)
         if self.sequence is not None:
             y = self.sequence.reduce_scatter(F.linear(x, self.weight))
         else:

@@ -45,6 +45,9 @@ class RNGStatesTracker:
         self._seeds: dict[str, int] = {}
         self._generators: dict[str, dict[str, torch.Generator]] = {}
         self.ranks: dict[str, tuple[int, int]] = {}
+        #: per :meth:`fork` in progress, innermost last: the default generator state it swapped out (kept current
+        #: by :meth:`replicated`)
+        self._outer: list[list] = []
 
     def add(self, name: str, seed: int, *, index: int = 0, count: int = 1) -> None:
         """Add stream ``name`` seeded with ``seed``; this rank is ``index`` of the ``count`` ranks whose draws must
@@ -76,16 +79,36 @@ class RNGStatesTracker:
         """Run the block with the named stream as the default generator; advance that stream, not the default."""
         cpu = self.generator(name)
         cuda = self.generator(name, "cuda") if _cuda_in_use() else None
-        outer = _get_state()
+        outer = [_get_state()]
         _set_state((cpu.get_state(), cuda.get_state() if cuda is not None else None))
+        self._outer.append(outer)
         try:
             yield
         finally:
+            self._outer.pop()
             cpu_state, cuda_state = _get_state()
             cpu.set_state(cpu_state)
             if cuda is not None:
                 cuda.set_state(cuda_state)
-            _set_state(outer)
+            _set_state(outer[0])
+
+    @contextlib.contextmanager
+    def replicated(self):
+        """Inside :meth:`fork`, run the block on the default generator that the fork swapped out (the stream every
+        rank of the group shares) and advance that one: for replicated activations inside a module whose other
+        random draws act on sharded ones (a LoRA adapter's dropout on the input of a column-parallel q projection
+        inside the attention block). Outside any fork: nothing to do."""
+        if not self._outer:
+            yield
+            return
+        outer = self._outer[-1]
+        inner = _get_state()
+        _set_state(outer[0])
+        try:
+            yield
+        finally:
+            outer[0] = _get_state()
+            _set_state(inner)
 
     def get_states(self) -> dict:
         """{name: (CPU state, CUDA state or None)}: a copy, for checkpoints and replays."""

@@ -194,24 +194,44 @@ class LocalRNG(Style):
         if tracker is None:
             return module
         module.__dict__[LOCAL_STREAM_ATTR] = (tracker, stream)
-        active: list = []
-
-        def enter(mod, args):
-            if not torch.compiler.is_compiling():
-                cm = tracker.fork(stream)
-                cm.__enter__()
-                active.append(cm)
-
-        def leave(mod, args, output):
-            if active and not torch.compiler.is_compiling():
-                active.pop().__exit__(None, None, None)
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
+        _eager_forward_inside(module, lambda: tracker.fork(stream))
         for sub in module.modules():
             if isinstance(sub, nn.Dropout):
                 sub.register_forward_hook(_compiled_stream_dropout(tracker, stream))
         return module
+
+
+@dataclass(frozen=True)
+class ReplicatedRNG(Style):
+    """The module's random draws act on replicated activations although an enclosing module runs on a per-rank
+    stream (``LocalRNG``): in eager mode it draws from the shared default generator the enclosing fork swapped out
+    (:meth:`~shardlib.parallel.random.RNGStatesTracker.replicated`), so every rank draws the same mask. Compiled
+    code never swaps generators, so there it draws from the shared one anyway; the module must not carry the
+    enclosing ``LocalRNG``'s compiled-mode dropout hook (apply this to a module that does not)."""
+
+    def apply(self, path, module, ctx):
+        tracker = ctx.rng_tracker
+        if tracker is not None:
+            _eager_forward_inside(module, tracker.replicated)
+        return module
+
+
+def _eager_forward_inside(module: nn.Module, context) -> None:
+    """Run every eager forward of ``module`` inside a fresh ``context()`` (hooks; it is left even when the forward
+    raises). Compiled code skips it: dynamo cannot trace a generator swap."""
+    active: list = []
+
+    def enter(mod, args):
+        if not torch.compiler.is_compiling():
+            active.append(context())
+            active[-1].__enter__()
+
+    def leave(mod, args, output):
+        if active and not torch.compiler.is_compiling():
+            active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _compiled_stream_dropout(tracker, stream: str):
@@ -254,5 +274,6 @@ def style_name(style: Style) -> str:
 
 __all__ = [
     "ShardContext", "Style", "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs", "LocalRNG",
+    "ReplicatedRNG",
     "attention_block",
 ]

@@ -29,6 +29,7 @@ from ..parallel.collectives import all_reduce
 from ..parallel.layout import LAYOUTS_ATTR, layout_of, set_layout
 from ..parallel.random import LOCAL_STREAM_ATTR
 from ..parallel.styles import ColwiseParallel, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
+from .adapters import adapter_problems, is_lora_layer, shard_adapted, styled_module
 from .all_to_all import AllToAllSequenceParallel
 from .losses import LOSSES, install_vocab_parallel_loss
 from .plan import Plan, PlanError, match_modules
@@ -104,8 +105,10 @@ class TensorParallel:
         problems = []
         for pattern, styles in r.plan.styles.items():
             for path in r.match(pattern):
+                module = r.modules[path]
                 for style in as_tuple(styles):
-                    problems += style.check(path, r.modules[path], r.tp)
+                    problems += style.check(path, styled_module(module, style), r.tp)
+                problems += adapter_problems(path, module, as_tuple(styles), r)
                 self.assigned[path] = self.assigned.get(path, ()) + as_tuple(styles)
         for pattern, names in r.plan.divide_by_tp.items():
             for path in r.match(pattern, "attribute"):
@@ -124,13 +127,15 @@ class TensorParallel:
         for path, styles in self.assigned.items():
             module = r.modules[path]
             for style in styles:
-                module = style.apply(path, module, r.shard_context(path))
+                ctx = r.shard_context(path)
+                adapted = styled_module(module, style) is not module
+                module = shard_adapted(path, module, style, ctx) if adapted else style.apply(path, module, ctx)
             if path:
                 _set_submodule(r.model, path, module)
             tensors = [
                 (name, layout_of(module, name).global_shape, tuple(p.shape), layout_of(module, name).describe())
-                for name, p in module.named_parameters(recurse=False)
-            ] if isinstance(module, (nn.Linear, nn.Embedding)) else []
+                for name, p in module.named_parameters(recurse=is_lora_layer(module))
+            ] if isinstance(module, (nn.Linear, nn.Embedding)) or is_lora_layer(module) else []
             r.report.rows.append(ReportRow(path, " + ".join(style_name(s) for s in styles), tensors))
         _retie(r.model, self.ties)
         if any(LOCAL_STREAM_ATTR in m.__dict__ for m in r.model.modules()):  # per-rank attention dropout

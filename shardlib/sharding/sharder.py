@@ -15,6 +15,7 @@ from torch import nn
 from ..kernels import Kernels
 from ..parallel.mesh import Mesh
 from ..parallel.random import RNGStatesTracker, rng_streams
+from .adapters import peft_inner_model
 from .passes import Resolved, passes_for
 from .plan import PlanError
 from .sequence import sequence_mode
@@ -43,6 +44,9 @@ def shard(
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
+    ``model``: a transformers model, or a peft model (``peft.get_peft_model``): its LoRA adapters are sharded with
+    the linears they wrap (:mod:`shardlib.sharding.adapters`).
+
     ``policy``: defaults to the registered policy for the model class (``shardlib.policies``).
     ``gather_logits``: see :mod:`shardlib.sharding.losses` (None: gather only when no labels are passed).
     ``rng_tracker``: the per-rank dropout stream for sharded activations (default: seeded from the current default
@@ -68,6 +72,7 @@ def shard(
 
     if shard_state(model, required=False) is not None:
         raise PlanError(f"{type(model).__name__} is already sharded")
+    wrapper, model = model, peft_inner_model(model) or model  # a peft model: its transformers model is sharded
     policy = policy or policy_for(model)
     options = dict(gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
                    stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
@@ -94,10 +99,12 @@ def shard(
     for p in passes:
         p.install(r)
     report.local_bytes = _param_bytes(r.split.local_parameters() if r.split else model.parameters())
-    ShardState(mesh=mesh, policy=policy, plan=r.plan, report=report, rng_tracker=options["rng_tracker"],
-               pipeline=r.split).attach(model)
+    state = ShardState(mesh=mesh, policy=policy, plan=r.plan, report=report, rng_tracker=options["rng_tracker"],
+                       pipeline=r.split)
+    for holder in {id(wrapper): wrapper, id(model): model}.values():
+        state.attach(holder)
     log.info("%s", report)
-    return model
+    return wrapper
 
 
 def report(model: nn.Module) -> ShardReport:

@@ -15,7 +15,8 @@ from .sequence import rehook_replicated_grads
 from .sharded import shard_state
 
 
-def _tp_group(model: nn.Module):
+def tp_group_of(model: nn.Module):
+    """The TP process group of sharded ``model`` (None at tp=1 or when not sharded)."""
     state = shard_state(model, required=False)
     return state.mesh.tp_group if state is not None and state.mesh.tp > 1 else None
 
@@ -25,7 +26,9 @@ def _pipeline(model: nn.Module):
     return state.pipeline if state is not None else None
 
 
-def _gather(tensor: torch.Tensor, layout, group) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor, layout, group) -> torch.Tensor:
+    """The full tensor of this rank's shard ``tensor`` (a detached copy; padding dropped): collective over ``group``
+    when ``layout`` is sharded."""
     if not layout.is_sharded:
         return tensor.detach().clone()
     full = all_gather(tensor.detach(), layout.shard_dim, group)
@@ -38,7 +41,7 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     Tied parameters appear under their first name only, like ``named_parameters()``. Parameters without a
     gradient are left out when ``grads=True``. A pipelined model gives the parameters of this rank's stages.
     """
-    group = _tp_group(model)
+    group = tp_group_of(model)
     split = _pipeline(model)
     local = {id(p) for p in split.local_parameters()} if split is not None else None
     out = {}
@@ -46,7 +49,7 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
         tensor = p.grad if grads else p
         if tensor is None or (local is not None and id(p) not in local):
             continue
-        out[name] = _gather(tensor, layout_of(model, name), group)
+        out[name] = gather_full(tensor, layout_of(model, name), group)
     return out
 
 
