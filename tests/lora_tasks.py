@@ -99,7 +99,7 @@ def lora_dropout_streams(tp: int) -> dict:
 
 def lora_fit(workdir: str) -> dict:
     """``fit`` at dp=2 x tp=2 of a LoRA BERT classifier (float64, no dropout) against the unsharded peft model
-    trained on the same global batches; then the adapter saved in peft's format, read by plain peft, and loaded back
+    trained on the same global batches, straight, resumed half-way from its checkpoint, and at pp=2 x tp=2; then the adapter saved in peft's format, read by plain peft, and loaded back
     into a freshly sharded model."""
     spec = {"family": "bert", "cls": "BertForSequenceClassification", "tp": 2, "dtype": "float64", "batch": 16,
             "seq": 6, "seed": 0, "config": CONFIGS["bert"]}
@@ -121,6 +121,16 @@ def lora_fit(workdir: str) -> dict:
         opt.step()
         expected.append(loss.item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-9, atol=1e-11)
+    resumed = []  # two steps saved, then resumed to four: the same losses (the checkpoint holds adapter and head)
+    for steps, resume in ((2, None), (4, "auto")):
+        again = shardlib.shard(lora_model(spec, copy.deepcopy(pristine)), pool_mesh(dp=2, tp=2))
+        resumed += shardlib.Trainer(again, sgd).fit(samples, batch_size=8, max_steps=steps, shuffle=False,
+                                                    progress=False, save_dir=f"{workdir}/run", resume=resume).losses
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(expected), rtol=1e-9, atol=1e-11)
+    piped = shardlib.shard(lora_model(spec, copy.deepcopy(pristine)), pool_mesh(dp=1, pp=2, tp=2))
+    pipelined = shardlib.Trainer(piped, sgd, microbatches=2).fit(samples, batch_size=8, max_steps=4, shuffle=False,
+                                                                 progress=False).losses
+    torch.testing.assert_close(torch.tensor(pipelined), torch.tensor(expected), rtol=1e-9, atol=1e-11)
 
     saved = Path(workdir) / "adapter"
     shardlib.save_pretrained(model, saved)

@@ -1,7 +1,7 @@
 """LoRA through peft (issue 28): ``shard()`` takes a ``PeftModel``; every LoRA-wrapped linear is sharded with its
 adapter (column base: ``lora_B`` split like the output, ``lora_A`` replicated; row base: ``lora_A`` split like the
 input, ``lora_B`` replicated, joined before the all-reduce), equal to the unsharded peft model in float64 at tp=2 and
-tp=4, with sequence parallelism, and under ``fit`` at dp2 x tp2; adapter dropout on the right stream; the adapter
+tp=4, with sequence parallelism, and under ``fit`` at dp2 x tp2 (resumed too) and pp2 x tp2; adapter dropout on the right stream; the adapter
 saved in peft's format and loaded back into a sharded model; what cannot be sharded refused by name."""
 
 from __future__ import annotations
