@@ -140,11 +140,20 @@ def lora_fit(workdir: str) -> dict:
     batch = torch.utils.data.default_collate(samples)
     torch.testing.assert_close(reloaded(**batch).logits, ref(**batch).logits, rtol=1e-9, atol=1e-11)
 
-    resharded = shardlib.shard(lora_model({**spec, "seed": 5}, pristine), pool_mesh(tp=2), gather_logits=True)
+    resharded = shardlib.shard(lora_model({**spec, "seed": 5}, copy.deepcopy(pristine)), pool_mesh(tp=2),
+                               gather_logits=True)
     shardlib.load_adapter(resharded, saved)
     resharded.eval()
     torch.testing.assert_close(resharded(**batch).logits, ref(**batch).logits, rtol=1e-9, atol=1e-11)
-    return {"steps": len(losses), "files": sorted(p.name for p in saved.iterdir())}
+    wider = get_peft_model(copy.deepcopy(pristine), LoraConfig(r=8, target_modules=TARGETS["bert"],
+                                                              modules_to_save=HEADS[spec["cls"]]))
+    wider = shardlib.shard(wider, pool_mesh(tp=2))
+    try:
+        shardlib.load_adapter(wider, saved)
+        refused = "no error"
+    except shardlib.checkpoint.CheckpointError as exc:
+        refused = str(exc)
+    return {"steps": len(losses), "files": sorted(p.name for p in saved.iterdir()), "refused": refused}
 
 
 def lora_refusals() -> list[str]:

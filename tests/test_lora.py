@@ -42,6 +42,8 @@ def test_fit_then_save_in_peft_format_and_load_back(pool, tmp_path):
     results = pool.run(lora_tasks.lora_fit, str(tmp_path))
     assert results[0]["steps"] == 4
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(results[0]["files"])
+    refused = results[0]["refused"]  # the adapter loaded into a model with another LoraConfig (r=8, not 4)
+    assert "adapter_model.safetensors" in refused and "lora_A.weight: shape (4, 16)" in refused, refused
 
 
 def test_what_cannot_be_sharded_is_refused_by_name(pool):
