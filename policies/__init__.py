@@ -88,6 +88,16 @@ def policy_for(model: nn.Module) -> Policy:
     )
 
 
+def has_policy(model: nn.Module) -> bool:
+    """Whether a policy is registered for ``type(model)`` or one of its base classes (built-ins imported first)."""
+    for cls in type(model).__mro__:
+        if cls not in _REGISTRY:
+            _load_builtin(cls.__name__)
+        if cls in _REGISTRY:
+            return True
+    return False
+
+
 def policy_for_class_name(name: str) -> Policy:
     """The policy registered for the model class called ``name`` (checkpoints record class names)."""
     _load_builtin(name)

@@ -15,12 +15,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..sharding.examples import PlanInputError, example_batch, task_of  # noqa: F401 (re-exported)
 from ..sharding.sharded import shard_state
 from .dryrun_report import Collective, TensorSpec
-
-
-class PlanInputError(ValueError):
-    """Bad input to a dry run (a config that cannot be read, an unknown class, a size that is not positive)."""
 
 
 # ------------------------------------------------------------------------------------------------- recording
@@ -127,59 +124,6 @@ def group_dims(mesh) -> dict[str, tuple[str, int]]:
         if mesh.size(dim) > 1:
             dims[mesh.group(dim).group_name] = (dim, mesh.size(dim))
     return dims
-
-
-# --------------------------------------------------------------------------------------------------- inputs
-def _task_of(model: nn.Module) -> str:
-    """The transformers task (auto-class mapping) that lists the model's class, or "" for base models."""
-    from transformers.models.auto import modeling_auto as auto
-
-    name = type(model).__name__
-    for task in ("MASKED_LM", "CAUSAL_LM", "SEQ_TO_SEQ_CAUSAL_LM", "TOKEN_CLASSIFICATION", "PRETRAINING",
-                 "SEQUENCE_CLASSIFICATION", "MULTIPLE_CHOICE", "NEXT_SENTENCE_PREDICTION", "IMAGE_CLASSIFICATION",
-                 "QUESTION_ANSWERING", "MASKED_IMAGE_MODELING"):
-        if name in getattr(auto, f"MODEL_FOR_{task}_MAPPING_NAMES").values():
-            return task
-    return ""
-
-
-def example_batch(model: nn.Module, batch: int, seq: int, device="meta") -> dict[str, torch.Tensor]:
-    """A training batch for ``model`` as its forward takes it (zeros; on the meta device only shapes matter):
-    ``pixel_values`` for image models, else ``input_ids`` of ``batch`` x ``seq`` (x 2 choices), and the labels of
-    the model's task found from transformers' auto-class mappings (token labels, one per example, answer spans,
-    masked patches); base models get no labels."""
-    config, task = model.config, _task_of(model)
-    forward = inspect.signature(model.forward).parameters
-    dtype = next(model.parameters()).dtype
-
-    def ints(*shape):
-        return torch.zeros(shape, dtype=torch.long, device=device)
-
-    if "pixel_values" in forward:
-        side = config.image_size
-        inputs = {"pixel_values": torch.zeros(batch, config.num_channels, side, side, dtype=dtype, device=device)}
-        if task == "MASKED_IMAGE_MODELING":
-            patches = (side // config.patch_size) ** 2
-            inputs["bool_masked_pos"] = torch.zeros(batch, patches, dtype=torch.bool, device=device)
-        if task == "IMAGE_CLASSIFICATION":
-            inputs["labels"] = ints(batch)
-        return inputs
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and seq > limit:
-        raise PlanInputError(f"seq={seq} is longer than the model's max_position_embeddings={limit}")
-    shape = (batch, 2, seq) if task == "MULTIPLE_CHOICE" else (batch, seq)
-    inputs = {"input_ids": ints(*shape)}
-    if "decoder_input_ids" in forward and task in ("", "SEQ_TO_SEQ_CAUSAL_LM", "PRETRAINING"):
-        inputs["decoder_input_ids"] = ints(batch, seq)
-    if task in ("MASKED_LM", "CAUSAL_LM", "SEQ_TO_SEQ_CAUSAL_LM", "TOKEN_CLASSIFICATION", "PRETRAINING"):
-        inputs["labels"] = ints(*shape)
-    if task in ("SEQUENCE_CLASSIFICATION", "MULTIPLE_CHOICE", "NEXT_SENTENCE_PREDICTION"):
-        inputs["labels"] = ints(batch)
-    if "next_sentence_label" in forward:
-        inputs["next_sentence_label"] = ints(batch)
-    if task == "QUESTION_ANSWERING":
-        inputs["start_positions"], inputs["end_positions"] = ints(batch), ints(batch)
-    return inputs
 
 
 def tensor_spec(t: torch.Tensor) -> TensorSpec:

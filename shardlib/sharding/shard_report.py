@@ -26,6 +26,9 @@ class ShardReport:
     kernels: list[tuple[str, int]] = field(default_factory=list)  # fused kernel, modules it was installed on
     unsharded_bytes: int = 0
     local_bytes: int = 0
+    #: an inferred plan: what stays replicated and why, and the seconds its proof took (None: not verified)
+    unplaced: list[tuple[str, str]] = field(default_factory=list)
+    verified_s: float | None = None
 
     def __str__(self) -> str:
         lines = [f"shardlib: {self.model_class} with policy '{self.policy}' on {self.mesh}"]
@@ -40,6 +43,10 @@ class ShardReport:
             lines.append(f"{module:<56} {'attribute ' + attr:<44} {before:>7} -> {after}")
         for kind, count in self.kernels:
             lines.append(f"{'kernel ' + kind:<56} installed on {count} modules")
+        for module, why in self.unplaced:
+            lines.append(f"{module:<56} left replicated: {why}")
+        if self.verified_s is not None:
+            lines.append(f"inferred plan verified on a 2-layer float64 twin in {self.verified_s:.2f} s")
         ratio = self.local_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0
         lines.append(
             f"parameter bytes per rank: {_mib(self.local_bytes)} (unsharded {_mib(self.unsharded_bytes)}, "

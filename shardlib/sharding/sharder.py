@@ -41,13 +41,16 @@ def shard(
     layers_per_stage: list[int] | None = None,
     sequence_parallel: bool | str = False,
     kernels: Kernels | None = None,
+    verify_plan: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
     ``model``: a transformers model, or a peft model (``peft.get_peft_model``): its LoRA adapters are sharded with
     the linears they wrap (:mod:`shardlib.sharding.adapters`).
 
-    ``policy``: defaults to the registered policy for the model class (``shardlib.policies``).
+    ``policy``: defaults to the registered policy for the model class (``shardlib.policies``); for a class without
+    one, or with ``policy="auto"``, a plan inferred from the model's own graph (:mod:`shardlib.sharding.inference`),
+    proven on a small twin of the model before anything changes (``verify_plan=False`` skips the proof).
     ``gather_logits``: see :mod:`shardlib.sharding.losses` (None: gather only when no labels are passed).
     ``rng_tracker``: the per-rank dropout stream for sharded activations (default: seeded from the current default
     generator state, which must be identical on all ranks: call ``torch.manual_seed`` first).
@@ -68,16 +71,22 @@ def shard(
 
     The report of every rewrite is ``shard_state(model).report`` (also ``shardlib.report(model)``).
     """
-    from shardlib.policies import policy_for
+    from shardlib.policies import has_policy, policy_for
+
+    from .inference import infer, inferred_policy
+    from .inference.verify import verify
 
     if shard_state(model, required=False) is not None:
         raise PlanError(f"{type(model).__name__} is already sharded")
     wrapper, model = model, peft_inner_model(model) or model  # a peft model: its transformers model is sharded
-    policy = policy or policy_for(model)
+    inferred = policy == "auto" or (policy is None and not has_policy(model))
+    policy = inferred_policy(model) if inferred else policy or policy_for(model)
     options = dict(gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
                    stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
                    sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
+    if inferred:
+        report.unplaced = [(u.module, u.why) for u in infer(model).unplaced]
     r = Resolved(model, mesh, policy.plan(model, mesh.tp), options, report)
     options["sequence_mode"] = sequence_mode(sequence_parallel, r.problems)
     passes = passes_for(r)
@@ -90,6 +99,8 @@ def shard(
             + "\n  ".join(r.problems + problems)
         )
 
+    if inferred and verify_plan and mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
+        report.verified_s = verify(model, policy, mesh)
     if rng_tracker is None:
         options["rng_tracker"] = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
     report.unsharded_bytes = _param_bytes(model.parameters())

@@ -1,0 +1,132 @@
+"""Plans inferred from the model's own graph: the sharding compiler for architectures nobody wrote a policy for.
+
+``shard(model, mesh)`` on a class with no registered policy, or ``policy="auto"`` on any class:
+
+1. an **analysis twin** (:mod:`.twin`: the same class, 2 layers, sizes that tell roles apart) is exported with
+   ``torch.export`` (non-strict) on an example batch of its task (:mod:`.graph`);
+2. the graph is read site by site (:mod:`.sites`): each attention op (SDPA, or softmax between two matmuls) is
+   walked back through reshapes, transposes, rotary and grouped-KV ops to its q, k and v projections and on to its
+   output projection; linear -> element-wise -> linear regions are MLPs; embeddings with the vocabulary's rows, and
+   the heads tied to them, are vocab-parallel; per-head tables inside attention blocks are split by head;
+3. the facts become a plan (:mod:`.assemble`): Megatron styles, input copies where the projections read the
+   block's own arguments, per-rank RNG on sharded activations, head attributes to divide, the layer trunk, and
+   patterns over the layer index;
+4. before ``shard()`` uses it, the plan is **proven** on a verification twin (:mod:`.verify`).
+
+Anything the analysis cannot place stays replicated and is listed (:attr:`Inferred.unplaced`). The result is
+cached per model class and config structure (the plan depends on the architecture, not the sizes).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ...parallel.random import preserved_rng
+from ...parallel.styles import as_tuple, style_name
+from ..examples import example_batch, task_of
+from ..plan import Plan, PlanError
+from .assemble import Facts, build_plan, divided_attributes, entry_arguments, stacks_of
+from .graph import ExportError, export_twin
+from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
+from .twin import analysis_twin
+
+
+@dataclass
+class Inferred:
+    """An inferred plan, the evidence for each decision, and what stays replicated."""
+
+    model_class: str
+    plan: Plan
+    evidence: dict[str, list[str]] = field(default_factory=dict)
+    unplaced: list[Unplaced] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        lines = [f"inferred plan for {self.model_class} ({self.seconds:.2f} s):"]
+        for pattern, styles in self.plan.styles.items():
+            lines.append(f"  {pattern}: {' + '.join(style_name(s) for s in as_tuple(styles))}")
+        for pattern, names in self.plan.divide_by_tp.items():
+            lines.append(f"  {pattern}: divide {', '.join(names)} by tp")
+        for stack in self.plan.trunk:
+            lines.append(f"  trunk {stack.layers} (before {list(stack.before)}, after {list(stack.after)})")
+        if self.plan.sequence_dropout:
+            lines.append(f"  sequence-parallel dropouts: {', '.join(self.plan.sequence_dropout)}")
+        if self.plan.loss is not None:
+            lines.append(f"  loss {self.plan.loss.kind} on vocab-parallel {self.plan.loss.head}")
+        lines.append("evidence:")
+        for site, items in self.evidence.items():
+            lines += [f"  {site}: {item}" for item in items]
+        if self.unplaced:
+            lines.append("left replicated:")
+            lines += [f"  {u.module}: {u.why}" for u in self.unplaced]
+        return "\n".join(lines)
+
+
+_CACHE: dict[tuple, Inferred] = {}
+
+
+def _structure_key(model: nn.Module) -> tuple:
+    """What the plan depends on: the class and the config's non-size fields."""
+    sizes = ("size", "dim", "layers", "heads", "vocab", "position", "d_", "n_", "ffn", "num_")
+    config = {k: repr(v) for k, v in model.config.to_dict().items()
+              if not any(s in k for s in sizes) and k not in ("transformers_version", "_name_or_path")}
+    return type(model), tuple(sorted(config.items()))
+
+
+def infer(model: nn.Module) -> Inferred:
+    """The inferred plan of ``model``'s architecture (module docstring); cached. Raises :class:`ExportError` (a
+    :class:`PlanError`) when the twin does not export, and :class:`PlanError` when no attention block is found."""
+    key = _structure_key(model)
+    if key not in _CACHE:
+        _CACHE[key] = _infer(model)
+    return _CACHE[key]
+
+
+def _infer(model: nn.Module) -> Inferred:
+    start = time.perf_counter()
+    with preserved_rng():
+        torch.manual_seed(0)
+        twin, sizes = analysis_twin(model)
+        inputs = example_batch(twin, 2, 7, device="cpu", generator=torch.Generator().manual_seed(0))
+        g = export_twin(twin, inputs)
+    unplaced: list[Unplaced] = []
+    attention = attention_facts(g, sizes, unplaced)
+    if not attention:
+        reasons = "; ".join(f"{u.module}: {u.why}" for u in unplaced) or "no attention op in the graph"
+        raise PlanError(f"cannot infer a plan for {type(model).__name__}: no attention block could be identified "
+                        f"({reasons}). Write a policy for it (docs/policy-authoring.md)")
+    taken = {p for f in attention for p in (f.q, f.k, f.v, f.out)}
+    blocks = [f.block for f in attention]
+    stacks = stacks_of(twin, blocks)
+    mlps = mlp_facts(g, taken, tuple(stacks))
+    tables, head = vocab_sites(g, twin, sizes, unplaced)
+    facts = Facts(attention=attention, mlps=mlps, tables=tables, head=head, relative=relative_tables(g, sizes, blocks),
+                  stacks=stacks, unplaced=unplaced)
+    groups = {f.block: list(dict.fromkeys((f.q, f.k, f.v))) for f in attention}
+    groups |= {parent: list(f.up) for f in mlps if len(f.up) > 1 and (parent := f.up[0].rpartition(".")[0])}
+    facts.entries = entry_arguments(twin, inputs, groups)
+    facts.divide = divided_attributes(twin, blocks, sizes.widths)
+    plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
+    evidence = {f"attention {f.block}": f.evidence for f in attention}
+    evidence |= {f"mlp {f.down}": f.evidence for f in mlps}
+    if tables:
+        evidence["vocabulary"] = [f"{', '.join(tables)}: {sizes.vocab} rows (the twin's vocabulary)"]
+    if facts.relative:
+        evidence["per-head tables"] = [f"{', '.join(facts.relative)}: {sizes.heads} columns, inside attention blocks"]
+    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped, time.perf_counter() - start)
+
+
+def inferred_policy(model: nn.Module):
+    """A :class:`shardlib.policies.Policy` whose plan is :func:`infer`'s for ``model``'s class."""
+    from shardlib.policies import Policy
+
+    inferred = infer(model)
+    return Policy(name="inferred", model_classes=(type(model),), make_plan=lambda m, tp: inferred.plan)
+
+
+__all__ = ["Inferred", "infer", "inferred_policy", "ExportError"]

@@ -1,0 +1,244 @@
+"""What the graph says, site by site: attention blocks (their q/k/v and output projections and head counts), MLPs
+(up and gate projections, the element-wise region, the down projection), vocabulary embeddings and the LM head,
+relative-position tables. Each fact keeps its evidence: the graph nodes that made the decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx, nn
+
+from .graph import (
+    ATTENTION_OPS, CHECK_OPS, aten, ELEMENTWISE_OPS, MATMUL_OPS, SHAPE_OPS, SOFTMAX_OPS, SPLIT_OPS, Graph, back_to_linears,
+    on_to_linears, op_name, shape, tensor_args,
+)
+from .twin import Sizes
+
+
+@dataclass
+class AttentionFact:
+    block: str  # the module that runs the attention op (CopyInputs / LocalRNG go here)
+    q: str
+    k: str
+    v: str
+    out: str
+    heads: int
+    kv_heads: int
+    nodes: dict[str, fx.Node] = field(default_factory=dict, repr=False)  # the projections' calls, by role
+    evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MlpFact:
+    up: tuple[str, ...]  # column-parallel: the up (and gate) projections
+    down: str  # row-parallel
+    local_dropout: tuple[str, ...]  # dropout modules on the sharded region (per-rank stream)
+    nodes: tuple[fx.Node, ...] = field(default=(), repr=False)  # the up projections' calls
+    evidence: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Unplaced:
+    module: str
+    why: str
+
+
+def _attention_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node] | None:
+    """(q, k, v, output) of an attention op: SDPA directly; an eager softmax through the two matmuls around it."""
+    if node.target in ATTENTION_OPS:
+        q, k, v = node.args[:3]
+        return q, k, v, node
+    scores = _back_through(node.args[0], ELEMENTWISE_OPS | SHAPE_OPS, MATMUL_OPS)
+    probs = _on_through(node, ELEMENTWISE_OPS | SHAPE_OPS, MATMUL_OPS, position=0)
+    if scores is None or probs is None:
+        return None
+    return scores.args[0], scores.args[1], probs.args[1], probs
+
+
+def _back_through(node, through, target):
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in target:
+            return n
+        if n.op == "call_function" and n.target in through:
+            todo += tensor_args(n)
+    return None
+
+
+def _on_through(node, through, target, position):
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.op == "call_function" and user.target in target and user.args[position] is n:
+                return user
+            if user.op == "call_function" and user.target in through:
+                todo.append(user)
+    return None
+
+
+def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[AttentionFact]:
+    linears = set(g.linear_calls())
+    facts = []
+    for op in g.calls(ATTENTION_OPS | SOFTMAX_OPS):
+        operands = _attention_operands(op)
+        block = g.module_of(op)
+        if operands is None:
+            continue
+        roles = {}
+        evidence = [f"{op.target} ({op.name}) in {block}"]
+        for role, node in zip(("q", "k", "v"), operands[:3]):
+            found, passed = back_to_linears(g, node, linears)
+            if len(found) != 1:
+                roles = None
+                unplaced.append(Unplaced(block, f"the attention's {role} comes from {len(found)} linear modules "
+                                                f"({', '.join(sorted(g.module_of(n) for n in found)) or 'none'})"))
+                break
+            (linear,) = found
+            if any(p.target in SPLIT_OPS for p in passed):
+                roles = None
+                unplaced.append(Unplaced(g.module_of(linear), "a fused projection split into q, k and v (per-head "
+                                                              "split not supported yet)"))
+                break
+            roles[role] = linear
+            evidence.append(f"{role} <- {g.module_of(linear)} ({linear.name}) via "
+                            f"{', '.join(op_name(p) for p in dict.fromkeys(passed)) or 'nothing'}")
+        if roles is None:
+            continue
+        outs = on_to_linears(g, operands[3], linears)
+        if len(outs) != 1:
+            unplaced.append(Unplaced(block, f"the attention output feeds {len(outs)} linear modules"))
+            continue
+        (out,) = outs
+        evidence.append(f"out -> {g.module_of(out)} ({out.name})")
+        head_dim = shape(operands[0])[-1]
+        q_mod, k_mod = (g.modules[g.module_of(roles[r])] for r in ("q", "k"))
+        heads, kv_heads = q_mod.out_features // head_dim, k_mod.out_features // head_dim
+        if heads != sizes.heads:
+            unplaced.append(Unplaced(block, f"{heads} query heads found where the twin has {sizes.heads}"))
+            continue
+        evidence.append(f"heads {heads}, key/value heads {kv_heads}, head dim {head_dim} (q {list(shape(operands[0]))})")
+        facts.append(AttentionFact(block=block, q=g.module_of(roles["q"]), k=g.module_of(roles["k"]),
+                                   v=g.module_of(roles["v"]), out=g.module_of(out), heads=heads, kv_heads=kv_heads,
+                                   nodes=roles, evidence=evidence))
+    return facts
+
+
+def mlp_facts(g: Graph, taken: set[str], inside: tuple[str, ...]) -> list[MlpFact]:
+    """Linear -> element-wise region -> linear, where every value in the region is per feature: the first linears
+    column-parallel, the last row-parallel. Only inside the layer stacks ``inside`` (task heads stay replicated, as
+    the hand policies keep them: at most hidden x hidden, sharding them adds collectives for no memory won)."""
+    linears = {n for n in g.linear_calls() if g.module_of(n) not in taken
+               and any(g.module_of(n).startswith(s + ".") for s in inside)}
+    facts, used = [], set()
+    for start in linears:
+        if start in used:
+            continue
+        region, ups, downs, ok = set(), {start}, set(), True
+        todo = list(start.users)
+        while todo and ok:
+            node = todo.pop()
+            if node in region or node in ups:
+                continue
+            if node in linears and node.args[0] in region | ups:
+                downs.add(node)
+                continue
+            if node.op == "call_function" and node.target in CHECK_OPS:
+                continue
+            if node.op != "call_function" or node.target not in ELEMENTWISE_OPS:
+                ok = False
+                break
+            region.add(node)
+            for arg in tensor_args(node):
+                if arg in region or arg in ups or not shape(arg) or shape(arg)[-1] != shape(start)[-1]:
+                    continue
+                if arg in linears:  # a gate: another column-parallel projection joining the region
+                    ups.add(arg)
+                    todo += list(arg.users)
+                else:
+                    ok = False
+            todo += list(node.users)
+        if not ok or len(downs) != 1 or not region:
+            continue
+        (down,) = downs
+        dropouts = tuple(sorted({g.module_of(n) for n in region if isinstance(g.modules.get(g.module_of(n)),
+                                                                               nn.Dropout)}))
+        used |= ups
+        facts.append(MlpFact(up=tuple(sorted(g.module_of(u) for u in ups)), down=g.module_of(down),
+                             local_dropout=dropouts, nodes=tuple(ups), evidence=[
+                                 f"{', '.join(g.module_of(u) for u in sorted(ups, key=lambda n: n.name))} -> "
+                                 f"{', '.join(sorted({op_name(n) for n in region}))} -> "
+                                 f"{g.module_of(down)}"]))
+    return facts
+
+
+def tied_holders(model: nn.Module, weight: nn.Parameter) -> list[str]:
+    """Every module (by path, duplicates included) holding ``weight`` as its ``weight``."""
+    return sorted({name for name, m in model.named_modules(remove_duplicate=False)
+                   if getattr(m, "weight", None) is weight and isinstance(m, (nn.Embedding, nn.Linear))})
+
+
+def vocab_sites(g: Graph, model: nn.Module, sizes: Sizes, unplaced: list[Unplaced]) -> tuple[list[str], str | None]:
+    """The modules that hold the vocabulary table (embeddings and the heads tied to them), and the LM head if it
+    can be vocab-parallel: its logits go only to reshapes, the loss and the output (no bias or mask added over the
+    vocabulary, which would need the whole row)."""
+    tables, head = set(), None
+    for node in g.embedding_calls():
+        module = g.modules[g.module_of(node)]
+        if module.num_embeddings == sizes.vocab:
+            tables |= set(tied_holders(model, module.weight))
+    for node in g.linear_calls():
+        path = g.module_of(node)
+        if g.modules[path].out_features != sizes.vocab:
+            continue
+        if _logits_stay_whole(node):
+            head = path
+            tables |= set(tied_holders(model, g.modules[path].weight))
+        else:
+            unplaced.append(Unplaced(path, "the vocabulary head's logits meet another tensor over the vocabulary "
+                                           "(a bias or mask added to them): left replicated"))
+            tables -= set(tied_holders(model, g.modules[path].weight))
+    return sorted(tables), head
+
+
+#: what a vocab-sharded logits tensor may meet before it leaves the model: reshapes, casts, the loss
+LOGIT_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default, aten.to.dtype,
+             aten._to_copy.default, aten.slice.Tensor, aten.clone.default, aten._log_softmax.default,
+             aten.log_softmax.int, aten.cross_entropy_loss.default, aten.nll_loss_forward.default,
+             aten.nll_loss.default, aten.transpose.int, aten.permute.default}
+
+
+def _logits_stay_whole(node: fx.Node) -> bool:
+    fine = LOGIT_OPS
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.op == "output" or user.target in CHECK_OPS:
+                continue
+            if user.op != "call_function" or user.target not in fine:
+                return False
+            todo.append(user)
+    return True
+
+
+def relative_tables(g: Graph, sizes: Sizes, blocks: list[str]) -> list[str]:
+    """Embeddings inside an attention block with one column per head (T5's relative position bias): split by
+    head."""
+    return sorted({g.module_of(n) for n in g.embedding_calls()
+                   if g.modules[g.module_of(n)].embedding_dim == sizes.heads
+                   and any(g.module_of(n).startswith(b + ".") for b in blocks)})
+
+
+__all__ = ["AttentionFact", "MlpFact", "Unplaced", "attention_facts", "mlp_facts", "vocab_sites", "relative_tables",
+           "tied_holders"]

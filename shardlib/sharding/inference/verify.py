@@ -1,0 +1,135 @@
+"""Proof before use: an inferred plan is run, sharded and unsharded, on one small random batch before ``shard()``
+returns, and must give the same loss (or outputs) and every parameter's gradient.
+
+It runs on a verification twin (:func:`.twin.verification_twin`: same class, 2 layers, widths tp divides, float64,
+dropout off) on the mesh's tensor-parallel group, so every tp rank takes part, and it never touches the model being
+sharded: a mismatch refuses with the first module whose output diverges, and the model is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...parallel.random import preserved_rng
+from ..examples import example_batch
+from ..plan import PlanError
+from .twin import verification_twin
+
+#: float64 on 2 layers: reorderings of sums at 1e-16 unit roundoff; a wrong plan is off by O(1)
+RTOL, ATOL = 1e-7, 1e-9
+#: a causal-LM loss transformers computes in float32 whatever the model's dtype (``logits.float()``): its
+#: gradients carry float32 rounding in the reference itself
+LOSS_TOLERANCE = {"causal_lm": (1e-4, 1e-6)}
+
+
+@dataclass(frozen=True)
+class TensorParallelMesh:
+    """The tensor-parallel group of a mesh alone (no pipeline, no data or sequence parallelism): what the twin is
+    sharded over."""
+
+    tp: int
+    tp_rank: int
+    tp_group: object
+    device_type: str = "cpu"
+    dp: int = 1
+    pp: int = 1
+    sp: int = 1
+
+    def size(self, dim: str) -> int:
+        return self.tp if dim == "tp" else 1
+
+    def group(self, dim: str):
+        return self.tp_group
+
+    def __str__(self) -> str:
+        return f"the tp={self.tp} group of the mesh"
+
+
+def _objective(out) -> torch.Tensor:
+    """The loss when the model computed one, else a fixed function of every floating output."""
+    loss = getattr(out, "loss", None)
+    if loss is not None:
+        return loss
+    total = torch.zeros((), dtype=torch.float64)
+    for value in out.values():
+        if torch.is_tensor(value) and value.is_floating_point():
+            total = total + (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
+    return total
+
+
+def verify(model: nn.Module, policy, mesh) -> float:
+    """Prove ``policy``'s plan for ``model``'s class at ``mesh.tp`` (module docstring); returns the seconds it
+    took. Raises :class:`PlanError` naming the first diverging module."""
+    from ..sharder import shard
+    from ..state import full_state_dict
+
+    start = time.perf_counter()
+    view = TensorParallelMesh(mesh.tp, mesh.tp_rank, mesh.tp_group, getattr(mesh, "device_type", "cpu"))
+    with preserved_rng():
+        torch.manual_seed(0)  # every tp rank builds the same twin and batch
+        twin, _ = verification_twin(model, mesh.tp)
+        twin.train()
+        sharded = shard(copy.deepcopy(twin), view, policy=policy, gather_logits=True, verify_plan=False)
+        batch = example_batch(twin, 2, 6, device="cpu", generator=torch.Generator().manual_seed(1))
+        batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+        expected, actual = _objective(twin(**batch)), _objective(sharded(**batch))
+        expected.backward()
+        actual.backward()
+        grads = full_state_dict(sharded, grads=True)
+    plan = policy.plan(twin, mesh.tp)
+    rtol, atol = LOSS_TOLERANCE.get(plan.loss.kind if plan.loss is not None else "", (RTOL, ATOL))
+    problems = []
+    if not torch.allclose(actual.detach(), expected.detach(), rtol=rtol, atol=atol):
+        problems.append(f"loss {actual.item():.12g} != unsharded {expected.item():.12g}")
+    for name, p in twin.named_parameters():
+        if p.grad is None:
+            continue
+        if name not in grads or not torch.allclose(grads[name], p.grad, rtol=rtol, atol=atol):
+            problems.append(f"gradient of {name}")
+    if problems:
+        where = first_divergence(twin, sharded, batch)
+        raise PlanError(f"the inferred plan for {type(model).__name__} does not compute what the model computes at "
+                        f"tp={mesh.tp} (verified on a 2-layer float64 twin): first diverging module: {where}; "
+                        f"{'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''}. The model was not changed; "
+                        "write a policy for it (docs/policy-authoring.md) or report the model")
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def first_divergence(reference: nn.Module, sharded: nn.Module, batch: dict) -> str:
+    """The first module, in forward order, whose output differs between the two models (outputs compared where
+    the sharded one has the full shape, i.e. is replicated)."""
+    records: dict[str, list] = {"ref": [], "shard": []}
+
+    def hooks(model, key):
+        handles = []
+        for name, module in model.named_modules():
+            def hook(mod, args, out, name=name):
+                value = out[0] if isinstance(out, (tuple, list)) and out else out
+                if torch.is_tensor(value) and value.is_floating_point():
+                    records[key].append((name, value.detach().clone()))
+            handles.append(module.register_forward_hook(hook))
+        return handles
+
+    handles = hooks(reference, "ref") + hooks(sharded, "shard")
+    try:
+        reference(**batch)
+        sharded(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    theirs = dict(records["shard"])
+    for name, value in records["ref"]:
+        other = theirs.get(name)
+        if other is not None and other.shape == value.shape \
+                and not torch.allclose(other, value, rtol=RTOL, atol=ATOL):
+            return f"{name} ({type(reference.get_submodule(name)).__name__})" if name else "the model's output"
+    return "none found module by module (the loss or a gradient differs)"
+
+
+__all__ = ["verify", "first_divergence", "TensorParallelMesh"]

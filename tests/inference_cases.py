@@ -1,0 +1,62 @@
+"""Families sharded by inferred plans (issue 24): small configs of each, built from the config class (no download),
+and a batch of each model's task (``shardlib.sharding.examples.example_batch`` with random values)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from shardlib.sharding.examples import example_batch
+
+TEXT = dict(vocab_size=50, max_position_embeddings=32)
+BERTLIKE = dict(TEXT, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+SEQ2SEQ = dict(vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2,
+               eos_token_id=2, bos_token_id=0)
+VISION = dict(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+DECODER = dict(TEXT, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+
+#: family -> (config class, config kwargs, the model classes tested: every task head the family has)
+FAMILIES = {
+    "roberta": ("RobertaConfig", dict(BERTLIKE, pad_token_id=1), (
+        "RobertaModel", "RobertaForMaskedLM", "RobertaForCausalLM", "RobertaForSequenceClassification",
+        "RobertaForTokenClassification", "RobertaForQuestionAnswering", "RobertaForMultipleChoice")),
+    "xlm-roberta": ("XLMRobertaConfig", dict(BERTLIKE, pad_token_id=1), (
+        "XLMRobertaForMaskedLM", "XLMRobertaForSequenceClassification")),
+    "camembert": ("CamembertConfig", dict(BERTLIKE, pad_token_id=1), (
+        "CamembertForMaskedLM", "CamembertForTokenClassification")),
+    "electra": ("ElectraConfig", dict(BERTLIKE, embedding_size=16), (
+        "ElectraModel", "ElectraForPreTraining", "ElectraForMaskedLM", "ElectraForSequenceClassification",
+        "ElectraForQuestionAnswering")),
+    "distilbert": ("DistilBertConfig", dict(TEXT, dim=16, n_layers=2, n_heads=4, hidden_dim=32, dropout=0.0,
+                                            attention_dropout=0.0, seq_classif_dropout=0.0, qa_dropout=0.0), (
+        "DistilBertModel", "DistilBertForMaskedLM", "DistilBertForSequenceClassification",
+        "DistilBertForTokenClassification", "DistilBertForQuestionAnswering")),
+    "deit": ("DeiTConfig", VISION, ("DeiTModel", "DeiTForImageClassification")),
+    "bart": ("BartConfig", SEQ2SEQ, ("BartModel", "BartForConditionalGeneration", "BartForSequenceClassification")),
+    "llama": ("LlamaConfig", dict(DECODER, num_key_value_heads=2, pad_token_id=0, use_cache=False), ("LlamaModel", "LlamaForCausalLM",
+                                                                   "LlamaForSequenceClassification")),
+}
+
+
+#: what a class needs of its config beyond its family's
+CLASS_CONFIG = {"RobertaForCausalLM": dict(is_decoder=True)}
+
+
+def make_model(cls: str, family: str, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
+    config_cls, kwargs, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**kwargs, **CLASS_CONFIG.get(cls, {}))
+    return getattr(transformers, cls)(config).to(dtype)
+
+
+def make_batch(model: torch.nn.Module, seed: int = 1, batch: int = 2, seq: int = 6) -> dict:
+    inputs = example_batch(model, batch, seq, device="cpu", generator=torch.Generator().manual_seed(seed))
+    dtype = next(model.parameters()).dtype
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+CASES = [(family, cls) for family, (_, _, classes) in FAMILIES.items() for cls in classes]
