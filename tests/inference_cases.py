@@ -37,6 +37,19 @@ FAMILIES = {
         "DistilBertForTokenClassification", "DistilBertForQuestionAnswering")),
     "deit": ("DeiTConfig", VISION, ("DeiTModel", "DeiTForImageClassification")),
     "bart": ("BartConfig", SEQ2SEQ, ("BartModel", "BartForConditionalGeneration", "BartForSequenceClassification")),
+    "marian": ("MarianConfig", dict(SEQ2SEQ, decoder_vocab_size=50), ("MarianModel", "MarianMTModel")),
+    "pegasus": ("PegasusConfig", SEQ2SEQ, ("PegasusModel", "PegasusForConditionalGeneration")),
+    "mbart": ("MBartConfig", SEQ2SEQ, ("MBartForConditionalGeneration", "MBartForQuestionAnswering")),
+    "opt": ("OPTConfig", dict(TEXT, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, ffn_dim=32,
+                              word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0, use_cache=False,
+                              pad_token_id=1), ("OPTModel", "OPTForCausalLM", "OPTForSequenceClassification")),
+    "mistral": ("MistralConfig", dict(DECODER, num_key_value_heads=2, pad_token_id=0, use_cache=False), (
+        "MistralForCausalLM", "MistralForSequenceClassification")),
+    "qwen2": ("Qwen2Config", dict(DECODER, num_key_value_heads=2, pad_token_id=0, use_cache=False,
+                                  classifier_dropout=0.0), (
+        "Qwen2ForCausalLM", "Qwen2ForTokenClassification")),
+    "albert": ("AlbertConfig", dict(BERTLIKE, embedding_size=8, classifier_dropout_prob=0.0), (
+        "AlbertModel", "AlbertForMaskedLM", "AlbertForSequenceClassification")),
     "llama": ("LlamaConfig", dict(DECODER, num_key_value_heads=2, pad_token_id=0, use_cache=False), ("LlamaModel", "LlamaForCausalLM",
                                                                    "LlamaForSequenceClassification")),
 }

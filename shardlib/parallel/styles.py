@@ -138,15 +138,17 @@ class VocabParallel(Style):
 class CopyInputs(Style):
     """Enter the TP region once at this module: the named replicated inputs go through ``copy_to_tp`` (forward
     identity, backward one all-reduce each), so the column linears inside need no copy of their own. Under
-    sequence parallelism the ``hidden_states`` input arrives sequence-sharded and is all-gathered instead
-    (backward: reduce-scatter); other inputs (encoder states for cross-attention) stay replicated."""
+    sequence parallelism the ``sequence_inputs`` (default ``hidden_states``) arrive sequence-sharded and are
+    all-gathered instead (backward: reduce-scatter); other inputs (encoder states for cross-attention) stay
+    replicated."""
 
     names: tuple[str, ...]
+    #: the inputs that carry the residual stream, sequence-sharded under sequence parallelism (all-gathered here)
+    sequence_inputs: tuple[str, ...] = ("hidden_states",)
 
-    SEQUENCE_INPUT = "hidden_states"
-
-    def __init__(self, *names: str):
+    def __init__(self, *names: str, sequence_inputs: tuple[str, ...] = ("hidden_states",)):
         object.__setattr__(self, "names", tuple(names))
+        object.__setattr__(self, "sequence_inputs", tuple(sequence_inputs))
 
     def apply(self, path, module, ctx):
         if ctx.tp == 1:
@@ -156,7 +158,7 @@ class CopyInputs(Style):
         names, group, sequence = self.names, ctx.group, ctx.sequence
 
         def enter(name, x):
-            if sequence is not None and name == self.SEQUENCE_INPUT:
+            if sequence is not None and name in self.sequence_inputs:
                 return sequence.gather(x)
             return copy_to_tp(x, group)
 

@@ -68,9 +68,9 @@ def example_batch(model: nn.Module, batch: int, seq: int, device="meta", *,
         inputs["labels"] = ints(*shape, high=vocab)
     if task == "TOKEN_CLASSIFICATION":
         inputs["labels"] = ints(*shape, high=config.num_labels)
-    if task in ("SEQUENCE_CLASSIFICATION", "NEXT_SENTENCE_PREDICTION"):
+    if task == "SEQUENCE_CLASSIFICATION":
         inputs["labels"] = ints(batch, high=config.num_labels)
-    if task == "MULTIPLE_CHOICE":
+    if task in ("MULTIPLE_CHOICE", "NEXT_SENTENCE_PREDICTION"):  # 2 choices; is-next or not
         inputs["labels"] = ints(batch)
     if "next_sentence_label" in forward:
         inputs["next_sentence_label"] = ints(batch)

@@ -91,6 +91,8 @@ def shard(
     options["sequence_mode"] = sequence_mode(sequence_parallel, r.problems)
     passes = passes_for(r)
     problems = [problem for p in passes for problem in p.problems(r)]
+    if inferred:
+        problems += infer(model).head_problems(model, mesh.tp)
     if r.problems or problems:
         sp = getattr(mesh, "sp", 1)
         raise PlanError(
@@ -100,7 +102,7 @@ def shard(
         )
 
     if inferred and verify_plan and mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
-        report.verified_s = verify(model, policy, mesh)
+        report.verified_s = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
     if rng_tracker is None:
         options["rng_tracker"] = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
     report.unsharded_bytes = _param_bytes(model.parameters())

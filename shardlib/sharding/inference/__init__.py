@@ -30,7 +30,9 @@ from ...parallel.random import preserved_rng
 from ...parallel.styles import as_tuple, style_name
 from ..examples import example_batch, task_of
 from ..plan import Plan, PlanError
-from .assemble import Facts, build_plan, divided_attributes, entry_arguments, stacks_of
+from .assemble import (
+    Facts, build_plan, divided_attributes, entry_arguments, inputs_only_projected, pattern_of, stacks_of,
+)
 from .graph import ExportError, export_twin
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
 from .twin import analysis_twin
@@ -45,6 +47,25 @@ class Inferred:
     evidence: dict[str, list[str]] = field(default_factory=dict)
     unplaced: list[Unplaced] = field(default_factory=list)
     seconds: float = 0.0
+    #: attention block pattern -> (q child, k child, head-dim attribute): heads are counted on the model to shard
+    heads: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+
+    def head_problems(self, model: nn.Module, tp: int) -> list[str]:
+        """Attention blocks whose query or key/value heads ``tp`` does not divide (checked on ``model`` itself,
+        whatever attributes its blocks hold)."""
+        from ..plan import match_modules
+
+        problems, modules = [], dict(model.named_modules())
+        for pattern, (q, k, head_dim) in self.heads.items():
+            for path in match_modules(pattern, modules):
+                block = modules[path]
+                d = getattr(block, head_dim)
+                for role, child in (("query", q), ("key/value", k)):
+                    n = block.get_submodule(child).out_features // d
+                    if n % tp:
+                        problems.append(f"{path}: {n} {role} heads ({child}: {n * d} outputs / {head_dim} {d}) "
+                                        f"are not divisible by tp={tp}")
+        return list(dict.fromkeys(problems))
 
     def describe(self) -> str:
         lines = [f"inferred plan for {self.model_class} ({self.seconds:.2f} s):"]
@@ -107,18 +128,26 @@ def _infer(model: nn.Module) -> Inferred:
     tables, head = vocab_sites(g, twin, sizes, unplaced)
     facts = Facts(attention=attention, mlps=mlps, tables=tables, head=head, relative=relative_tables(g, sizes, blocks),
                   stacks=stacks, unplaced=unplaced)
-    groups = {f.block: list(dict.fromkeys((f.q, f.k, f.v))) for f in attention}
-    groups |= {parent: list(f.up) for f in mlps if len(f.up) > 1 and (parent := f.up[0].rpartition(".")[0])}
+    groups = {f.block: (list(dict.fromkeys((f.q, f.k, f.v))), list(f.nodes.values())) for f in attention}
+    groups |= {parent: (list(f.up), list(f.nodes)) for f in mlps
+               if len(f.up) > 1 and (parent := f.up[0].rpartition(".")[0])}
+    groups = {owner: paths for owner, (paths, calls) in groups.items() if inputs_only_projected(g, owner, calls)}
     facts.entries = entry_arguments(twin, inputs, groups)
     facts.divide = divided_attributes(twin, blocks, sizes.widths)
     plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
+    heads = {}
+    for f in attention:
+        block = twin.get_submodule(f.block)
+        head_dim = next((k for k, v in vars(block).items() if type(v) is int and v == sizes.head_dim), None)
+        if head_dim is not None and f.q.startswith(f.block + ".") and f.k.startswith(f.block + "."):
+            heads[pattern_of(f.block, stacks)] = (f.q[len(f.block) + 1:], f.k[len(f.block) + 1:], head_dim)
     evidence = {f"attention {f.block}": f.evidence for f in attention}
     evidence |= {f"mlp {f.down}": f.evidence for f in mlps}
     if tables:
         evidence["vocabulary"] = [f"{', '.join(tables)}: {sizes.vocab} rows (the twin's vocabulary)"]
     if facts.relative:
         evidence["per-head tables"] = [f"{', '.join(facts.relative)}: {sizes.heads} columns, inside attention blocks"]
-    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped, time.perf_counter() - start)
+    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped, time.perf_counter() - start, heads)
 
 
 def inferred_policy(model: nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 from ...parallel.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel, style_name
 from ..plan import EXAMPLES, TOKENS, LossItems, LossSpec, Plan, Stack, match_modules
-from .graph import Graph
+from .graph import CHECK_OPS, Graph
 from .sites import AttentionFact, MlpFact, Unplaced
 
 LOSS_KINDS = {"MASKED_LM": ("masked_lm", TOKENS), "CAUSAL_LM": ("causal_lm", LossItems(key="labels", shift=1)),
@@ -69,6 +69,19 @@ def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]
         if all(names):
             out[owner] = tuple(dict.fromkeys(names))
     return out
+
+
+def inputs_only_projected(g: Graph, owner: str, projections) -> bool:
+    """Whether, inside module ``owner``, the inputs of ``projections`` (linear calls) feed nothing but them: only
+    then may ``owner`` copy its argument into the TP region for all its uses (a residual add of the same argument
+    inside ``owner``, as ALBERT's attention has, would get its gradient all-reduced too)."""
+    allowed = set(projections)
+    for node in {p.args[0] for p in projections}:
+        for user in node.users:
+            inside = g.module_of(user) == owner or g.module_of(user).startswith(owner + ".")
+            if inside and user not in allowed and user.target not in CHECK_OPS:
+                return False
+    return True
 
 
 def divided_attributes(model: nn.Module, blocks: list[str], values: set[int]) -> dict[str, tuple[str, ...]]:
@@ -153,8 +166,8 @@ def build_plan(facts: Facts, g: Graph, model: nn.Module, task: str, forward_para
     for fact in facts.mlps:
         owner = _common_parent(fact.up)
         names = facts.entries.get(owner) if len(fact.up) > 1 else None
-        if names:
-            concrete[owner] = concrete.get(owner, ()) + (CopyInputs(*names),)
+        if names:  # an MLP's input is the residual stream (sequence-sharded under sequence parallelism)
+            concrete[owner] = concrete.get(owner, ()) + (CopyInputs(*names, sequence_inputs=names),)
         for path in fact.up:
             concrete[path] = (ColwiseParallel(copy_input=not names),)
         concrete[fact.down] = (RowwiseParallel(),)
@@ -221,4 +234,4 @@ def _sequence_dropouts(g: Graph, facts: Facts, styles: dict) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-__all__ = ["Facts", "entry_arguments", "divided_attributes", "stacks_of", "trunk", "pattern_of", "build_plan"]
+__all__ = ["Facts", "entry_arguments", "inputs_only_projected", "divided_attributes", "stacks_of", "trunk", "pattern_of", "build_plan"]

@@ -138,33 +138,19 @@ def mlp_facts(g: Graph, taken: set[str], inside: tuple[str, ...]) -> list[MlpFac
     linears = {n for n in g.linear_calls() if g.module_of(n) not in taken
                and any(g.module_of(n).startswith(s + ".") for s in inside)}
     facts, used = [], set()
-    for start in linears:
+    for start in sorted(linears, key=lambda n: n.name):
         if start in used:
             continue
-        region, ups, downs, ok = set(), {start}, set(), True
-        todo = list(start.users)
-        while todo and ok:
-            node = todo.pop()
-            if node in region or node in ups:
-                continue
-            if node in linears and node.args[0] in region | ups:
-                downs.add(node)
-                continue
-            if node.op == "call_function" and node.target in CHECK_OPS:
-                continue
-            if node.op != "call_function" or node.target not in ELEMENTWISE_OPS:
-                ok = False
-                break
-            region.add(node)
+        region, downs, ok = _grow_region(start, linears)
+        ups = {start}
+        for node in list(region):  # what else the region reads with the same features: gates, or not an MLP
             for arg in tensor_args(node):
                 if arg in region or arg in ups or not shape(arg) or shape(arg)[-1] != shape(start)[-1]:
                     continue
-                if arg in linears:  # a gate: another column-parallel projection joining the region
+                if arg in linears and all(u in region or u in downs or u.target in CHECK_OPS for u in arg.users):
                     ups.add(arg)
-                    todo += list(arg.users)
                 else:
                     ok = False
-            todo += list(node.users)
         if not ok or len(downs) != 1 or not region:
             continue
         (down,) = downs
@@ -177,6 +163,26 @@ def mlp_facts(g: Graph, taken: set[str], inside: tuple[str, ...]) -> list[MlpFac
                                  f"{', '.join(sorted({op_name(n) for n in region}))} -> "
                                  f"{g.module_of(down)}"]))
     return facts
+
+
+def _grow_region(start: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node], set[fx.Node], bool]:
+    """The element-wise nodes downstream of ``start`` up to the linears that consume them; False when a value of the
+    region reaches anything else (a norm, a reduction, the output)."""
+    region, downs, todo = set(), set(), list(start.users)
+    while todo:
+        node = todo.pop()
+        if node in region or node in downs or node is start:
+            continue
+        if node in linears:  # a linear takes a region value as its input: where the region ends
+            downs.add(node)
+            continue
+        if node.op == "call_function" and node.target in CHECK_OPS:
+            continue
+        if node.op != "call_function" or node.target not in ELEMENTWISE_OPS:
+            return region, downs, False
+        region.add(node)
+        todo += list(node.users)
+    return region, downs, True
 
 
 def tied_holders(model: nn.Module, weight: nn.Parameter) -> list[str]:
@@ -208,15 +214,15 @@ def vocab_sites(g: Graph, model: nn.Module, sizes: Sizes, unplaced: list[Unplace
     return sorted(tables), head
 
 
-#: what a vocab-sharded logits tensor may meet before it leaves the model: reshapes, casts, the loss
+#: what a vocab-sharded logits tensor may meet before it leaves the model: reshapes and casts, then a loss (whose
+#: scalar may go anywhere)
 LOGIT_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default, aten.to.dtype,
-             aten._to_copy.default, aten.slice.Tensor, aten.clone.default, aten._log_softmax.default,
-             aten.log_softmax.int, aten.cross_entropy_loss.default, aten.nll_loss_forward.default,
-             aten.nll_loss.default, aten.transpose.int, aten.permute.default}
+             aten._to_copy.default, aten.slice.Tensor, aten.clone.default, aten.transpose.int, aten.permute.default}
+LOSS_OPS = {aten.cross_entropy_loss.default, aten.nll_loss_forward.default, aten.nll_loss.default,
+            aten._log_softmax.default, aten.log_softmax.int}
 
 
 def _logits_stay_whole(node: fx.Node) -> bool:
-    fine = LOGIT_OPS
     todo, seen = [node], set()
     while todo:
         n = todo.pop()
@@ -224,9 +230,9 @@ def _logits_stay_whole(node: fx.Node) -> bool:
             continue
         seen.add(n)
         for user in n.users:
-            if user.op == "output" or user.target in CHECK_OPS:
+            if user.op == "output" or user.target in CHECK_OPS or user.target in LOSS_OPS:
                 continue
-            if user.op != "call_function" or user.target not in fine:
+            if user.op != "call_function" or user.target not in LOGIT_OPS:
                 return False
             todo.append(user)
     return True

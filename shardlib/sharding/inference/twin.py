@@ -27,7 +27,7 @@ ROLES: dict[str, tuple[str, ...]] = {
     "head_dim": ("head_dim", "d_kv", "attention_head_size"),
     "hidden": ("hidden_size", "d_model", "n_embd", "dim", "embed_dim"),
     "ffn": ("intermediate_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner", "hidden_dim"),
-    "vocab": ("vocab_size",),
+    "vocab": ("vocab_size", "decoder_vocab_size"),
     "embedding": ("embedding_size",),
 }
 

@@ -8,6 +8,7 @@ sharded: a mismatch refuses with the first module whose output diverges, and the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -62,9 +63,10 @@ def _objective(out) -> torch.Tensor:
     return total
 
 
-def verify(model: nn.Module, policy, mesh) -> float:
-    """Prove ``policy``'s plan for ``model``'s class at ``mesh.tp`` (module docstring); returns the seconds it
-    took. Raises :class:`PlanError` naming the first diverging module."""
+def verify(model: nn.Module, policy, mesh, **options) -> float:
+    """Prove ``policy``'s plan for ``model``'s class at ``mesh.tp`` with ``shard()``'s ``options`` (sequence
+    parallelism; module docstring); returns the seconds it took. Raises :class:`PlanError` naming the first diverging
+    module, or the module that raised when the sharded twin does not run at all."""
     from ..sharder import shard
     from ..state import full_state_dict
 
@@ -73,13 +75,22 @@ def verify(model: nn.Module, policy, mesh) -> float:
     with preserved_rng():
         torch.manual_seed(0)  # every tp rank builds the same twin and batch
         twin, _ = verification_twin(model, mesh.tp)
-        twin.train()
-        sharded = shard(copy.deepcopy(twin), view, policy=policy, gather_logits=True, verify_plan=False)
+        twin.eval()  # no dropout anywhere (some heads' rates are constants, not config fields); gradients still flow
+        sharded = shard(copy.deepcopy(twin), view, policy=policy, gather_logits=True, verify_plan=False, **options)
         batch = example_batch(twin, 2, 6, device="cpu", generator=torch.Generator().manual_seed(1))
         batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
-        expected, actual = _objective(twin(**batch)), _objective(sharded(**batch))
+        expected = _objective(twin(**batch))
         expected.backward()
-        actual.backward()
+        with _running(sharded) as where:
+            try:
+                actual = _objective(sharded(**batch))
+                actual.backward()
+            except Exception as exc:  # noqa: BLE001 - the plan does not even run: say where, refuse
+                raise PlanError(f"the inferred plan for {type(model).__name__} does not run at tp={mesh.tp}"
+                                f"{' with ' + repr(options) if any(options.values()) else ''} (verified on a 2-layer "
+                                f"twin): {type(exc).__name__} in module {where[-1] if where else '(the model)'!r}: "
+                                f"{str(exc).splitlines()[0]}. The model was not changed; write a policy for it "
+                                "(docs/policy-authoring.md)") from exc
         grads = full_state_dict(sharded, grads=True)
     plan = policy.plan(twin, mesh.tp)
     rtol, atol = LOSS_TOLERANCE.get(plan.loss.kind if plan.loss is not None else "", (RTOL, ATOL))
@@ -98,6 +109,27 @@ def verify(model: nn.Module, policy, mesh) -> float:
                         f"{'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''}. The model was not changed; "
                         "write a policy for it (docs/policy-authoring.md) or report the model")
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _running(model: nn.Module):
+    """Yields the stack of module paths running now (the innermost last): where an error was raised."""
+    stack: list[str] = []
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def enter(mod, args):
+        stack.append(names[id(mod)])
+
+    def leave(mod, args, out):  # not always_call: a module that raised stays on the stack
+        stack.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
+    try:
+        yield stack
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @torch.no_grad()
