@@ -50,6 +50,30 @@ FAMILIES = {
         "Qwen2ForCausalLM", "Qwen2ForTokenClassification")),
     "albert": ("AlbertConfig", dict(BERTLIKE, embedding_size=8, classifier_dropout_prob=0.0), (
         "AlbertModel", "AlbertForMaskedLM", "AlbertForSequenceClassification")),
+    "deberta-v2": ("DebertaV2Config", BERTLIKE, ("DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification",
+                                                 "DebertaV2ForTokenClassification")),
+    "data2vec-vision": ("Data2VecVisionConfig", VISION, ("Data2VecVisionForImageClassification",)),
+    "beit": ("BeitConfig", VISION, ("BeitModel", "BeitForImageClassification")),
+    "megatron-bert": ("MegatronBertConfig", BERTLIKE, ("MegatronBertForMaskedLM", "MegatronBertForCausalLM",
+                                                       "MegatronBertForSequenceClassification")),
+    "ernie": ("ErnieConfig", BERTLIKE, ("ErnieForMaskedLM", "ErnieForSequenceClassification")),
+    "rembert": ("RemBertConfig", dict(BERTLIKE, input_embedding_size=8, output_embedding_size=8,
+                                      classifier_dropout_prob=0.0), (
+        "RemBertForMaskedLM", "RemBertForSequenceClassification")),
+    "blenderbot-small": ("BlenderbotSmallConfig", SEQ2SEQ, ("BlenderbotSmallForConditionalGeneration",)),
+    "plbart": ("PLBartConfig", SEQ2SEQ, ("PLBartForConditionalGeneration", "PLBartForSequenceClassification")),
+    "gpt-neo": ("GPTNeoConfig", dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, use_cache=False,
+                                     attention_types=[[["global", "local"], 1]], max_position_embeddings=32,
+                                     embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0, pad_token_id=0), (
+        "GPTNeoForCausalLM", "GPTNeoForSequenceClassification")),
+    "gemma": ("GemmaConfig", dict(DECODER, num_key_value_heads=2, head_dim=4, use_cache=False, pad_token_id=0), (
+        "GemmaForCausalLM", "GemmaForSequenceClassification")),
+    "gemma2": ("Gemma2Config", dict(DECODER, num_key_value_heads=2, head_dim=4, use_cache=False, pad_token_id=0), (
+        "Gemma2ForCausalLM",)),
+    "granite": ("GraniteConfig", dict(DECODER, num_key_value_heads=2, use_cache=False), ("GraniteForCausalLM",)),
+    "phi": ("PhiConfig", dict(DECODER, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0), (
+        "PhiForCausalLM", "PhiForSequenceClassification")),
+    "stablelm": ("StableLmConfig", dict(DECODER, num_key_value_heads=2, use_cache=False), ("StableLmForCausalLM",)),
     "llama": ("LlamaConfig", dict(DECODER, num_key_value_heads=2, pad_token_id=0, use_cache=False), ("LlamaModel", "LlamaForCausalLM",
                                                                    "LlamaForSequenceClassification")),
 }

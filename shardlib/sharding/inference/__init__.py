@@ -31,7 +31,7 @@ from ...parallel.styles import as_tuple, style_name
 from ..examples import example_batch, task_of
 from ..plan import Plan, PlanError
 from .assemble import (
-    Facts, build_plan, divided_attributes, entry_arguments, inputs_only_projected, pattern_of, stacks_of,
+    Facts, attributes_read, build_plan, divided_attributes, entry_arguments, inputs_only_projected, pattern_of, stacks_of,
 )
 from .graph import ExportError, export_twin
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
@@ -133,7 +133,7 @@ def _infer(model: nn.Module) -> Inferred:
                if len(f.up) > 1 and (parent := f.up[0].rpartition(".")[0])}
     groups = {owner: paths for owner, (paths, calls) in groups.items() if inputs_only_projected(g, owner, calls)}
     facts.entries = entry_arguments(twin, inputs, groups)
-    facts.divide = divided_attributes(twin, blocks, sizes.widths)
+    facts.divide = divided_attributes(twin, blocks, sizes, attributes_read(twin, inputs, blocks))
     plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
     heads = {}
     for f in attention:

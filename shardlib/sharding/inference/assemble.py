@@ -84,11 +84,39 @@ def inputs_only_projected(g: Graph, owner: str, projections) -> bool:
     return True
 
 
-def divided_attributes(model: nn.Module, blocks: list[str], values: set[int]) -> dict[str, tuple[str, ...]]:
-    """The int attributes of each attention block holding a head count or heads' width (by value on the twin)."""
+def attributes_read(model: nn.Module, inputs: dict, blocks: list[str]) -> dict[str, set[str]]:
+    """The attributes each block's forward reads, in one eager forward of ``model`` (the analysis twin: its blocks'
+    classes are swapped for recording subclasses for the call, then put back)."""
+    reads: dict[str, set[str]] = {block: set() for block in blocks}
+    swapped = []
+    for block in blocks:
+        module, seen = model.get_submodule(block), reads[block]
+        cls = type(module)
+
+        def __getattribute__(self, name, _cls=cls, _seen=seen):  # noqa: N807 - the recording override
+            _seen.add(name)
+            return _cls.__getattribute__(self, name)
+
+        module.__class__ = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
+        swapped.append((module, cls))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+    return reads
+
+
+def divided_attributes(model: nn.Module, blocks: list[str], sizes, reads: dict[str, set[str]]) -> dict[str, tuple]:
+    """The int attributes of each attention block holding a head count or heads' width (by value on the twin); one
+    whose value is also the hidden size (BERT's ``all_head_size``) only when the forward reads it (then it must be
+    the local width: MegatronBERT's and Data2VecVision's reshapes read it)."""
+    widths, ambiguous = sizes.widths, {sizes.heads * sizes.head_dim} & {sizes.hidden}
     out = {}
     for block in blocks:
-        names = tuple(k for k, v in vars(model.get_submodule(block)).items() if type(v) is int and v in values)
+        names = tuple(k for k, v in vars(model.get_submodule(block)).items() if type(v) is int
+                      and (v in widths or (v in ambiguous and k in reads.get(block, ()))))
         if names:
             out[block] = names
     return out
@@ -234,4 +262,4 @@ def _sequence_dropouts(g: Graph, facts: Facts, styles: dict) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-__all__ = ["Facts", "entry_arguments", "inputs_only_projected", "divided_attributes", "stacks_of", "trunk", "pattern_of", "build_plan"]
+__all__ = ["Facts", "entry_arguments", "inputs_only_projected", "attributes_read", "divided_attributes", "stacks_of", "trunk", "pattern_of", "build_plan"]

@@ -37,7 +37,8 @@ ELEMENTWISE_OPS = {
     aten.erf.default, aten.neg.default, aten.clone.default, aten.contiguous.default, aten.rsub.Scalar,
     aten.clamp.default, aten.maximum.default, aten.minimum.default, aten.square.default, aten.hardtanh.default,
     aten.leaky_relu.default, aten.elu.default, aten.mish.default, aten.softplus.default, aten.alias.default,
-    aten.detach.default, aten.type_as.default,
+    aten.detach.default, aten.type_as.default, aten.masked_fill.Scalar, aten.masked_fill_.Scalar,
+    aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
 }
 #: checks export leaves in the graph (a dtype assertion before a cast): users that compute nothing
 CHECK_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
@@ -156,17 +157,35 @@ def export_twin(model: nn.Module, inputs: dict) -> Graph:
     kwargs = dict(inputs)
     if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False
+    unlabelled = {k: v for k, v in kwargs.items() if k not in LABELS}
     try:
-        program = torch.export.export(model, args=(), kwargs=kwargs, strict=False)
+        program = _export(model, kwargs, stack)
+    except ExportError as first:
+        if unlabelled == kwargs:
+            raise
+        try:  # a loss with data-dependent control flow (DeBERTa's): the plan does not need the loss's ops
+            program = _export(model, unlabelled, stack)
+        except ExportError:
+            raise first from None
+    finally:
+        for h in handles:
+            h.remove()
+    return Graph(program.graph, dict(model.named_modules()))
+
+
+#: the forward arguments that only feed a loss
+LABELS = ("labels", "start_positions", "end_positions", "next_sentence_label")
+
+
+def _export(model: nn.Module, kwargs: dict, stack: list[str]):
+    stack.clear()
+    try:
+        return torch.export.export(model, args=(), kwargs=kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - reported with the module that raised, and what to do
         where = stack[-1] if stack else "(before any module)"
         raise ExportError(f"{type(model).__name__} does not export (torch.export, non-strict), so its plan cannot "
                           f"be inferred: {type(exc).__name__} in module {where!r}: {str(exc).splitlines()[0]}. "
                           "Write a policy for it (docs/policy-authoring.md).") from exc
-    finally:
-        for h in handles:
-            h.remove()
-    return Graph(program.graph, dict(model.named_modules()))
 
 
 __all__ = ["Graph", "ExportError", "export_twin", "op_name", "back_to_linears", "on_to_linears", "tensor_args", "shape",

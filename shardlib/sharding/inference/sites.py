@@ -194,23 +194,40 @@ def tied_holders(model: nn.Module, weight: nn.Parameter) -> list[str]:
 def vocab_sites(g: Graph, model: nn.Module, sizes: Sizes, unplaced: list[Unplaced]) -> tuple[list[str], str | None]:
     """The modules that hold the vocabulary table (embeddings and the heads tied to them), and the LM head if it
     can be vocab-parallel: its logits go only to reshapes, the loss and the output (no bias or mask added over the
-    vocabulary, which would need the whole row)."""
-    tables, head = set(), None
+    vocabulary, which would need the whole row). A table any of whose holders cannot be sharded stays whole."""
+    candidates: dict[int, list[str]] = {}  # id(weight) -> why it stays replicated (empty: it can be sharded)
+    weights, head = {}, None
     for node in g.embedding_calls():
-        module = g.modules[g.module_of(node)]
-        if module.num_embeddings == sizes.vocab:
-            tables |= set(tied_holders(model, module.weight))
+        path = g.module_of(node)
+        module = g.modules[path]
+        if module.num_embeddings != sizes.vocab:
+            continue
+        weights[id(module.weight)] = module.weight
+        why = candidates.setdefault(id(module.weight), [])
+        if type(module).forward is not nn.Embedding.forward:  # a scaled embedding (Gemma) would lose its scale
+            why.append(f"{path}: {type(module).__name__} has a forward of its own (a vocab-parallel embedding would "
+                       "drop it)")
     for node in g.linear_calls():
         path = g.module_of(node)
-        if g.modules[path].out_features != sizes.vocab:
+        module = g.modules[path]
+        if module.out_features != sizes.vocab:
             continue
-        if _logits_stay_whole(node):
-            head = path
-            tables |= set(tied_holders(model, g.modules[path].weight))
+        weights[id(module.weight)] = module.weight
+        why = candidates.setdefault(id(module.weight), [])
+        if type(module).forward is not nn.Linear.forward or not _logits_stay_whole(node):
+            why.append(f"{path}: the vocabulary head's logits meet another tensor over the vocabulary (a bias or "
+                       "mask added to them)")
         else:
-            unplaced.append(Unplaced(path, "the vocabulary head's logits meet another tensor over the vocabulary "
-                                           "(a bias or mask added to them): left replicated"))
-            tables -= set(tied_holders(model, g.modules[path].weight))
+            head = path
+    tables = []
+    for key, why in candidates.items():
+        holders = tied_holders(model, weights[key])
+        if why:
+            unplaced += [Unplaced(reason.split(":")[0], f"{reason.split(': ', 1)[1]}: "
+                                                        f"{', '.join(holders)} left replicated") for reason in why]
+            head = None if head in holders else head
+        else:
+            tables += holders
     return sorted(tables), head
 
 

@@ -3,8 +3,8 @@ model's config. A plan depends on the architecture, not the size, so the graph i
 twin: a BERT-large-sized model is analysed and verified in the time of a tiny one.
 
 Two kinds. The **analysis twin** gets sizes that tell roles apart by value alone (12 query heads, 4 key/value heads,
-head dim 6 (even: rotary halves it), hidden 70 where the config lets it differ from heads x head dim, 101 tokens,
-FFN 74): a reshape to 12, an attribute holding 72, an embedding of 101 rows each say what they are. The **verification twin** gets sizes that
+head dim 8 (partial rotary takes a half or a quarter), hidden 70 where the config lets it differ from heads x head dim, 101 tokens,
+FFN 74): a reshape to 12, an attribute holding 96, an embedding of 101 rows each say what they are. The **verification twin** gets sizes that
 the tensor-parallel degree divides (2 tp query heads, tp key/value heads, FFN 16 tp) and a vocabulary it does not
 (padding exercised), dropout off.
 """
@@ -25,7 +25,7 @@ ROLES: dict[str, tuple[str, ...]] = {
               "n_heads"),
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim", "d_kv", "attention_head_size"),
-    "hidden": ("hidden_size", "d_model", "n_embd", "dim", "embed_dim"),
+    "hidden": ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "pooler_hidden_size"),
     "ffn": ("intermediate_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner", "hidden_dim"),
     "vocab": ("vocab_size", "decoder_vocab_size"),
     "embedding": ("embedding_size",),
@@ -100,7 +100,7 @@ def twin_config(config, *, heads: int, kv_heads: int, head_dim: int, ffn: int, v
 
 def analysis_twin(model: nn.Module) -> tuple[nn.Module, Sizes]:
     """The twin the graph is read on (module docstring), float32, in eval mode."""
-    config, sizes = twin_config(model.config, heads=12, kv_heads=4, head_dim=6, ffn=74, vocab=101,
+    config, sizes = twin_config(model.config, heads=12, kv_heads=4, head_dim=8, ffn=74, vocab=101,
                                 distinct_hidden=70, dropout_off=False)
     return build(type(model), config).eval(), sizes
 
