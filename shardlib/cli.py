@@ -10,6 +10,7 @@ traceback (:mod:`shardlib.train.launch`). On one node the rendezvous store liste
 ``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint``; anything else before the script goes to torchrun unchanged.
 
 ``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--json]``: a dry run of a layout with no ranks
+(``--auto [--write-policy FILE]``: the plan inferred from the model's graph, with its evidence)
 (:mod:`shardlib.analysis.dryrun`).
 
 ``shardlib --version``: the installed version.
@@ -286,6 +287,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--auto", action="store_true",
+                   help="print the plan inferred from the model's graph, with its evidence, instead of a dry run")
+    p.add_argument("--write-policy", metavar="FILE", help="with --auto: write the inferred plan as a policy module")
 
 
 def _sequence_args(values: list[str] | None) -> tuple[object, int]:
@@ -311,6 +315,8 @@ def plan_command(args: argparse.Namespace) -> int:
     from .analysis.metarun import PlanInputError
     from .sharding.plan import PlanError
 
+    if args.auto or args.write_policy:
+        return _auto_plan_command(args)
     try:
         sequence_parallel, sp = _sequence_args(args.sp)
         report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
@@ -322,6 +328,31 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"shardlib plan: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+    return 0
+
+
+def _auto_plan_command(args: argparse.Namespace) -> int:
+    """``shardlib plan --auto``: the inferred plan and its evidence; ``--write-policy``: as a policy module."""
+    from pathlib import Path
+
+    from .analysis.metarun import PlanInputError, meta_model
+    from .sharding.inference import infer
+    from .sharding.inference.policy_source import policy_source
+    from .sharding.plan import PlanError
+
+    try:
+        model = meta_model(args.source, cls=args.cls)
+        inferred = infer(model)
+    except PlanError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 2
+    except PlanInputError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 1
+    print(inferred.describe())
+    if args.write_policy:
+        Path(args.write_policy).write_text(policy_source(inferred, type(model)))
+        print(f"policy module written to {args.write_policy}")
     return 0
 
 

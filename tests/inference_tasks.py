@@ -68,3 +68,44 @@ def indivisible_heads(family: str, cls: str, tp: int) -> str:
         return "no error"
     except shardlib.PlanError as exc:
         return str(exc)
+
+
+def generation_matches(family: str, cls: str, tp: int = 2) -> list[list[int]]:
+    """Greedy ``generate()`` of the inferred, sharded model: the same tokens as the unsharded one."""
+    ref = make_model(cls, family).eval()
+    model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=tp)).eval()
+    ids = make_batch(ref)["input_ids"]
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=ref.config.pad_token_id or 0)
+    expected, actual = ref.generate(ids, **options), model.generate(ids, **options)
+    assert torch.equal(actual, expected), (actual, expected)
+    return actual.tolist()
+
+
+def fit_matches(family: str, cls: str, layout: dict, steps: int = 3) -> dict:
+    """``fit`` at ``layout`` (tp x dp) of the inferred plan: every step's loss equal to the unsharded model's
+    SGD steps on the same global batches (float64, no dropout)."""
+    ref = make_model(cls, family)
+    samples = [{k: v[i] for k, v in make_batch(ref, batch=8).items()} for i in range(8)]
+    model = shardlib.shard(copy.deepcopy(ref), pool_mesh(dp=layout.get("dp"), tp=layout.get("tp", 1)))
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    losses = shardlib.Trainer(model, sgd, microbatches=layout.get("microbatches", 1)).fit(
+        samples, batch_size=4, max_steps=steps, shuffle=False, progress=False).losses
+    opt, expected = sgd(ref.parameters()), []
+    for step in range(steps):
+        batch = torch.utils.data.default_collate(samples[(step % 2) * 4:(step % 2 + 1) * 4])
+        opt.zero_grad()
+        loss = ref(**batch).loss
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    tol = dict(rtol=1e-4, atol=1e-6) if cls.endswith("CausalLM") else dict(rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
+    return {"losses": losses}
+
+
+def pipeline_refused() -> str:
+    try:
+        shardlib.shard(make_model("RobertaModel", "roberta"), pool_mesh(dp=1, pp=2, tp=2))
+        return "no error"
+    except shardlib.PlanError as exc:
+        return str(exc)

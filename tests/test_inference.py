@@ -60,6 +60,24 @@ def test_heads_tp_does_not_divide_are_refused_before_any_change(pool):
     assert "2 key/value heads" in llama and "not divisible by tp=4" in llama, llama
 
 
+@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bart", "BartForConditionalGeneration")])
+def test_generate_on_an_inferred_model_gives_the_unsharded_tokens(pool, family, cls):
+    tokens = pool.run(inference_tasks.generation_matches, family, cls)
+    assert all(t == tokens[0] for t in tokens) and len(tokens[0][0]) >= 2  # equal to unsharded: in the task
+
+
+@pytest.mark.parametrize("family,cls", [("roberta", "RobertaForSequenceClassification"),
+                                        ("llama", "LlamaForCausalLM")])
+def test_fit_at_dp2_tp2_equals_unsharded_sgd(pool, family, cls):
+    results = pool.run(inference_tasks.fit_matches, family, cls, {"tp": 2, "dp": 2})
+    assert len(results[0]["losses"]) == 3
+
+
+def test_pipeline_stages_of_an_inferred_plan_are_refused(pool):
+    message = pool.run(inference_tasks.pipeline_refused)[0]
+    assert "pipeline stages (pp=2) of an inferred plan are not supported yet" in message, message
+
+
 # ------------------------------------------------------------------------------------------- hand vs inferred
 #: every way an inferred plan of a BERT, ViT or T5 class differs from its hand policy, and why the hand one stands
 KNOWN = {

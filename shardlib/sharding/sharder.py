@@ -93,6 +93,9 @@ def shard(
     problems = [problem for p in passes for problem in p.problems(r)]
     if inferred:
         problems += infer(model).head_problems(model, mesh.tp)
+        if getattr(mesh, "pp", 1) > 1:  # what crosses a cut between an inferred trunk's layers is not proven yet
+            problems.append(f"pipeline stages (pp={mesh.pp}) of an inferred plan are not supported yet: write its "
+                            f"policy (shardlib plan MODEL --auto --write-policy FILE, docs/inferred-plans.md)")
     if r.problems or problems:
         sp = getattr(mesh, "sp", 1)
         raise PlanError(
