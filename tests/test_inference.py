@@ -183,3 +183,36 @@ def test_inference_is_cached_per_architecture_not_size():
     small = inference_cases.make_model("RobertaModel", "roberta")
     assert infer(small) is infer(inference_cases.make_model("RobertaModel", "roberta", seed=3))
 
+
+
+def test_cli_auto_prints_the_evidence_and_writes_a_policy_that_gives_the_same_plan(tmp_path, capsys):
+    """``shardlib plan DIR --auto --write-policy FILE``: the written module, imported, registers a policy whose plan
+    is the inferred one."""
+    import importlib.util
+
+    from shardlib.cli import main
+    from shardlib.policies import _REGISTRY
+    from shardlib.sharding.inference import infer
+
+    model = inference_cases.make_model("ElectraForMaskedLM", "electra", dtype=torch.float32)
+    model.save_pretrained(tmp_path / "model")
+    assert main(["plan", str(tmp_path / "model"), "--auto", "--write-policy", str(tmp_path / "policy.py")]) == 0
+    out = capsys.readouterr().out
+    assert "q <- electra.encoder.layer.0.attention.self.query (linear) via" in out, out
+    spec = importlib.util.spec_from_file_location("written_policy", tmp_path / "policy.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        assert module.POLICY.plan(model, 2) == infer(model).plan
+    finally:
+        _REGISTRY.pop(type(model), None)  # leave the registry as it was
+
+
+def test_cli_auto_refusal_exits_2(tmp_path, capsys):
+    from transformers import ConvNextConfig, ConvNextModel
+
+    from shardlib.cli import main
+
+    ConvNextModel(ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)).save_pretrained(tmp_path / "m")
+    assert main(["plan", str(tmp_path / "m"), "--auto"]) == 2
+    assert "no attention block could be identified" in capsys.readouterr().err
