@@ -307,48 +307,54 @@ def _sequence_args(values: list[str] | None) -> tuple[object, int]:
                          f"'--sp {ALL_TO_ALL} N' (N ranks per sequence)")
 
 
+def _planning(run) -> tuple[int, object]:
+    """``(0, run())``, or the exit status of a refusal (2: a ``PlanError``) or of bad input (1), its message printed in
+    one line."""
+    from .analysis.metarun import PlanInputError
+    from .sharding.plan import PlanError
+
+    try:
+        return 0, run()
+    except PlanError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 2, None
+    except PlanInputError as exc:
+        print(f"shardlib plan: {exc}", file=sys.stderr)
+        return 1, None
+
+
 def plan_command(args: argparse.Namespace) -> int:
     """``shardlib plan``: print the report (text or JSON); 2 when the layout is refused, 1 on bad input."""
     import json
 
     from .analysis.dryrun import plan
-    from .analysis.metarun import PlanInputError
-    from .sharding.plan import PlanError
 
     if args.auto or args.write_policy:
         return _auto_plan_command(args)
-    try:
+
+    def dry_run():
         sequence_parallel, sp = _sequence_args(args.sp)
-        report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
-                      cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype)
-    except PlanError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 2
-    except PlanInputError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report)
-    return 0
+        return plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
+                    cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype)
+
+    status, report = _planning(dry_run)
+    if not status:
+        print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+    return status
 
 
 def _auto_plan_command(args: argparse.Namespace) -> int:
     """``shardlib plan --auto``: the inferred plan and its evidence; ``--write-policy``: as a policy module."""
     from pathlib import Path
 
-    from .analysis.metarun import PlanInputError, meta_model
+    from .analysis.metarun import meta_model
     from .sharding.inference import infer
     from .sharding.inference.policy_source import policy_source
-    from .sharding.plan import PlanError
 
-    try:
-        model = meta_model(args.source, cls=args.cls)
-        inferred = infer(model)
-    except PlanError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 2
-    except PlanInputError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 1
+    status, model = _planning(lambda: meta_model(args.source, cls=args.cls))
+    status, inferred = _planning(lambda: infer(model)) if not status else (status, None)
+    if status:
+        return status
     print(inferred.describe())
     if args.write_policy:
         Path(args.write_policy).write_text(policy_source(inferred, type(model)))

@@ -73,14 +73,14 @@ def shard(
     """
     from shardlib.policies import has_policy, policy_for
 
-    from .inference import infer, inferred_policy
+    from .inference import infer
     from .inference.verify import verify
 
     if shard_state(model, required=False) is not None:
         raise PlanError(f"{type(model).__name__} is already sharded")
     wrapper, model = model, peft_inner_model(model) or model  # a peft model: its transformers model is sharded
     inferred = policy == "auto" or (policy is None and not has_policy(model))
-    policy = inferred_policy(model) if inferred else policy or policy_for(model)
+    policy = _inferred_policy(model, asked=policy == "auto") if inferred else policy or policy_for(model)
     options = dict(gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
                    stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
                    sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
@@ -121,6 +121,26 @@ def shard(
         state.attach(holder)
     log.info("%s", report)
     return wrapper
+
+
+def _inferred_policy(model: nn.Module, *, asked: bool):
+    """The inferred policy; when inference was not asked for but is the only way (no policy), its refusal says
+    both: which classes have policies, and why no plan could be inferred."""
+    from shardlib.policies import policy_for
+
+    from .inference import inferred_policy
+
+    try:
+        return inferred_policy(model)
+    except PlanError as exc:
+        if asked:
+            raise
+        try:
+            policy_for(model)
+        except PlanError as missing:
+            raise PlanError(f"{str(missing).split('. Pass policy=')[0]}; and its plan cannot be inferred from its "
+                            f"graph: {exc}") from None
+        raise
 
 
 def report(model: nn.Module) -> ShardReport:

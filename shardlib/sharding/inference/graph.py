@@ -102,36 +102,49 @@ def shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
 
 
-def back_to_linears(g: Graph, start: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node], list[fx.Node]]:
-    """The linear calls ``start`` is computed from through :data:`SHAPE_OPS` only, and the shape ops passed."""
-    found, passed, todo, seen = set(), [], [start], set()
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in linears:
-            found.add(node)
-        elif node.op == "call_function" and (node.target in SHAPE_OPS or _is_getitem(node)):
-            passed.append(node)
-            todo += tensor_args(node) if not _is_getitem(node) else [node.args[0]]
-    return found, passed
-
-
-def on_to_linears(g: Graph, start: fx.Node, linears: set[fx.Node]) -> set[fx.Node]:
-    """The linear calls that take ``start`` (through :data:`SHAPE_OPS` only) as their input."""
-    found, todo, seen = set(), [start], set()
+def users_through(start: fx.Node, through):
+    """Yield ``(node, user)`` for every use reached from ``start``, going on past a user only when
+    ``through(user)``."""
+    todo, seen = [start], set()
     while todo:
         node = todo.pop()
         if node in seen:
             continue
         seen.add(node)
         for user in node.users:
-            if user in linears and user.args[0] is node:
-                found.add(user)
-            elif user.op == "call_function" and (user.target in SHAPE_OPS or _is_getitem(user)):
+            yield node, user
+            if through(user):
                 todo.append(user)
-    return found
+
+
+def inputs_through(start: fx.Node, through):
+    """Yield every node ``start`` is computed from, going on past a node only when ``through(node)`` (a getitem
+    goes on to the tuple it picks from)."""
+    todo, seen = [start], set()
+    while todo:
+        node = todo.pop()
+        if node in seen or not isinstance(node, fx.Node):
+            continue
+        seen.add(node)
+        yield node
+        if through(node):
+            todo += [node.args[0]] if _is_getitem(node) else tensor_args(node)
+
+
+def _shape_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target in SHAPE_OPS or _is_getitem(node))
+
+
+def back_to_linears(g: Graph, start: fx.Node, linears: set[fx.Node]) -> tuple[set[fx.Node], list[fx.Node]]:
+    """The linear calls ``start`` is computed from through :data:`SHAPE_OPS` only, and the shape ops passed."""
+    reached = list(inputs_through(start, lambda n: n not in linears and _shape_op(n)))
+    return {n for n in reached if n in linears}, [n for n in reached if n not in linears and _shape_op(n)]
+
+
+def on_to_linears(g: Graph, start: fx.Node, linears: set[fx.Node]) -> set[fx.Node]:
+    """The linear calls that take ``start`` (through :data:`SHAPE_OPS` only) as their input."""
+    return {user for node, user in users_through(start, lambda u: u not in linears and _shape_op(u))
+            if user in linears and user.args[0] is node}
 
 
 def _is_getitem(node: fx.Node) -> bool:
@@ -188,5 +201,6 @@ def _export(model: nn.Module, kwargs: dict, stack: list[str]):
                           "Write a policy for it (docs/policy-authoring.md).") from exc
 
 
-__all__ = ["Graph", "ExportError", "export_twin", "op_name", "back_to_linears", "on_to_linears", "tensor_args", "shape",
+__all__ = ["Graph", "ExportError", "export_twin", "op_name", "back_to_linears", "on_to_linears", "users_through",
+           "inputs_through", "tensor_args", "shape",
            "SHAPE_OPS", "ELEMENTWISE_OPS", "CHECK_OPS", "ATTENTION_OPS", "SOFTMAX_OPS", "MATMUL_OPS", "SPLIT_OPS"]

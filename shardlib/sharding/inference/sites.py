@@ -10,7 +10,7 @@ from torch import fx, nn
 
 from .graph import (
     ATTENTION_OPS, CHECK_OPS, aten, ELEMENTWISE_OPS, MATMUL_OPS, SHAPE_OPS, SOFTMAX_OPS, SPLIT_OPS, Graph, back_to_linears,
-    on_to_linears, op_name, shape, tensor_args,
+    inputs_through, on_to_linears, op_name, shape, tensor_args, users_through,
 )
 from .twin import Sizes
 
@@ -56,32 +56,16 @@ def _attention_operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.No
 
 
 def _back_through(node, through, target):
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen or not isinstance(n, fx.Node):
-            continue
-        seen.add(n)
-        if n.op == "call_function" and n.target in target:
-            return n
-        if n.op == "call_function" and n.target in through:
-            todo += tensor_args(n)
-    return None
+    """The first ``target`` op ``node`` is computed from through ``through`` ops."""
+    calls = (n for n in inputs_through(node, lambda n: n.op == "call_function" and n.target in through))
+    return next((n for n in calls if n.op == "call_function" and n.target in target), None)
 
 
 def _on_through(node, through, target, position):
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if user.op == "call_function" and user.target in target and user.args[position] is n:
-                return user
-            if user.op == "call_function" and user.target in through:
-                todo.append(user)
-    return None
+    """The first ``target`` op taking (through ``through`` ops) ``node`` as its argument ``position``."""
+    uses = users_through(node, lambda u: u.op == "call_function" and u.target in through)
+    return next((u for n, u in uses if u.op == "call_function" and u.target in target and u.args[position] is n),
+                None)
 
 
 def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[AttentionFact]:
@@ -240,19 +224,8 @@ LOSS_OPS = {aten.cross_entropy_loss.default, aten.nll_loss_forward.default, aten
 
 
 def _logits_stay_whole(node: fx.Node) -> bool:
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            if user.op == "output" or user.target in CHECK_OPS or user.target in LOSS_OPS:
-                continue
-            if user.op != "call_function" or user.target not in LOGIT_OPS:
-                return False
-            todo.append(user)
-    return True
+    return all(u.op == "output" or u.target in CHECK_OPS | LOSS_OPS or u.target in LOGIT_OPS
+               for _, u in users_through(node, lambda u: u.op == "call_function" and u.target in LOGIT_OPS))
 
 
 def relative_tables(g: Graph, sizes: Sizes, blocks: list[str]) -> list[str]:
