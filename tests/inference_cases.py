@@ -97,3 +97,23 @@ def make_batch(model: torch.nn.Module, seed: int = 1, batch: int = 2, seq: int =
 
 
 CASES = [(family, cls) for family, (_, _, classes) in FAMILIES.items() for cls in classes]
+
+#: families that compute in float32 inside a float64 model (Gemma's RMSNorm upcasts): compared at float32 tolerances
+FLOAT32_INSIDE = {"gemma", "gemma2"}
+#: families whose inferred plan the proof refuses under Megatron sequence parallelism (docs/inferred-plans.md)
+NO_SEQUENCE_PARALLEL = {"opt", "albert", "gemma2"}
+
+
+def random_model(family: str, cls: str, sizes: dict, seed: int = 0) -> torch.nn.Module:
+    """``cls`` of ``family`` at drawn sizes (heads, kv_heads, head_dim, ffn, vocab, layers), float64: the sizes are
+    set by role on the family's config as the inference's twins set them (``inference.twin.twin_config``)."""
+    from shardlib.sharding.inference.twin import ROLES, _set_role, twin_config
+
+    config_cls, kwargs, _ = FAMILIES[family]
+    base = getattr(transformers, config_cls)(**kwargs, **CLASS_CONFIG.get(cls, {}))
+    config, _ = twin_config(base, heads=sizes["heads"], kv_heads=sizes["kv_heads"], head_dim=sizes["head_dim"],
+                            ffn=sizes["ffn"], vocab=sizes["vocab"], distinct_hidden=None, dropout_off=True)
+    _set_role(config, "layers", sizes["layers"])
+    assert "layers" in ROLES
+    torch.manual_seed(seed)
+    return getattr(transformers, cls)(config).to(torch.float64)

@@ -9,12 +9,14 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import inference_cases
 import inference_tasks
 import shardlib
 from plan_diff import differences
-from profiles import CI, ci_only
+from profiles import CI, ci_only, examples
 
 #: one class per family in the dev profile (all of them in CI's)
 DEV_CASES = [case for i, case in enumerate(inference_cases.CASES)
@@ -36,6 +38,29 @@ def test_inferred_plan_equals_unsharded_at_tp2(pool, family, cls):
 def test_inferred_plan_at_tp4_and_with_sequence_parallelism(pool, family, cls, tp, sp):
     for compared in pool.run(inference_tasks.inferred_equivalence, family, cls, tp, sp):
         assert compared["outputs"] and compared["grads"] >= 10, compared
+
+
+@st.composite
+def inferred_specs(draw):
+    """A family of the inferred set, one of its classes, tp in {1, 2, 4}, Megatron SP or not, and sizes: heads a
+    multiple of tp (key/value heads too, where the family groups them), any head dim, FFN a multiple of tp, a
+    vocabulary tp may not divide (padded), 1 or 2 layers."""
+    family = draw(st.sampled_from(sorted(inference_cases.FAMILIES)))
+    cls = draw(st.sampled_from(inference_cases.FAMILIES[family][2]))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    sp = tp > 1 and family not in inference_cases.NO_SEQUENCE_PARALLEL and draw(st.booleans())
+    kv_heads = tp * draw(st.integers(1, 2))
+    sizes = {"kv_heads": kv_heads, "heads": kv_heads * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
+             "ffn": tp * draw(st.integers(2, 8)), "vocab": draw(st.integers(16, 70)), "layers": draw(st.integers(1, 2))}
+    return family, cls, tp, sp, sizes
+
+
+@settings(max_examples=examples(dev=10, ci=60))
+@given(spec=inferred_specs())
+def test_inferred_plans_equal_unsharded_for_drawn_architectures_and_layouts(pool, spec):
+    family, cls, tp, sp, sizes = spec
+    for compared in pool.run(inference_tasks.inferred_equivalence, family, cls, tp, sp, sizes):
+        assert compared["outputs"] and compared["grads"] >= 5 and compared["weights"], compared
 
 
 @ci_only("about 40 s: every head of every family at tp=2 is the dev profile's one-head-per-family test")
