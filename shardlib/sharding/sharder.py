@@ -92,10 +92,7 @@ def shard(
     passes = passes_for(r)
     problems = [problem for p in passes for problem in p.problems(r)]
     if inferred:
-        problems += infer(model).head_problems(model, mesh.tp)
-        if getattr(mesh, "pp", 1) > 1:  # what crosses a cut between an inferred trunk's layers is not proven yet
-            problems.append(f"pipeline stages (pp={mesh.pp}) of an inferred plan are not supported yet: write its "
-                            f"policy (shardlib plan MODEL --auto --write-policy FILE, docs/inferred-plans.md)")
+        problems += _inferred_problems(model, mesh)
     if r.problems or problems:
         sp = getattr(mesh, "sp", 1)
         raise PlanError(
@@ -121,6 +118,18 @@ def shard(
         state.attach(holder)
     log.info("%s", report)
     return wrapper
+
+
+def _inferred_problems(model: nn.Module, mesh) -> list[str]:
+    """What stops an inferred plan beyond what the passes check: heads tp does not divide, counted on the model
+    itself; pipeline stages (what crosses a cut between an inferred trunk's layers is not proven yet)."""
+    from .inference import infer
+
+    problems = infer(model).head_problems(model, mesh.tp)
+    if getattr(mesh, "pp", 1) > 1:
+        problems.append(f"pipeline stages (pp={mesh.pp}) of an inferred plan are not supported yet: write its "
+                        f"policy (shardlib plan MODEL --auto --write-policy FILE, docs/inferred-plans.md)")
+    return problems
 
 
 def _inferred_policy(model: nn.Module, *, asked: bool):
