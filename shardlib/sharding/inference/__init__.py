@@ -35,7 +35,7 @@ from .assemble import (
 )
 from .graph import ExportError, export_twin
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
-from .twin import analysis_twin
+from .twin import ROLES, analysis_twin
 
 
 @dataclass
@@ -92,10 +92,13 @@ _CACHE: dict[tuple, Inferred] = {}
 
 
 def _structure_key(model: nn.Module) -> tuple:
-    """What the plan depends on: the class and the config's non-size fields."""
-    sizes = ("size", "dim", "layers", "heads", "vocab", "position", "d_", "n_", "ffn", "num_")
-    config = {k: repr(v) for k, v in model.config.to_dict().items()
-              if not any(s in k for s in sizes) and k not in ("transformers_version", "_name_or_path")}
+    """What the plan depends on: the class and every config field but the sizes the twins set (and labels, names,
+    versions): a field that may change the architecture (an attention or position-embedding kind) keeps its own
+    entry."""
+    ignored = {name for names in ROLES.values() for name in names} | {
+        "max_position_embeddings", "n_positions", "num_labels", "id2label", "label2id", "_name_or_path",
+        "transformers_version", "torch_dtype", "dtype"}
+    config = {k: repr(v) for k, v in model.config.to_dict().items() if k not in ignored}
     return type(model), tuple(sorted(config.items()))
 
 
@@ -128,26 +131,37 @@ def _infer(model: nn.Module) -> Inferred:
     tables, head = vocab_sites(g, twin, sizes, unplaced)
     facts = Facts(attention=attention, mlps=mlps, tables=tables, head=head, relative=relative_tables(g, sizes, blocks),
                   stacks=stacks, unplaced=unplaced)
-    groups = {f.block: (list(dict.fromkeys((f.q, f.k, f.v))), list(f.nodes.values())) for f in attention}
-    groups |= {parent: (list(f.up), list(f.nodes)) for f in mlps
-               if len(f.up) > 1 and (parent := f.up[0].rpartition(".")[0])}
-    groups = {owner: paths for owner, (paths, calls) in groups.items() if inputs_only_projected(g, owner, calls)}
-    facts.entries = entry_arguments(twin, inputs, groups)
+    facts.entries = entry_arguments(twin, inputs, _entry_groups(g, attention, mlps))
     facts.divide = divided_attributes(twin, blocks, sizes, attributes_read(twin, inputs, blocks))
     plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
-    heads = {}
-    for f in attention:
-        block = twin.get_submodule(f.block)
-        head_dim = next((k for k, v in vars(block).items() if type(v) is int and v == sizes.head_dim), None)
-        if head_dim is not None and f.q.startswith(f.block + ".") and f.k.startswith(f.block + "."):
-            heads[pattern_of(f.block, stacks)] = (f.q[len(f.block) + 1:], f.k[len(f.block) + 1:], head_dim)
     evidence = {f"attention {f.block}": f.evidence for f in attention}
     evidence |= {f"mlp {f.down}": f.evidence for f in mlps}
     if tables:
         evidence["vocabulary"] = [f"{', '.join(tables)}: {sizes.vocab} rows (the twin's vocabulary)"]
     if facts.relative:
         evidence["per-head tables"] = [f"{', '.join(facts.relative)}: {sizes.heads} columns, inside attention blocks"]
-    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped, time.perf_counter() - start, heads)
+    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped, time.perf_counter() - start,
+                    _head_counts(twin, attention, sizes, stacks))
+
+
+def _entry_groups(g, attention, mlps) -> dict[str, list[str]]:
+    """Module -> the projections that may share one copy of its input: each attention block's q/k/v, each MLP's up
+    and gate projections (their parent), where nothing else inside the module reads that input."""
+    groups = {f.block: (list(dict.fromkeys((f.q, f.k, f.v))), list(f.nodes.values())) for f in attention}
+    groups |= {parent: (list(f.up), list(f.nodes)) for f in mlps
+               if len(f.up) > 1 and (parent := f.up[0].rpartition(".")[0])}
+    return {owner: paths for owner, (paths, calls) in groups.items() if inputs_only_projected(g, owner, calls)}
+
+
+def _head_counts(twin, attention, sizes, stacks) -> dict[str, tuple[str, str, str]]:
+    """Block pattern -> (q child, k child, head-dim attribute): how to count a block's heads on any model."""
+    heads = {}
+    for f in attention:
+        block = twin.get_submodule(f.block)
+        head_dim = next((k for k, v in vars(block).items() if type(v) is int and v == sizes.head_dim), None)
+        if head_dim is not None and f.q.startswith(f.block + ".") and f.k.startswith(f.block + "."):
+            heads[pattern_of(f.block, stacks)] = (f.q[len(f.block) + 1:], f.k[len(f.block) + 1:], head_dim)
+    return heads
 
 
 def inferred_policy(model: nn.Module):
