@@ -177,3 +177,17 @@ def lora_refusals() -> list[str]:
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         assert shardlib.shard_state(model, required=False) is None
     return messages
+
+
+def lora_on_an_inferred_plan() -> dict:
+    """LoRA on Llama, a family without a policy: the inferred plan (proven first) shards the adapters with their
+    bases; equal to the unsharded peft model (float32 tolerances: transformers computes the causal-LM loss in
+    float32)."""
+    import inference_cases
+
+    base = inference_cases.make_model("LlamaForCausalLM", "llama")
+    ref = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                          target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=2), gather_logits=True)
+    compared = compare_training_step(ref, model, inference_cases.make_batch(base), torch.float32)
+    return {**compared, "policy": shardlib.report(model).policy}

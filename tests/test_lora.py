@@ -51,3 +51,8 @@ def test_what_cannot_be_sharded_is_refused_by_name(pool):
     assert "peft.tuners.lora" in dora and "LoRA variant" in dora and "query" in dora
     assert "word_embeddings" in embedding and "peft.tuners.lora.layer.Embedding" in embedding
     assert "lora_bias" in bias and "output.dense" in bias
+
+
+def test_lora_on_a_family_sharded_by_an_inferred_plan(pool):
+    for result in pool.run(lora_tasks.lora_on_an_inferred_plan):
+        assert result["policy"] == "inferred" and result["grads"] >= 8 and result["weights"], result
