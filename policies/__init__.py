@@ -74,28 +74,34 @@ def _load_builtin(class_name: str) -> None:
         importlib.import_module(f"{__name__}.{_BUILTIN_MODULE[class_name]}")
 
 
-def policy_for(model: nn.Module) -> Policy:
-    """The policy registered for ``type(model)`` (or its nearest registered base class)."""
+def _registered(model: nn.Module) -> Policy | None:
+    """The policy registered for ``type(model)`` or its nearest registered base class, built-ins imported first."""
     for cls in type(model).__mro__:
         if cls not in _REGISTRY:
             _load_builtin(cls.__name__)  # registers the transformers class of that name, not a look-alike
         if cls in _REGISTRY:
             return _REGISTRY[cls]
+    return None
+
+
+def missing_policy(model: nn.Module) -> str:
+    """That ``model``'s class has no policy, and which classes have one."""
     supported = ", ".join(sorted(set(_BUILTIN_MODULE) | {c.__name__ for c in _REGISTRY}))
-    raise PlanError(
-        f"no shardlib policy for model class {type(model).__name__}; supported: {supported}. "
-        "Pass policy=... to shard() for another architecture (docs/policy-authoring.md)."
-    )
+    return f"no shardlib policy for model class {type(model).__name__}; supported: {supported}"
+
+
+def policy_for(model: nn.Module) -> Policy:
+    """The policy registered for ``type(model)`` (or its nearest registered base class)."""
+    policy = _registered(model)
+    if policy is None:
+        raise PlanError(f"{missing_policy(model)}. Pass policy=... to shard() for another architecture "
+                        "(docs/policy-authoring.md).")
+    return policy
 
 
 def has_policy(model: nn.Module) -> bool:
-    """Whether a policy is registered for ``type(model)`` or one of its base classes (built-ins imported first)."""
-    for cls in type(model).__mro__:
-        if cls not in _REGISTRY:
-            _load_builtin(cls.__name__)
-        if cls in _REGISTRY:
-            return True
-    return False
+    """Whether a policy is registered for ``type(model)`` or one of its base classes."""
+    return _registered(model) is not None
 
 
 def policy_for_class_name(name: str) -> Policy:

@@ -73,9 +73,6 @@ def shard(
     """
     from shardlib.policies import has_policy, policy_for
 
-    from .inference import infer
-    from .inference.verify import verify
-
     if shard_state(model, required=False) is not None:
         raise PlanError(f"{type(model).__name__} is already sharded")
     wrapper, model = model, peft_inner_model(model) or model  # a peft model: its transformers model is sharded
@@ -86,6 +83,8 @@ def shard(
                    sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
     if inferred:
+        from .inference import infer
+
         report.unplaced = [(u.module, u.why) for u in infer(model).unplaced]
     r = Resolved(model, mesh, policy.plan(model, mesh.tp), options, report)
     options["sequence_mode"] = sequence_mode(sequence_parallel, r.problems)
@@ -102,6 +101,8 @@ def shard(
         )
 
     if inferred and verify_plan and mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
+        from .inference.verify import verify
+
         report.verified_s = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
     if rng_tracker is None:
         options["rng_tracker"] = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
@@ -135,7 +136,7 @@ def _inferred_problems(model: nn.Module, mesh) -> list[str]:
 def _inferred_policy(model: nn.Module, *, asked: bool):
     """The inferred policy; when inference was not asked for but is the only way (no policy), its refusal says
     both: which classes have policies, and why no plan could be inferred."""
-    from shardlib.policies import policy_for
+    from shardlib.policies import missing_policy
 
     from .inference import inferred_policy
 
@@ -144,12 +145,7 @@ def _inferred_policy(model: nn.Module, *, asked: bool):
     except PlanError as exc:
         if asked:
             raise
-        try:
-            policy_for(model)
-        except PlanError as missing:
-            raise PlanError(f"{str(missing).split('. Pass policy=')[0]}; and its plan cannot be inferred from its "
-                            f"graph: {exc}") from None
-        raise
+        raise PlanError(f"{missing_policy(model)}; and its plan cannot be inferred from its graph: {exc}") from None
 
 
 def report(model: nn.Module) -> ShardReport:

@@ -179,36 +179,31 @@ def vocab_sites(g: Graph, model: nn.Module, sizes: Sizes, unplaced: list[Unplace
     """The modules that hold the vocabulary table (embeddings and the heads tied to them), and the LM head if it
     can be vocab-parallel: its logits go only to reshapes, the loss and the output (no bias or mask added over the
     vocabulary, which would need the whole row). A table any of whose holders cannot be sharded stays whole."""
-    candidates: dict[int, list[str]] = {}  # id(weight) -> why it stays replicated (empty: it can be sharded)
-    weights, head = {}, None
+    weights: dict[int, nn.Parameter] = {}
+    why: dict[int, list[tuple[str, str]]] = {}  # id(weight) -> (module, why it stays replicated); empty: shard it
+    head = None
+
+    def seen(path: str, module: nn.Module, problem: str | None) -> None:
+        weights[id(module.weight)] = module.weight
+        why.setdefault(id(module.weight), []).extend([(path, problem)] if problem else [])
+
     for node in g.embedding_calls():
-        path = g.module_of(node)
-        module = g.modules[path]
-        if module.num_embeddings != sizes.vocab:
-            continue
-        weights[id(module.weight)] = module.weight
-        why = candidates.setdefault(id(module.weight), [])
-        if type(module).forward is not nn.Embedding.forward:  # a scaled embedding (Gemma) would lose its scale
-            why.append(f"{path}: {type(module).__name__} has a forward of its own (a vocab-parallel embedding would "
-                       "drop it)")
+        path, module = g.module_of(node), g.modules[g.module_of(node)]
+        if module.num_embeddings == sizes.vocab:  # a scaled embedding (Gemma) would lose its scale
+            seen(path, module, None if type(module).forward is nn.Embedding.forward else
+                 f"{type(module).__name__} has a forward of its own (a vocab-parallel embedding would drop it)")
     for node in g.linear_calls():
-        path = g.module_of(node)
-        module = g.modules[path]
-        if module.out_features != sizes.vocab:
-            continue
-        weights[id(module.weight)] = module.weight
-        why = candidates.setdefault(id(module.weight), [])
-        if type(module).forward is not nn.Linear.forward or not _logits_stay_whole(node):
-            why.append(f"{path}: the vocabulary head's logits meet another tensor over the vocabulary (a bias or "
-                       "mask added to them)")
-        else:
-            head = path
+        path, module = g.module_of(node), g.modules[g.module_of(node)]
+        if module.out_features == sizes.vocab:
+            whole = type(module).forward is nn.Linear.forward and _logits_stay_whole(node)
+            seen(path, module, None if whole else "the vocabulary head's logits meet another tensor over the "
+                                                  "vocabulary (a bias or mask added to them)")
+            head = path if whole else head
     tables = []
-    for key, why in candidates.items():
+    for key, reasons in why.items():
         holders = tied_holders(model, weights[key])
-        if why:
-            unplaced += [Unplaced(reason.split(":")[0], f"{reason.split(': ', 1)[1]}: "
-                                                        f"{', '.join(holders)} left replicated") for reason in why]
+        if reasons:
+            unplaced += [Unplaced(path, f"{reason}: {', '.join(holders)} left replicated") for path, reason in reasons]
             head = None if head in holders else head
         else:
             tables += holders
