@@ -12,7 +12,7 @@ import shardlib
 from harness import mesh as pool_mesh
 import inference_cases
 from inference_cases import make_batch, make_model, random_model
-from rank_tasks import compare_training_step
+from rank_tasks import compare_training_step, reference_sgd_losses
 
 
 def inferred_equivalence(family: str, cls: str, tp: int, sp: bool = False, sizes: dict | None = None) -> dict:
@@ -94,14 +94,7 @@ def fit_matches(family: str, cls: str, layout: dict, steps: int = 3) -> dict:
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     losses = shardlib.Trainer(model, sgd, microbatches=layout.get("microbatches", 1)).fit(
         samples, batch_size=4, max_steps=steps, shuffle=False, progress=False).losses
-    opt, expected = sgd(ref.parameters()), []
-    for step in range(steps):
-        batch = torch.utils.data.default_collate(samples[(step % 2) * 4:(step % 2 + 1) * 4])
-        opt.zero_grad()
-        loss = ref(**batch).loss
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected = reference_sgd_losses(ref, samples, 4, steps, sgd)
     tol = dict(rtol=1e-4, atol=1e-6) if cls.endswith("CausalLM") else dict(rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
     return {"losses": losses}
@@ -113,3 +106,15 @@ def pipeline_refused() -> str:
         return "no error"
     except shardlib.PlanError as exc:
         return str(exc)
+
+
+def auto_on_a_hand_policy_class() -> dict:
+    """``policy="auto"`` on BERT, which has a hand policy: the inferred plan is used (and proven), equal to unsharded."""
+    import bert_cases
+
+    spec = {"cls": "BertForSequenceClassification", "seed": 0, "seq": 6, "batch": 2, "dtype": "float64",
+            "config": {"vocab": 40, "heads": 4, "head_dim": 4, "layers": 2, "intermediate": 32}}
+    ref = bert_cases.make_model(spec)
+    model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=2), policy="auto")
+    compared = compare_training_step(ref, model, bert_cases.make_batch(spec, ref.config), torch.float64)
+    return {**compared, "policy": shardlib.report(model).policy, "verified": shardlib.report(model).verified_s}

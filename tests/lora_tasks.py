@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import shardlib
 from harness import mesh as pool_mesh
-from rank_tasks import DTYPES, cases, cast_batch, compare_training_step
+from rank_tasks import DTYPES, cases, cast_batch, compare_training_step, reference_sgd_losses
 
 #: LoRA targets per family: column-parallel bases (q/k/v, the first MLP linear), row-parallel ones (the attention
 #: output, the second MLP linear) and replicated ones (BERT's pooler and head transform)
@@ -111,15 +111,7 @@ def lora_fit(workdir: str) -> dict:
     sgd = lambda params: torch.optim.SGD(params, lr=0.5)  # noqa: E731
     losses = shardlib.Trainer(model, sgd).fit(samples, batch_size=8, max_steps=4, shuffle=False,
                                               progress=False).losses
-    opt = sgd([p for p in ref.parameters() if p.requires_grad])
-    expected = []
-    for step in range(4):
-        batch = torch.utils.data.default_collate(samples[(step % 2) * 8:(step % 2 + 1) * 8])
-        opt.zero_grad()
-        loss = ref(**batch).loss
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected = reference_sgd_losses(ref, samples, 8, 4, sgd)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-9, atol=1e-11)
     resumed = []  # two steps saved, then resumed to four: the same losses (the checkpoint holds adapter and head)
     for steps, resume in ((2, None), (4, "auto")):

@@ -468,3 +468,19 @@ def forward_without_backward_frees_graph(spec: dict) -> bool:
     out = model(**batch)
     del out
     return live_tensors() <= before
+
+
+def reference_sgd_losses(model, samples: list[dict], batch_size: int, steps: int, make_optimizer) -> list[float]:
+    """The unsharded ``model`` trained by ``make_optimizer(trainable parameters)`` on ``samples`` in order, in global
+    batches of ``batch_size`` (wrapping around): each step's loss, what an unshuffled ``fit`` must reproduce."""
+    opt, losses = make_optimizer([p for p in model.parameters() if p.requires_grad]), []
+    batches = len(samples) // batch_size
+    for step in range(steps):
+        start = (step % batches) * batch_size
+        batch = torch.utils.data.default_collate(samples[start:start + batch_size])
+        opt.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
