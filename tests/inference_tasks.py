@@ -86,24 +86,33 @@ def generation_matches(family: str, cls: str, tp: int = 2) -> list[list[int]]:
 
 
 def fit_matches(family: str, cls: str, layout: dict, steps: int = 3) -> dict:
-    """``fit`` at ``layout`` (tp x dp) of the inferred plan: every step's loss equal to the unsharded model's
-    SGD steps on the same global batches (float64, no dropout)."""
+    """``fit`` at ``layout`` (tp x pp x dp, microbatches) of the inferred plan: every step's loss equal to the
+    unsharded model's SGD steps on the same global batches (float64, no dropout)."""
     ref = make_model(cls, family)
     samples = [{k: v[i] for k, v in make_batch(ref, batch=8).items()} for i in range(8)]
-    model = shardlib.shard(copy.deepcopy(ref), pool_mesh(dp=layout.get("dp"), tp=layout.get("tp", 1)))
+    mesh = pool_mesh(dp=layout.get("dp"), pp=layout.get("pp", 1), tp=layout.get("tp", 1))
+    model = shardlib.shard(copy.deepcopy(ref), mesh)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     losses = shardlib.Trainer(model, sgd, microbatches=layout.get("microbatches", 1)).fit(
         samples, batch_size=4, max_steps=steps, shuffle=False, progress=False).losses
     expected = reference_sgd_losses(ref, samples, 4, steps, sgd)
     tol = dict(rtol=1e-4, atol=1e-6) if cls.endswith("CausalLM") else dict(rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
-    return {"losses": losses}
+    state = shardlib.shard_state(model)
+    return {"losses": losses, "verified_s": state.report.verified_s,
+            "stages": [list(s) for s in state.pipeline.plan.layers] if state.pipeline else None}
 
 
-def pipeline_refused() -> str:
+def cuts_proven(family: str, cls: str) -> str:
+    """The inferred trunk's pipeline cuts proven on the verification twin (:mod:`shardlib.sharding.inference.cuts`),
+    or the refusal's message."""
+    from shardlib.sharding.inference import infer
+    from shardlib.sharding.inference.cuts import verify_cuts
+
+    model = make_model(cls, family)
     try:
-        shardlib.shard(make_model("RobertaModel", "roberta"), pool_mesh(dp=1, pp=2, tp=2))
-        return "no error"
+        verify_cuts(model, infer(model).plan)
+        return "proven"
     except shardlib.PlanError as exc:
         return str(exc)
 

@@ -99,9 +99,48 @@ def test_fit_at_dp2_tp2_equals_unsharded_sgd(pool, family, cls):
     assert len(results[0]["losses"]) == 3
 
 
-def test_pipeline_stages_of_an_inferred_plan_are_refused(pool):
-    message = pool.run(inference_tasks.pipeline_refused)[0]
-    assert "pipeline stages (pp=2) of an inferred plan are not supported yet" in message, message
+@pytest.mark.parametrize("family,cls", [("roberta", "RobertaForSequenceClassification"),
+                                        ("deit", "DeiTForImageClassification"),
+                                        ("bart", "BartForConditionalGeneration"), ("llama", "LlamaForCausalLM")])
+def test_fit_at_tp2_pp2_equals_unsharded_sgd(pool, family, cls):
+    """One family per kind (encoder, vision, seq2seq, decoder) through fit at tp=2 x pp=2 (2 microbatches): the
+    plan and its pipeline cuts were proven before use (verified_s) and the losses are the unsharded SGD's (in the
+    task)."""
+    results = pool.run(inference_tasks.fit_matches, family, cls, {"tp": 2, "pp": 2, "dp": 1, "microbatches": 2})
+    assert len(results[0]["losses"]) == 3 and results[0]["verified_s"] is not None
+    assert len(results[0]["stages"]) == 2, results[0]
+
+
+@pytest.mark.parametrize("family,cls", DEV_CASES, ids=[c for _, c in DEV_CASES])
+def test_inferred_trunks_are_proven_cuttable_into_pipeline_stages(pool, family, cls):
+    """Every inferred trunk is cut into one stage per layer of the verification twin and equals the uncut twin
+    (loss and every gradient); ALBERT's shared, nested layer groups are refused by name."""
+    message = pool.run(inference_tasks.cuts_proven, family, cls)[0]
+    if family == "albert":
+        assert "layer stacks are nested" in message and "albert_layer_groups" in message, message
+    else:
+        assert message == "proven", message
+
+
+def test_a_cut_that_does_not_carry_what_the_next_layer_needs_is_refused():
+    """T5's blocks take the position bias block 0 computed: inference finds that a cut carries it (argument 2 from
+    output 1); the same trunk without it is refused by the cut proof, naming the stages."""
+    import dataclasses
+
+    import t5_cases
+
+    from shardlib.sharding.inference import infer
+    from shardlib.sharding.inference.cuts import verify_cuts
+
+    model = t5_cases.make_model({"cls": "T5ForConditionalGeneration", "seed": 0, "seq": 6, "config": {
+        "vocab": 40, "d_model": 16, "d_kv": 4, "d_ff": 32, "layers": 2, "heads": 4}})
+    plan = infer(model).plan
+    assert [s.carry[:2] for s in plan.trunk] == [((0, 0), (2, 1))] * 2, plan.trunk
+    assert verify_cuts(model, plan) > 0
+    hidden_only = dataclasses.replace(plan, trunk=tuple(dataclasses.replace(s, carry=((0, 0),)) for s in plan.trunk))
+    with pytest.raises(shardlib.PlanError, match=r"does not compute what the model computes when cut into pipeline "
+                                                 r"stages \(encoder\.block\.0 \| encoder\.block\.1 \| decoder"):
+        verify_cuts(model, hidden_only)
 
 
 # ------------------------------------------------------------------------------------------- hand vs inferred
@@ -135,11 +174,13 @@ KNOWN = {
     r"style .*DenseReluDense\.dropout: hand - \| inferred LocalRNG\(\)": "the same",
     r"style .*DenseReluDense\.wi(_0|_1)?: hand ColwiseParallel\(copy_input=False\) \| inferred ColwiseParallel\(\)":
         "the same",
-    r"trunk .*block: hand .*carry=\[\(0, 0\), \(2, 1\)\]":
-        "T5 blocks pass the position bias block 0 computed to the later blocks: a pipeline cut must carry it; the "
-        "inferred trunk carries the hidden state only (and an encoder-only T5's end / encoder_outputs)",
+    r"trunk .*decoder\.block: hand .*carry=\[\(0, 0\), \(2, 1\)\] .* \| inferred .*carry=\[\(0, 0\), \(2, 1\), \(5, 2\)\]":
+        "T5's decoder blocks also pass on the cross-attention position bias (argument 5 from output 2), which "
+        "inference sees crossing from block 0 to block 1; without a relative bias in cross-attention it is the "
+        "encoder mask, which every block recomputes when not given: the hand trunk need not carry it (both are proven)",
     r"trunk .*encoder\.block: hand .*end=.*encoder output_arg=encoder_outputs \| inferred .*end=None output_arg=None":
-        "the same",
+        "an encoder-only model has one stack: inference names a stack's end and output argument only where a second "
+        "stack follows it; the last stack runs to the model's end either way",
 }
 
 
@@ -175,6 +216,20 @@ def test_hand_policies_agree_with_inference_or_each_difference_is_named():
 def test_policy_auto_on_a_class_with_a_hand_policy(pool):
     for result in pool.run(inference_tasks.auto_on_a_hand_policy_class):
         assert result["policy"] == "inferred" and result["verified"] is not None and result["grads"] >= 10, result
+
+
+def test_every_inferred_head_gets_the_labels_of_its_task():
+    """The example batch a plan is proven on carries the task's labels for every head class (transformers lists some
+    heads in a tuple: DeiT's with and without teacher), so the proof and the fit tests compare a real loss."""
+    from shardlib.sharding.examples import task_of
+
+    for family, cls in inference_cases.CASES:
+        if cls.endswith("Model"):
+            continue
+        model = inference_cases.make_model(cls, family)
+        assert task_of(model), cls
+        batch = inference_cases.make_batch(model)
+        assert {"labels", "start_positions"} & set(batch), (cls, sorted(batch))
 
 
 # ------------------------------------------------------------------------------------------------ refusals

@@ -77,6 +77,24 @@ def test_bert_embeddings_first_heads_last_and_too_many_stages():
         stage_plan(model, trunk, 4)
 
 
+def test_a_root_that_holds_a_tensor_gives_only_that_tensor_to_the_last_stage():
+    """BART's root module holds the ``final_logits_bias`` buffer: the last stage owns that buffer, not every
+    parameter below the root (which once made the stages disagree on the tied parameters and abort)."""
+    from shardlib.pipeline import tensor_owners
+    from shardlib.sharding.inference import infer
+
+    config = transformers.BartConfig(vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+                                     decoder_ffn_dim=16, max_position_embeddings=32)
+    model = transformers.BartForConditionalGeneration(config)
+    plan = stage_plan(model, infer(model).plan.trunk, 2)
+    assert "final_logits_bias" in plan.modules[1] and "" not in plan.modules[1]
+    owners = tensor_owners(model, plan)
+    assert owners["final_logits_bias"] == {1} and owners["model.encoder.layers.0.fc1.weight"] == {0}
+    # the tied embedding, by each of its names: the encoder's on stage 0, the shared one and the LM head's on stage 1
+    assert owners["model.encoder.embed_tokens.weight"] == {0} and owners["lm_head.weight"] == {1}
+
+
 # ------------------------------------------------------------------------------------------ pipelined training
 @settings(max_examples=max(4, settings().max_examples // 4))
 @example(spec={"family": "vit", "cls": "ViTForMaskedImageModeling", "tp": 1, "pp": 2, "schedule": "gpipe",

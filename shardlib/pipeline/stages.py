@@ -100,19 +100,50 @@ def _trunk_layers(model: nn.Module, trunk: tuple[Stack, ...]) -> list[tuple[int,
 
 
 def _outside_trunk(model: nn.Module, trunk: tuple[Stack, ...]) -> list[str]:
-    """The outermost modules holding parameters or buffers that no stack path covers (heads, poolers, ...)."""
+    """The outermost modules holding parameters or buffers that no stack path covers (heads, poolers, ...). A
+    module that also holds parts of the trunk (BART's root, with its ``final_logits_bias`` buffer) is given by the
+    paths of its own tensors instead, so that the trunk's parameters are not claimed by the last stage."""
     covered = [s.layers for s in trunk] + [p for s in trunk for p in (*s.before, *s.after)]
 
     def inside(path, roots):
-        return any(path == r or path.startswith(r + ".") for r in roots)
+        return any(path == r or path.startswith(r + ".") or not r for r in roots)
 
     found: list[str] = []
     for path, module in model.named_modules():
         if inside(path, covered) or inside(path, found):
             continue
-        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if own and any(not path or c.startswith(path + ".") for c in covered):
+            found += [f"{path}.{name}" if path else name for name, _ in own]
+        elif own:
             found.append(path)
     return found
+
+
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # a tensor's path
+        return None
+
+
+def _cost(model: nn.Module, paths) -> float:
+    """:func:`module_cost` of the modules at ``paths`` plus the size of the parameters some paths name alone."""
+    modules = [m for p in paths if (m := _module_at(model, p)) is not None]
+    alone = [t for p in paths if _module_at(model, p) is None for _, t in _held(model, p)]
+    return module_cost(modules) + sum(t.numel() for t in alone if isinstance(t, nn.Parameter))
+
+
+def _held(model: nn.Module, path: str) -> list[tuple[str, object]]:
+    """(name, tensor) of every parameter and buffer (each alias) a stage's module path holds; a path may also name
+    a single tensor (:func:`_outside_trunk`)."""
+    module = _module_at(model, path)
+    if module is None:
+        owner, _, name = path.rpartition(".")
+        return [(path, getattr(model.get_submodule(owner), name))]
+    prefix = f"{path}." if path else ""
+    return [(prefix + name, t) for name, t in [*module.named_parameters(remove_duplicate=False),
+                                                *module.named_buffers(remove_duplicate=False)]]
 
 
 def stage_plan(model: nn.Module, trunk: tuple[Stack, ...], num_stages: int,
@@ -134,7 +165,7 @@ def stage_plan(model: nn.Module, trunk: tuple[Stack, ...], num_stages: int,
             attached[indices[0]] += [p for p in stack.before if _exists(model, p)]
             attached[indices[-1]] += [p for p in stack.after if _exists(model, p)]
     attached[len(layers) - 1] += _outside_trunk(model, trunk)
-    costs = [module_cost([model.get_submodule(p) for p in [path, *attached[i]]]) for i, (_, path) in enumerate(layers)]
+    costs = [_cost(model, [path, *attached[i]]) for i, (_, path) in enumerate(layers)]
     ranges = assign_stages(costs, num_stages, layers_per_stage)
     return StagePlan(
         layers=tuple(tuple(layers[i][1] for i in r) for r in ranges),
@@ -156,10 +187,8 @@ def tensor_owners(model: nn.Module, plan: StagePlan) -> dict[str, set[int]]:
     result: dict[str, set[int]] = {}
     for s, roots in enumerate(plan.modules):
         for root in roots:
-            module = model.get_submodule(root)
-            for name, _ in [*module.named_parameters(remove_duplicate=False),
-                            *module.named_buffers(remove_duplicate=False)]:
-                result.setdefault(f"{root}.{name}" if root else name, set()).add(s)
+            for name, _ in _held(model, root):
+                result.setdefault(name, set()).add(s)
     return result
 
 

@@ -21,8 +21,9 @@ def task_of(model: nn.Module) -> str:
     for task in ("MASKED_LM", "CAUSAL_LM", "SEQ_TO_SEQ_CAUSAL_LM", "TOKEN_CLASSIFICATION", "PRETRAINING",
                  "SEQUENCE_CLASSIFICATION", "MULTIPLE_CHOICE", "NEXT_SENTENCE_PREDICTION", "IMAGE_CLASSIFICATION",
                  "QUESTION_ANSWERING", "MASKED_IMAGE_MODELING"):
-        if name in getattr(auto, f"MODEL_FOR_{task}_MAPPING_NAMES").values():
-            return task
+        for names in getattr(auto, f"MODEL_FOR_{task}_MAPPING_NAMES").values():
+            if name in ((names,) if isinstance(names, str) else names):  # DeiT lists two classes under one key
+                return task
     return ""
 
 

@@ -100,10 +100,8 @@ def shard(
             + "\n  ".join(r.problems + problems)
         )
 
-    if inferred and verify_plan and mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
-        from .inference.verify import verify
-
-        report.verified_s = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
+    if inferred and verify_plan:
+        report.verified_s = _verify_inferred(model, policy, r.plan, mesh, sequence_parallel)
     if rng_tracker is None:
         options["rng_tracker"] = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
     report.unsharded_bytes = _param_bytes(model.parameters())
@@ -123,14 +121,25 @@ def shard(
 
 def _inferred_problems(model: nn.Module, mesh) -> list[str]:
     """What stops an inferred plan beyond what the passes check: heads tp does not divide, counted on the model
-    itself; pipeline stages (what crosses a cut between an inferred trunk's layers is not proven yet)."""
+    itself."""
     from .inference import infer
 
-    problems = infer(model).head_problems(model, mesh.tp)
+    return infer(model).head_problems(model, mesh.tp)
+
+
+def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel) -> float | None:
+    """Prove an inferred plan before use (:mod:`.inference.verify`) on the mesh's tp group, and its pipeline cuts
+    (:mod:`.inference.cuts`) when the model is pipelined; the seconds it took, None when there was nothing to
+    prove (tp=1, no pipeline)."""
+    from .inference.cuts import verify_cuts
+    from .inference.verify import verify
+
+    seconds = None
+    if mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
+        seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
     if getattr(mesh, "pp", 1) > 1:
-        problems.append(f"pipeline stages (pp={mesh.pp}) of an inferred plan are not supported yet: write its "
-                        f"policy (shardlib plan MODEL --auto --write-policy FILE, docs/inferred-plans.md)")
-    return problems
+        seconds = (seconds or 0.0) + verify_cuts(model, plan)
+    return seconds
 
 
 def _inferred_policy(model: nn.Module, *, asked: bool):

@@ -31,7 +31,8 @@ from ...parallel.styles import as_tuple, style_name
 from ..examples import example_batch, task_of
 from ..plan import Plan, PlanError
 from .assemble import (
-    Facts, attributes_read, build_plan, divided_attributes, entry_arguments, inputs_only_projected, pattern_of, stacks_of,
+    Facts, attributes_read, build_plan, divided_attributes, entry_arguments, inputs_only_projected, layer_carries,
+    pattern_of, stacks_of,
 )
 from .graph import ExportError, export_twin
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
@@ -74,7 +75,8 @@ class Inferred:
         for pattern, names in self.plan.divide_by_tp.items():
             lines.append(f"  {pattern}: divide {', '.join(names)} by tp")
         for stack in self.plan.trunk:
-            lines.append(f"  trunk {stack.layers} (before {list(stack.before)}, after {list(stack.after)})")
+            carry = f", carry {list(stack.carry)}" if stack.carry != ((0, 0),) else ""
+            lines.append(f"  trunk {stack.layers} (before {list(stack.before)}, after {list(stack.after)}{carry})")
         if self.plan.sequence_dropout:
             lines.append(f"  sequence-parallel dropouts: {', '.join(self.plan.sequence_dropout)}")
         if self.plan.loss is not None:
@@ -132,6 +134,7 @@ def _infer(model: nn.Module) -> Inferred:
     facts = Facts(attention=attention, mlps=mlps, tables=tables, head=head, relative=relative_tables(g, sizes, blocks),
                   stacks=stacks, unplaced=unplaced)
     facts.entries = entry_arguments(twin, inputs, _entry_groups(g, attention, mlps))
+    facts.carries = layer_carries(twin, inputs, stacks)
     facts.divide = divided_attributes(twin, blocks, sizes, attributes_read(twin, inputs, blocks))
     plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
     evidence = {f"attention {f.block}": f.evidence for f in attention}

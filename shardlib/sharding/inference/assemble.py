@@ -34,6 +34,7 @@ class Facts:
     unplaced: list[Unplaced]
     entries: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> forward args entering TP
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    carries: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # stack -> Stack.carry
 
 
 def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
@@ -57,18 +58,52 @@ def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]
                 read.setdefault(path, id(args[0]))
 
             handles.append(model.get_submodule(path).register_forward_pre_hook(note_input))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    _run_observed(model, inputs, handles)
     out = {}
     for owner, paths in groups.items():
         names = [seen_args.get(owner, {}).get(read.get(p)) for p in paths]
         if all(names):
             out[owner] = tuple(dict.fromkeys(names))
     return out
+
+
+def _run_observed(model: nn.Module, inputs: dict, handles: list) -> None:
+    """One eager forward of ``model`` without autograd, then the observing hooks ``handles`` removed."""
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def layer_carries(model: nn.Module, inputs: dict, stacks: list[str]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """For each stack: the (positional argument of a layer, output index of the layer before it) pairs of the
+    values the second layer takes straight from the first one's output (found by tensor identity in one eager
+    forward): what a pipeline cut between two layers must carry (:attr:`Stack.carry`; T5's position bias besides
+    the hidden state). The hidden state alone when nothing is found; :mod:`.cuts` proves it either way."""
+    outputs: dict[str, tuple] = {}
+    arguments: dict[str, tuple] = {}
+    handles = []
+    for stack in stacks:
+        layers = model.get_submodule(stack)
+        if len(layers) < 2:
+            continue
+        def note_output(mod, args, out, stack=stack):  # a hook returning a value would replace the output
+            outputs.setdefault(stack, out if isinstance(out, tuple) else (out,))
+
+        def note_arguments(mod, args, stack=stack):
+            arguments.setdefault(stack, args)
+
+        handles += [layers[0].register_forward_hook(note_output), layers[1].register_forward_pre_hook(note_arguments)]
+    _run_observed(model, inputs, handles)
+    found = {}
+    for stack in stacks:
+        out, args = outputs.get(stack, ()), arguments.get(stack, ())
+        pairs = [(i, next(j for j, o in enumerate(out) if o is a)) for i, a in enumerate(args)
+                 if torch.is_tensor(a) and any(o is a for o in out)]
+        found[stack] = tuple(pairs) if pairs and pairs[0] == (0, 0) else ((0, 0),)
+    return found
 
 
 def inputs_only_projected(g: Graph, owner: str, projections) -> bool:
@@ -146,8 +181,8 @@ def _span(g: Graph) -> dict[str, tuple[int, int]]:
     return span
 
 
-def trunk(g: Graph, model: nn.Module, stacks: list[str], forward_params) -> tuple[Stack, ...]:
-    """Each stack with the modules run before its first layer (since the previous stack) and, inside its owner,
+def trunk(g: Graph, model: nn.Module, stacks: list[str], forward_params, carries: dict) -> tuple[Stack, ...]:
+    """Each stack with what crosses a cut between its layers (``carries``, :func:`layer_carries`), the modules run before its first layer (since the previous stack) and, inside its owner,
     after its last; an encoder's stack in an encoder-decoder model ends at its owner, whose output later stages
     take as ``encoder_outputs``."""
     span = _span(g)
@@ -168,7 +203,8 @@ def trunk(g: Graph, model: nn.Module, stacks: list[str], forward_params) -> tupl
         after = topmost(lambda p: (not owner or p.startswith(owner + ".")) and last < span[p][0]
                         and span[p][1] < following)
         encoder = len(stacks) == 2 and k == 0 and "encoder_outputs" in forward_params
-        out.append(Stack(layers=stack, before=before, after=after, end=owner if len(stacks) == 2 else None,
+        out.append(Stack(layers=stack, before=before, after=after, carry=carries.get(stack, ((0, 0),)),
+                         end=owner if len(stacks) == 2 else None,
                          output_arg="encoder_outputs" if encoder else None))
         previous_end = max([last] + [span[p][1] for p in after])
     return tuple(out)
@@ -235,7 +271,8 @@ def build_plan(facts: Facts, g: Graph, model: nn.Module, task: str, forward_para
         for path in [p for p in styles if isinstance(styles[p], VocabParallel) and p == facts.head]:
             styles[path] = VocabParallel(gather_output=True)
     sequence_dropout = _sequence_dropouts(g, facts, styles)
-    plan = Plan(styles=styles, divide_by_tp=divide, trunk=trunk(g, model, facts.stacks, forward_params), loss=loss,
+    plan = Plan(styles=styles, divide_by_tp=divide, trunk=trunk(g, model, facts.stacks, forward_params, facts.carries),
+                loss=loss,
                 sequence_dropout=sequence_dropout, loss_items=items)
     return plan, unplaced
 

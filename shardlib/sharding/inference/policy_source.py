@@ -28,8 +28,8 @@ def policy_source(inferred: Inferred, model_class: type) -> str:
                           else "(" + ", ".join(_style_source(x) for x in s) + ")") + ","
                        for pattern, styles in plan.styles.items())
     divide = "\n".join(f"            {p!r}: {names!r}," for p, names in plan.divide_by_tp.items())
-    trunk = "\n".join(f"            Stack(layers={s.layers!r}, before={s.before!r}, after={s.after!r}, end={s.end!r}, "
-                      f"output_arg={s.output_arg!r})," for s in plan.trunk)
+    trunk = "\n".join(f"            Stack(layers={s.layers!r}, before={s.before!r}, after={s.after!r}, carry={s.carry!r}, "
+                      f"end={s.end!r}, output_arg={s.output_arg!r})," for s in plan.trunk)
     loss = (f"LossSpec(kind={plan.loss.kind!r}, head={plan.loss.head!r})" if plan.loss is not None else "None")
     evidence = "\n".join(f"#   {site}: {item}" for site, items in inferred.evidence.items() for item in items)
     unplaced = "\n".join(f"#   {u.module}: {u.why}" for u in inferred.unplaced) or "#   (none)"
