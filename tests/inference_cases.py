@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from shardlib.sharding.examples import example_batch
+from shardlib.sharding.examples import example_batch, task_of
 
 TEXT = dict(vocab_size=50, max_position_embeddings=32)
 BERTLIKE = dict(TEXT, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
@@ -62,6 +62,11 @@ FAMILIES = {
         "RemBertForMaskedLM", "RemBertForSequenceClassification")),
     "blenderbot-small": ("BlenderbotSmallConfig", SEQ2SEQ, ("BlenderbotSmallForConditionalGeneration",)),
     "plbart": ("PLBartConfig", SEQ2SEQ, ("PLBartForConditionalGeneration", "PLBartForSequenceClassification")),
+    "gpt2": ("GPT2Config", dict(vocab_size=50, n_embd=16, n_layer=2, n_head=4, n_positions=32, use_cache=False,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+                                classifier_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0), (
+        "GPT2Model", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "GPT2ForTokenClassification",
+        "GPT2ForQuestionAnswering", "GPT2DoubleHeadsModel")),
     "gpt-neo": ("GPTNeoConfig", dict(vocab_size=50, hidden_size=16, num_layers=2, num_heads=4, use_cache=False,
                                      attention_types=[[["global", "local"], 1]], max_position_embeddings=32,
                                      embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0, pad_token_id=0), (
@@ -94,6 +99,11 @@ def make_batch(model: torch.nn.Module, seed: int = 1, batch: int = 2, seq: int =
     inputs = example_batch(model, batch, seq, device="cpu", generator=torch.Generator().manual_seed(seed))
     dtype = next(model.parameters()).dtype
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def causal_lm(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a causal LM, whose loss transformers computes in float32 whatever the model's dtype."""
+    return task_of(model) == "CAUSAL_LM"
 
 
 CASES = [(family, cls) for family, (_, _, classes) in FAMILIES.items() for cls in classes]

@@ -25,7 +25,7 @@ def inferred_equivalence(family: str, cls: str, tp: int, sp: bool = False, sizes
     assert report.policy == "inferred" and (report.verified_s is not None or tp == 1), report
     # transformers computes a causal-LM loss, and Gemma its RMSNorms, in float32 whatever the model's dtype: float32
     # tolerances there (sequence parallelism reorders the norms' sums: 2e-7 relative in Gemma's norm weights)
-    float32_inside = cls.endswith("CausalLM") or family in inference_cases.FLOAT32_INSIDE
+    float32_inside = inference_cases.causal_lm(ref) or family in inference_cases.FLOAT32_INSIDE
     dtype = torch.float32 if float32_inside else torch.float64
     compared = compare_training_step(ref, model, make_batch(ref), dtype)
     compared["local_fraction"] = report.local_bytes / report.unsharded_bytes
@@ -96,7 +96,7 @@ def fit_matches(family: str, cls: str, layout: dict, steps: int = 3) -> dict:
     losses = shardlib.Trainer(model, sgd, microbatches=layout.get("microbatches", 1)).fit(
         samples, batch_size=4, max_steps=steps, shuffle=False, progress=False).losses
     expected = reference_sgd_losses(ref, samples, 4, steps, sgd)
-    tol = dict(rtol=1e-4, atol=1e-6) if cls.endswith("CausalLM") else dict(rtol=1e-9, atol=1e-11)
+    tol = dict(rtol=1e-4, atol=1e-6) if inference_cases.causal_lm(ref) else dict(rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **tol)
     state = shardlib.shard_state(model)
     return {"losses": losses, "verified_s": state.report.verified_s,

@@ -86,7 +86,8 @@ def test_heads_tp_does_not_divide_are_refused_before_any_change(pool):
     assert "2 key/value heads" in llama and "not divisible by tp=4" in llama, llama
 
 
-@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bart", "BartForConditionalGeneration")])
+@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bart", "BartForConditionalGeneration"),
+                                        ("gpt2", "GPT2LMHeadModel")])
 def test_generate_on_an_inferred_model_gives_the_unsharded_tokens(pool, family, cls):
     tokens = pool.run(inference_tasks.generation_matches, family, cls)
     assert all(t == tokens[0] for t in tokens) and len(tokens[0][0]) >= 2  # equal to unsharded: in the task

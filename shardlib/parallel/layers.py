@@ -8,6 +8,8 @@ Shapes below: ``n`` = TP group size, ``r`` = this rank, ``*`` = any leading dims
 
 * :class:`ColumnParallelLinear`: ``W`` [out, in] split along out -> ``W_r`` [out/n, in]. ``y_r = x W_r^T + b_r``;
   optionally all-gathers ``y`` [*, out]. Output dims that ``n`` does not divide are zero-padded (vocab heads).
+  ``blocks``: a fused projection (q, k, v side by side) split in each block (:class:`~.layout.Layout`).
+  Both linears also take transformers' ``Conv1D`` (GPT-2; weight ``[in, out]``), whose weight keeps its shape.
 * :class:`RowParallelLinear`: ``W`` split along in -> ``W_r`` [out, in/n]. ``y = sum_r x_r W_r^T + b`` (one
   all-reduce), bias replicated and added once after the reduction.
 * :class:`VocabParallelEmbedding`: table [V, H] split along V (padded) -> rows ``[r V/n, (r+1) V/n)``. Ids outside
@@ -46,6 +48,20 @@ def _refuse_unsupported_options(cls: type, embedding: nn.Embedding) -> None:
         raise ValueError(f"{cls.__name__} does not support {', '.join(found)}")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``Conv1D`` (GPT-2's linear with a transposed ``[in, out]`` weight: ``nx``
+    inputs, ``nf`` outputs), recognized by its attributes so that this layer imports no transformers."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2
+            and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def _linear_weight(layer: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``F.linear`` takes it (``[out, in]``): a transposed view of a Conv1D's ``[in, out]``
+    parameter, which keeps its checkpoint shape."""
+    return layer.weight.t() if layer.transposed else layer.weight
+
+
 def _new_param(local: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=like.requires_grad)
 
@@ -81,40 +97,47 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear, group: Group | None, *, copy_input=True, gather_output=False, pad=False,
-                 tp_size: int | None = None, tp_rank: int | None = None, sequence=None):
+                 blocks: int = 1, tp_size: int | None = None, tp_rank: int | None = None, sequence=None):
         nn.Module.__init__(self)
         n, r = self._init_tp(group, tp_size, tp_rank)
-        out_features, in_features = linear.weight.shape
-        if out_features % n and not pad:
-            raise ValueError(f"out_features {out_features} is not divisible by tp={n}")
+        self.transposed = is_conv1d(linear)
+        out_dim = 1 if self.transposed else 0
+        out_features = linear.weight.shape[out_dim]
+        if out_features % (n * blocks) and (blocks > 1 or not pad):
+            raise ValueError(f"out_features {out_features} is not divisible by tp={n}"
+                             + (f" in each of {blocks} blocks" if blocks > 1 else ""))
+        if blocks > 1 and gather_output:
+            raise ValueError("a blocked (fused) projection keeps its output sharded: gather_output is not supported")
         self.copy_input, self.gather_output = copy_input, gather_output
         self.sequence = sequence  # shardlib.sharding.sequence.SequenceStream: the input arrives sequence-sharded
         self.epilogue = getattr(linear, "epilogue", None)  # (y, bias) -> y instead of y + bias
         self.global_out_features = out_features
-        w_layout = Layout(tuple(linear.weight.shape), shard_dim=0, num_shards=n)
+        w_layout = Layout(tuple(linear.weight.shape), shard_dim=out_dim, num_shards=n, blocks=blocks)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
         set_layout(self, "weight", w_layout)
         if linear.bias is not None:
-            b_layout = Layout(tuple(linear.bias.shape), shard_dim=0, num_shards=n)
+            b_layout = Layout(tuple(linear.bias.shape), shard_dim=0, num_shards=n, blocks=blocks)
             self.bias = _new_param(b_layout.shard(linear.bias.detach(), r), linear.bias)
             set_layout(self, "bias", b_layout)
         else:
             self.register_parameter("bias", None)
-        self.out_features, self.in_features = self.weight.shape
-        self.vocab_start, vocab_stop = w_layout.valid_range(r)
-        self.valid_out_features = vocab_stop - self.vocab_start  # real (non-padding) output features here
+        self.out_features, self.in_features = _linear_weight(self).shape
+        if blocks == 1:
+            self.vocab_start, vocab_stop = w_layout.valid_range(r)
+            self.valid_out_features = vocab_stop - self.vocab_start  # real (non-padding) output features here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
+        weight = _linear_weight(self)
         if self._overlaps_copy():
-            y = column_linear(x, self.weight, self.bias, self.group)  # backward of the copy overlapped (overlap.py)
+            y = column_linear(x, weight, self.bias, self.group)  # backward of the copy overlapped (overlap.py)
         else:
             if self.copy_input:
                 x = self.sequence.gather(x) if self.sequence is not None else copy_to_tp(x, self.group)
             if self.epilogue is None:
-                y = F.linear(x, self.weight, self.bias)
+                y = F.linear(x, weight, self.bias)
             else:
-                y = self.epilogue(F.linear(x, self.weight), self.bias)
+                y = self.epilogue(F.linear(x, weight), self.bias)
         if self.gather_output:
             y = gather_from_tp(y, self.group, -1)[..., : self.global_out_features]
         return y
@@ -144,27 +167,30 @@ class RowParallelLinear(_TPModule, nn.Linear):
         nn.Module.__init__(self)
         self.reduce_output = reduce_output
         n, r = self._init_tp(group, tp_size, tp_rank)
-        out_features, in_features = linear.weight.shape
+        self.transposed = is_conv1d(linear)
+        in_dim = 0 if self.transposed else 1
+        in_features = linear.weight.shape[in_dim]
         if in_features % n:
             raise ValueError(f"in_features {in_features} is not divisible by tp={n}")
         self.sequence = sequence  # shardlib.sharding.sequence.SequenceStream: reduce-scatter along the sequence
-        w_layout = Layout(tuple(linear.weight.shape), shard_dim=1, num_shards=n)
+        w_layout = Layout(tuple(linear.weight.shape), shard_dim=in_dim, num_shards=n)
         self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
         set_layout(self, "weight", w_layout)
         if linear.bias is not None:
             self.bias = linear.bias  # replicated, added once after the reduction
         else:
             self.register_parameter("bias", None)
-        self.out_features, self.in_features = self.weight.shape
+        self.out_features, self.in_features = _linear_weight(self).shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_runnable()
+        partial = F.linear(x, _linear_weight(self))
         if not self.reduce_output:
-            return F.linear(x, self.weight)
+            return partial
         if self.sequence is not None:
-            y = self.sequence.reduce_scatter(F.linear(x, self.weight))
+            y = self.sequence.reduce_scatter(partial)
         else:
-            y = reduce_from_tp(F.linear(x, self.weight), self.group, inplace=True)
+            y = reduce_from_tp(partial, self.group, inplace=True)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

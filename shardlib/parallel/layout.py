@@ -7,6 +7,11 @@ and everything downstream (state-dict gather and load, checkpoints, reports) rea
 Padding: a dim of global size ``G`` split ``n`` ways is padded at its end to ``P = ceil(G / n) * n``; rank ``r``
 holds rows ``[r * P/n, (r+1) * P/n)`` of the padded tensor, of which ``[r * P/n, min((r+1) * P/n, G))`` are real
 and the rest are zero padding (e.g. BERT's vocabulary 30522 at tp=4 is padded to 30524, 7631 rows per rank).
+
+Blocks: a fused projection's output (GPT-2's ``c_attn``: q, k and v side by side) is ``blocks`` equal parts of the
+dim, each split ``n`` ways, so that every rank holds the same heads of q, of k and of v: rank ``r`` holds rows
+``[b * G/blocks + r * G/(blocks n), b * G/blocks + (r+1) * G/(blocks n))`` of each block ``b``, concatenated in
+block order (:meth:`Layout.ranges`). Blocked dims are never padded.
 """
 
 from __future__ import annotations
@@ -30,12 +35,19 @@ class Layout:
     shard_dim: int | None = None
     mesh_dim: str = "tp"
     num_shards: int = 1
+    blocks: int = 1
 
     def __post_init__(self):
         if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.global_shape):
             raise ValueError(f"shard_dim {self.shard_dim} out of range for shape {self.global_shape}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.blocks < 1:
+            raise ValueError(f"blocks must be >= 1, got {self.blocks}")
+        if self.blocks > 1 and (self.shard_dim is None or self.global_shape[self.shard_dim] % (self.blocks *
+                                                                                                 self.num_shards)):
+            raise ValueError(f"a dim of {self.blocks} blocks must divide into {self.blocks} x {self.num_shards} "
+                             f"equal parts, got shape {self.global_shape} split on dim {self.shard_dim}")
 
     @classmethod
     def replicated(cls, shape) -> Layout:
@@ -66,7 +78,10 @@ class Layout:
         return tuple(shape)
 
     def valid_range(self, rank: int) -> tuple[int, int]:
-        """The global index range ``[start, stop)`` of real (non-padding) rows that ``rank`` holds."""
+        """The global index range ``[start, stop)`` of real (non-padding) rows that ``rank`` holds (one range: not
+        for a blocked layout, whose rows are :meth:`ranges`)."""
+        if self.blocks > 1:
+            raise ValueError(f"a layout of {self.blocks} blocks holds several ranges per rank: use Layout.ranges")
         if self.shard_dim is None:
             return 0, self.global_shape[0] if self.global_shape else 0
         local = self.padded_size // self.num_shards
@@ -74,12 +89,23 @@ class Layout:
         start = min(rank * local, g)
         return start, min(start + local, g) if rank * local < g else start
 
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        """The global ``[start, stop)`` ranges of real rows ``rank`` holds, in the order its local tensor holds them
+        (one range unless the layout is blocked; an empty one for a rank that holds padding only)."""
+        if self.blocks == 1:
+            return [self.valid_range(rank)]
+        block = self.global_shape[self.shard_dim] // self.blocks
+        part = block // self.num_shards
+        return [(b * block + rank * part, b * block + (rank + 1) * part) for b in range(self.blocks)]
+
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's local piece of ``full`` (a new tensor; zero padding appended where needed)."""
         if tuple(full.shape) != self.global_shape:
             raise ValueError(f"tensor of shape {tuple(full.shape)} does not match layout {self.global_shape}")
         if self.shard_dim is None:
             return full.clone()
+        if self.blocks > 1:
+            return torch.cat([full.narrow(self.shard_dim, a, b - a) for a, b in self.ranges(rank)], self.shard_dim)
         start, stop = self.valid_range(rank)
         piece = full.narrow(self.shard_dim, start, stop - start)
         pad = self.local_shape[self.shard_dim] - (stop - start)
@@ -93,17 +119,22 @@ class Layout:
         """The global tensor from every rank's local piece (in rank order), padding stripped."""
         if self.shard_dim is None:
             return pieces[0]
+        if self.blocks > 1:  # block b of the whole = block b of every rank's piece, in rank order
+            chunks = [p.chunk(self.blocks, self.shard_dim) for p in pieces]
+            return torch.cat([c[b] for b in range(self.blocks) for c in chunks], self.shard_dim)
         full = torch.cat(pieces, dim=self.shard_dim)
         return full.narrow(self.shard_dim, 0, self.global_shape[self.shard_dim])
 
     def placements(self):
-        """The equivalent DTensor placement on ``mesh_dim`` (padding is not expressible there)."""
+        """The equivalent DTensor placement on ``mesh_dim`` (padding and blocks are not expressible there)."""
         from torch.distributed.tensor import Replicate, Shard
 
         return (Shard(self.shard_dim),) if self.is_sharded else (Replicate(),)
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.blocks == 1:  # as every checkpoint before blocked layouts wrote it
+            del d["blocks"]
         d["global_shape"] = list(self.global_shape)
         d["padded_size"] = self.padded_size
         return d
@@ -112,7 +143,8 @@ class Layout:
         if not self.is_sharded:
             return "replicated"
         pad = f", padded {self.global_shape[self.shard_dim]}->{self.padded_size}" if self.padding else ""
-        return f"dim {self.shard_dim} split {self.num_shards}-way over {self.mesh_dim}{pad}"
+        blocks = f", in each of {self.blocks} blocks" if self.blocks > 1 else ""
+        return f"dim {self.shard_dim} split {self.num_shards}-way over {self.mesh_dim}{blocks}{pad}"
 
 
 def set_layout(module: nn.Module, name: str, layout: Layout) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from .collectives import Group, copy_to_tp
 from .layers import (
     UNSUPPORTED_EMBEDDING_OPTIONS, ColumnParallelEmbedding, ColumnParallelLinear, RowParallelLinear,
-    VocabParallelEmbedding, unsupported_embedding_options,
+    VocabParallelEmbedding, is_conv1d, unsupported_embedding_options,
 )
 from .random import LOCAL_STREAM_ATTR, local_dropout
 
@@ -57,12 +57,19 @@ class Style:
             return [f"{path}: {type(self).__name__} applies to {class_path(kind)}, found {class_path(type(module))}"]
         return []
 
-    def _linear_dim_divides(self, path, module, attr: str, tp: int) -> list[str]:
-        """Problems with splitting ``module.<attr>`` (in_features / out_features of a Linear) tp ways."""
-        problems = self._expect(path, module, nn.Linear)
-        if not problems and getattr(module, attr) % tp:
-            problems.append(f"{path}: {attr} {getattr(module, attr)} is not divisible by tp={tp}")
-        return problems
+    def _linear_dim_divides(self, path, module, attr: str, tp: int, blocks: int = 1) -> list[str]:
+        """Problems with splitting ``module.<attr>`` (in_features / out_features of a Linear, or of transformers'
+        Conv1D: ``nx`` / ``nf``) tp ways (in each of ``blocks`` equal blocks)."""
+        if is_conv1d(module):
+            size = module.nf if attr == "out_features" else module.nx
+        elif problems := self._expect(path, module, nn.Linear):
+            return problems
+        else:
+            size = getattr(module, attr)
+        if size % (tp * blocks):
+            return [f"{path}: {attr} {size} is not divisible by tp={tp}"
+                    + (f" in each of its {blocks} fused blocks" if blocks > 1 else "")]
+        return []
 
     def _embedding_options(self, path, module) -> list[str]:
         """An embedding whose options a sharded embedding cannot honour (``max_norm``, ``scale_grad_by_freq``,
@@ -79,10 +86,14 @@ class ColwiseParallel(Style):
     """nn.Linear -> ColumnParallelLinear: output features split; copy the input into the TP region unless an
     enclosing :class:`CopyInputs` already did; optionally gather the output.
     nn.Embedding -> ColumnParallelEmbedding: the embedding dim split (as torch's ColwiseParallel does), e.g. a
-    relative-position bias table [buckets, heads] split by head."""
+    relative-position bias table [buckets, heads] split by head.
+    ``blocks``: a fused projection whose output is that many equal blocks (GPT-2's ``c_attn``: q, k, v), each split
+    by head, so that every rank computes q, k and v of the same heads. transformers' ``Conv1D`` is taken as a
+    Linear."""
 
     copy_input: bool = True
     gather_output: bool = False
+    blocks: int = 1
 
     def check(self, path, module, tp):
         if isinstance(module, nn.Embedding):
@@ -90,19 +101,19 @@ class ColwiseParallel(Style):
             if module.embedding_dim % tp:
                 problems.append(f"{path}: embedding_dim {module.embedding_dim} is not divisible by tp={tp}")
             return problems
-        return self._linear_dim_divides(path, module, "out_features", tp)
+        return self._linear_dim_divides(path, module, "out_features", tp, self.blocks)
 
     def apply(self, path, module, ctx):
         if isinstance(module, nn.Embedding):
             return ColumnParallelEmbedding(module, ctx.group, gather_output=self.gather_output, **ctx.tp_args)
         return ColumnParallelLinear(module, ctx.group, copy_input=self.copy_input, gather_output=self.gather_output,
-                                    sequence=ctx.sequence, **ctx.tp_args)
+                                    blocks=self.blocks, sequence=ctx.sequence, **ctx.tp_args)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RowwiseParallel(Style):
-    """nn.Linear -> RowParallelLinear: input features split (input already sharded), output all-reduced (under
-    sequence parallelism: reduce-scattered along the sequence)."""
+    """nn.Linear (or transformers' Conv1D) -> RowParallelLinear: input features split (input already sharded), output
+    all-reduced (under sequence parallelism: reduce-scattered along the sequence)."""
 
     def check(self, path, module, tp):
         return self._linear_dim_divides(path, module, "in_features", tp)

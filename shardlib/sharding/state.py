@@ -32,6 +32,8 @@ def gather_full(tensor: torch.Tensor, layout, group) -> torch.Tensor:
     if not layout.is_sharded:
         return tensor.detach().clone()
     full = all_gather(tensor.detach(), layout.shard_dim, group)
+    if layout.blocks > 1:
+        return layout.unshard(list(full.chunk(layout.num_shards, layout.shard_dim))).clone()
     return full.narrow(layout.shard_dim, 0, layout.global_shape[layout.shard_dim]).clone()
 
 

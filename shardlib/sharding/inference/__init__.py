@@ -34,7 +34,7 @@ from .assemble import (
     Facts, attributes_read, build_plan, divided_attributes, entry_arguments, inputs_only_projected, layer_carries,
     pattern_of, stacks_of,
 )
-from .graph import ExportError, export_twin
+from .graph import ExportError, export_twin, out_features
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
 from .twin import ROLES, analysis_twin
 
@@ -48,8 +48,9 @@ class Inferred:
     evidence: dict[str, list[str]] = field(default_factory=dict)
     unplaced: list[Unplaced] = field(default_factory=list)
     seconds: float = 0.0
-    #: attention block pattern -> (q child, k child, head-dim attribute): heads are counted on the model to shard
-    heads: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    #: attention block pattern -> (q child, k child, head-dim attribute, parts of the q and of the k child's output
+    #: (fused projections)): heads are counted on the model to shard
+    heads: dict[str, tuple[str, str, str, int, int]] = field(default_factory=dict)
 
     def head_problems(self, model: nn.Module, tp: int) -> list[str]:
         """Attention blocks whose query or key/value heads ``tp`` does not divide (checked on ``model`` itself,
@@ -57,14 +58,15 @@ class Inferred:
         from ..plan import match_modules
 
         problems, modules = [], dict(model.named_modules())
-        for pattern, (q, k, head_dim) in self.heads.items():
+        for pattern, (q, k, head_dim, q_parts, k_parts) in self.heads.items():
             for path in match_modules(pattern, modules):
                 block = modules[path]
                 d = getattr(block, head_dim)
-                for role, child in (("query", q), ("key/value", k)):
-                    n = block.get_submodule(child).out_features // d
+                for role, child, parts in (("query", q, q_parts), ("key/value", k, k_parts)):
+                    n = out_features(block.get_submodule(child)) // parts // d
                     if n % tp:
-                        problems.append(f"{path}: {n} {role} heads ({child}: {n * d} outputs / {head_dim} {d}) "
+                        problems.append(f"{path}: {n} {role} heads ({child}: {n * d * parts} outputs"
+                                        + (f" in {parts} fused parts" if parts > 1 else "") + f" / {head_dim} {d}) "
                                         f"are not divisible by tp={tp}")
         return list(dict.fromkeys(problems))
 
@@ -156,14 +158,16 @@ def _entry_groups(g, attention, mlps) -> dict[str, list[str]]:
     return {owner: paths for owner, (paths, calls) in groups.items() if inputs_only_projected(g, owner, calls)}
 
 
-def _head_counts(twin, attention, sizes, stacks) -> dict[str, tuple[str, str, str]]:
-    """Block pattern -> (q child, k child, head-dim attribute): how to count a block's heads on any model."""
+def _head_counts(twin, attention, sizes, stacks) -> dict[str, tuple[str, str, str, int, int]]:
+    """Block pattern -> (q child, k child, head-dim attribute, their parts): how to count a block's heads on any
+    model."""
     heads = {}
     for f in attention:
         block = twin.get_submodule(f.block)
         head_dim = next((k for k, v in vars(block).items() if type(v) is int and v == sizes.head_dim), None)
         if head_dim is not None and f.q.startswith(f.block + ".") and f.k.startswith(f.block + "."):
-            heads[pattern_of(f.block, stacks)] = (f.q[len(f.block) + 1:], f.k[len(f.block) + 1:], head_dim)
+            heads[pattern_of(f.block, stacks)] = (f.q[len(f.block) + 1:], f.k[len(f.block) + 1:], head_dim,
+                                                  f.blocks.get(f.q, 1), f.blocks.get(f.k, 1))
     return heads
 
 

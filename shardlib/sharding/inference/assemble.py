@@ -225,7 +225,7 @@ def build_plan(facts: Facts, g: Graph, model: nn.Module, task: str, forward_para
         names = facts.entries.get(fact.block)
         concrete[fact.block] = (CopyInputs(*names), LocalRNG()) if names else (LocalRNG(),)
         for path in dict.fromkeys((fact.q, fact.k, fact.v)):
-            concrete[path] = (ColwiseParallel(copy_input=not names),)
+            concrete[path] = (ColwiseParallel(copy_input=not names, blocks=fact.blocks.get(path, 1)),)
         concrete[fact.out] = (RowwiseParallel(),)
     for fact in facts.mlps:
         owner = _common_parent(fact.up)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from ...parallel.layers import is_conv1d
 from ..plan import PlanError
 
 aten = torch.ops.aten
@@ -64,6 +65,31 @@ class Graph:
         for node in self.graph.nodes:
             stack = node.meta.get("nn_module_stack") or {}
             self.names[node] = _clean(list(stack.values())[-1][0]) if stack else ""
+        self._fold_conv1d_calls()
+
+    def _fold_conv1d_calls(self) -> None:
+        """transformers' ``Conv1D`` (GPT-2) runs ``view -> addmm -> view``: each such call becomes one
+        ``aten.linear`` node of that module (its weight argument stays the ``[in, out]`` parameter; the analysis
+        reads activations only), so that every site walk sees it as the linear it is."""
+        flatten = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node.target is not aten.addmm.default \
+                    or not is_conv1d(self.modules.get(self.names[node])):
+                continue
+            bias, flat, weight = node.args[:3]
+            users = list(node.users)
+            if getattr(flat, "target", None) not in flatten or len(users) != 1 or users[0].target not in flatten:
+                continue
+            (out,) = users
+            with self.graph.inserting_after(out):
+                linear = self.graph.call_function(aten.linear.default, (flat.args[0], weight, bias))
+            linear.meta = dict(out.meta)
+            self.names[linear] = self.names[node]
+            out.replace_all_uses_with(linear)
+            for dead in (out, node, flat):
+                if not dead.users:
+                    self.graph.erase_node(dead)
+                    del self.names[dead]
 
     def module_of(self, node: fx.Node) -> str:
         return self.names.get(node, "")
@@ -72,12 +98,19 @@ class Graph:
         return [n for n in self.graph.nodes if n.op == "call_function" and n.target in ops]
 
     def linear_calls(self) -> list[fx.Node]:
-        """``aten.linear`` nodes run by an ``nn.Linear`` module (a functional linear elsewhere is not a module's)."""
-        return [n for n in self.calls({aten.linear.default}) if isinstance(self.modules.get(self.module_of(n)), nn.Linear)]
+        """``aten.linear`` nodes run by an ``nn.Linear`` or ``Conv1D`` module (a functional linear elsewhere is not a
+        module's)."""
+        return [n for n in self.calls({aten.linear.default})
+                if isinstance(m := self.modules.get(self.module_of(n)), nn.Linear) or is_conv1d(m)]
 
     def embedding_calls(self) -> list[fx.Node]:
         return [n for n in self.calls({aten.embedding.default})
                 if isinstance(self.modules.get(self.module_of(n)), nn.Embedding)]
+
+
+def out_features(module: nn.Module) -> int:
+    """The output width of a Linear or of transformers' Conv1D (``nf``)."""
+    return module.nf if is_conv1d(module) else module.out_features
 
 
 def _clean(path: str) -> str:
@@ -201,6 +234,6 @@ def _export(model: nn.Module, kwargs: dict, stack: list[str]):
                           "Write a policy for it (docs/policy-authoring.md).") from exc
 
 
-__all__ = ["Graph", "ExportError", "export_twin", "op_name", "back_to_linears", "on_to_linears", "users_through",
+__all__ = ["Graph", "ExportError", "export_twin", "out_features", "op_name", "back_to_linears", "on_to_linears", "users_through",
            "inputs_through", "tensor_args", "shape",
            "SHAPE_OPS", "ELEMENTWISE_OPS", "CHECK_OPS", "ATTENTION_OPS", "SOFTMAX_OPS", "MATMUL_OPS", "SPLIT_OPS"]

@@ -10,7 +10,7 @@ from torch import fx, nn
 
 from .graph import (
     ATTENTION_OPS, CHECK_OPS, aten, ELEMENTWISE_OPS, MATMUL_OPS, SHAPE_OPS, SOFTMAX_OPS, SPLIT_OPS, Graph, back_to_linears,
-    inputs_through, on_to_linears, op_name, shape, tensor_args, users_through,
+    inputs_through, on_to_linears, op_name, out_features, shape, tensor_args, users_through,
 )
 from .twin import Sizes
 
@@ -26,6 +26,7 @@ class AttentionFact:
     kv_heads: int
     nodes: dict[str, fx.Node] = field(default_factory=dict, repr=False)  # the projections' calls, by role
     evidence: list[str] = field(default_factory=list)
+    blocks: dict[str, int] = field(default_factory=dict)  # fused projection -> the equal parts its output splits into
 
 
 @dataclass
@@ -68,6 +69,26 @@ def _on_through(node, through, target, position):
                 None)
 
 
+def _fused_split(passed: list[fx.Node]) -> tuple[int, int] | str | None:
+    """(parts, which part) when the walk from an attention input back to its projection passed a split of the
+    projection's output (a fused q/k/v projection) into equal parts along its last dim; a message when it passed
+    a split that cannot be sharded per part; None when it passed none."""
+    splits = [n for n in passed if n.target in SPLIT_OPS]
+    if not splits:
+        return None
+    picks = [n for n in passed if n.op == "call_function" and n.args and n.args[0] in splits
+             and n.target not in SPLIT_OPS]
+    split, value = splits[0], splits[0].args[0].meta.get("val")
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if len(splits) != 1 or len(picks) != 1 or value is None or split.target is aten.unbind.int \
+            or dim % value.dim() != value.dim() - 1:
+        return "a fused projection split other than once along its features (per-part sharding not supported)"
+    width, parts = value.shape[-1], {shape(n)[-1] for n in split.users if shape(n)}
+    if len(parts) != 1 or width % next(iter(parts)):
+        return f"a fused projection split into unequal parts ({sorted(parts)} of {width}): not supported"
+    return width // next(iter(parts)), picks[0].args[1]
+
+
 def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[AttentionFact]:
     linears = set(g.linear_calls())
     facts = []
@@ -76,7 +97,7 @@ def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[At
         block = g.module_of(op)
         if operands is None:
             continue
-        roles = {}
+        roles, blocks = {}, {}
         evidence = [f"{op.target} ({op.name}) in {block}"]
         for role, node in zip(("q", "k", "v"), operands[:3]):
             found, passed = back_to_linears(g, node, linears)
@@ -86,11 +107,15 @@ def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[At
                                                 f"({', '.join(sorted(g.module_of(n) for n in found)) or 'none'})"))
                 break
             (linear,) = found
-            if any(p.target in SPLIT_OPS for p in passed):
+            fused = _fused_split(passed)
+            if isinstance(fused, str):
                 roles = None
-                unplaced.append(Unplaced(g.module_of(linear), "a fused projection split into q, k and v (per-head "
-                                                              "split not supported yet)"))
+                unplaced.append(Unplaced(g.module_of(linear), fused))
                 break
+            if fused is not None:
+                blocks[g.module_of(linear)] = fused[0]
+                evidence.append(f"{role} is part {fused[1]} of {fused[0]} equal parts of {g.module_of(linear)}'s "
+                                "output (split per head in each part)")
             roles[role] = linear
             evidence.append(f"{role} <- {g.module_of(linear)} ({linear.name}) via "
                             f"{', '.join(op_name(p) for p in dict.fromkeys(passed)) or 'nothing'}")
@@ -103,15 +128,15 @@ def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[At
         (out,) = outs
         evidence.append(f"out -> {g.module_of(out)} ({out.name})")
         head_dim = shape(operands[0])[-1]
-        q_mod, k_mod = (g.modules[g.module_of(roles[r])] for r in ("q", "k"))
-        heads, kv_heads = q_mod.out_features // head_dim, k_mod.out_features // head_dim
+        q_path, k_path = (g.module_of(roles[r]) for r in ("q", "k"))
+        heads, kv_heads = (out_features(g.modules[p]) // blocks.get(p, 1) // head_dim for p in (q_path, k_path))
         if heads != sizes.heads:
             unplaced.append(Unplaced(block, f"{heads} query heads found where the twin has {sizes.heads}"))
             continue
         evidence.append(f"heads {heads}, key/value heads {kv_heads}, head dim {head_dim} (q {list(shape(operands[0]))})")
         facts.append(AttentionFact(block=block, q=g.module_of(roles["q"]), k=g.module_of(roles["k"]),
                                    v=g.module_of(roles["v"]), out=g.module_of(out), heads=heads, kv_heads=kv_heads,
-                                   nodes=roles, evidence=evidence))
+                                   nodes=roles, evidence=evidence, blocks=blocks))
     return facts
 
 
@@ -194,7 +219,7 @@ def vocab_sites(g: Graph, model: nn.Module, sizes: Sizes, unplaced: list[Unplace
                  f"{type(module).__name__} has a forward of its own (a vocab-parallel embedding would drop it)")
     for node in g.linear_calls():
         path, module = g.module_of(node), g.modules[g.module_of(node)]
-        if module.out_features == sizes.vocab:
+        if out_features(module) == sizes.vocab:
             whole = type(module).forward is nn.Linear.forward and _logits_stay_whole(node)
             seen(path, module, None if whole else "the vocabulary head's logits meet another tensor over the "
                                                   "vocabulary (a bias or mask added to them)")
