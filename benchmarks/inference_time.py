@@ -13,7 +13,10 @@ What is measured
    ``shardlib.shard(model, mesh, policy="auto")``, which infers the plan and then proves it on a float64 twin over the
    tp group; the time is ``shardlib.report(model).verified_s`` (verification only), the slower rank's. Warm-up
    round, then ``--rounds`` interleaved rounds, as in 1. The wall time of the whole ``shard()`` call goes to the JSON.
-3. Size independence, in the rounds of 1: cold ``infer`` on a BERT-large-sized ``BertForMaskedLM`` and a
+3. The pipeline-cut proof, in the rounds of 1: ``verify_cuts(model, plan)`` (the verification twin cut into one
+   stage per layer, run stage after stage in this process, against the uncut twin); its own time (the inference it
+   needs is cached or untimed). ALBERT's is a refusal (nested, shared layer stacks).
+4. Size independence, in the rounds of 1: cold ``infer`` on a BERT-large-sized ``BertForMaskedLM`` and a
    T5-large-sized ``T5ForConditionalGeneration`` built on the meta device, next to the same classes at 2 layers and
    width 16: inference works on the twin, so its time should not follow the model's size (both classes have hand
    policies; ``infer`` ignores them, as ``policy="auto"`` does).
@@ -95,6 +98,15 @@ def _cold_infer(model) -> float:
     return time.perf_counter() - start
 
 
+def _cut_proof(model) -> float:
+    from shardlib.sharding.inference import infer
+    from shardlib.sharding.inference.cuts import verify_cuts
+
+    plan = infer(model).plan  # cached, or inferred here outside the timing
+    gc.collect()
+    return verify_cuts(model, plan)
+
+
 def _verify_worker(rank: int, world: int, port: int, families: list[str], rounds: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
@@ -160,8 +172,9 @@ def main(argv=None) -> int:
             models[name] = getattr(transformers, cls)(getattr(transformers, config_cls)(**kwargs))
         params[name] = sum(p.numel() for p in models[name].parameters())
     t0 = time.perf_counter()
-    (infer_s, infer_first, errors), busy_infer = _others_busy(
-        lambda: _warm_then_rounds({n: (lambda m=m: _cold_infer(m)) for n, m in models.items()}, rounds))
+    calls = {n: (lambda m=m: _cold_infer(m)) for n, m in models.items()}
+    calls |= {f"{f} cuts": (lambda m=models[f]: _cut_proof(m)) for f in families}
+    (infer_s, infer_first, errors), busy_infer = _others_busy(lambda: _warm_then_rounds(calls, rounds))
     print(f"inference: {len(models)} models x {rounds} rounds in {time.perf_counter() - t0:.0f} s", flush=True)
 
     # ---- 2: verification at tp=2, in two spawned ranks
@@ -180,16 +193,21 @@ def main(argv=None) -> int:
         return _cell(infer_s[name]) if name in infer_s else f"failed: {errors.get(name, '?')}"
 
     rows = [[f, FAMILIES[f][2][0], infer_cell(f), _cell(verify["results"][f]["verify_s"])
-             if f in verify["results"] else f"failed: {verify['errors'].get(f, failure or '?')}"] for f in families]
-    rows += [[name, f"{cls} ({params[name] / 1e6:,.1f} M params, meta)", infer_cell(name), "n/a (meta)"]
+             if f in verify["results"] else f"failed: {verify['errors'].get(f, failure or '?')}",
+             _cell(infer_s[f"{f} cuts"]) if f"{f} cuts" in infer_s else "refused (see the warnings)"]
+            for f in families]
+    rows += [[name, f"{cls} ({params[name] / 1e6:,.1f} M params, meta)", infer_cell(name), "n/a (meta)", "n/a"]
              for name, (_, _, cls) in SIZED.items()]
     print_table(f"Plan inference and verification time: {rounds} rounds after a warm-up, 1 torch thread, "
                 f"{os.cpu_count()} CPU cores, verification at tp=2 (2 gloo ranks)",
-                ["family", "class", "infer median s (min-max)", "verify tp=2 median s (min-max)"], rows)
+                ["family", "class", "infer median s (min-max)", "verify tp=2 median s (min-max)",
+                 "cut proof median s (min-max)"], rows)
 
     summary = []
     for what, meds in (("infer", [median_spread(infer_s[f])[0] for f in families if f in infer_s]),
-                       ("verify at tp=2", [median_spread(v["verify_s"])[0] for v in verify["results"].values()])):
+                       ("verify at tp=2", [median_spread(v["verify_s"])[0] for v in verify["results"].values()]),
+                       ("pipeline-cut proof", [median_spread(infer_s[f"{f} cuts"])[0] for f in families
+                                               if f"{f} cuts" in infer_s])):
         if meds:
             summary.append(f"{what}, median over {len(meds)} families: {median_spread(meds)[0]:.3f} s "
                            f"(family medians {min(meds):.3f}-{max(meds):.3f} s)")
@@ -202,7 +220,7 @@ def main(argv=None) -> int:
                    f"{busy_verify:.2f} during the verification (of {os.cpu_count()})")
     warnings += [f"other processes were busy during the {what} ({b:.2f} cores): its timings suffer"
                  for what, b in (("inference", busy_infer), ("verification", busy_verify)) if b > 0.2]
-    warnings += [f"{n}: inference failed: {e}" for n, e in errors.items()]
+    warnings += [f"{n}: {'refused' if n.endswith(' cuts') else 'inference failed'}: {e}" for n, e in errors.items()]
     warnings += [f"{n}: verification failed: {e}" for n, e in verify["errors"].items()]
     write_json(out, dict(
         args=vars(args), families=families, rounds=rounds, torch=torch.__version__,
@@ -210,6 +228,7 @@ def main(argv=None) -> int:
             infer=busy_infer, verify=busy_verify), summary=summary, warnings=warnings,
         infer={n: dict(cls=FAMILIES[n][2][0] if n in FAMILIES else SIZED[n][2], params=params.get(n),
                        seconds=infer_s.get(n), warmup_s=infer_first.get(n), error=errors.get(n)) for n in models},
+        cuts={f: dict(seconds=infer_s.get(f"{f} cuts"), error=errors.get(f"{f} cuts")) for f in families},
         verify=verify))
     summary.append(f"results: {out}")
     print_closing(summary, warnings, started)

@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel, BertModel, T5Config, T5ForConditionalGeneration
+from transformers.pytorch_utils import Conv1D
 
 import shardlib
 from shardlib.analysis.metarun import PlanInputError
 from shardlib.parallel.mesh import MeshError, OfflineMesh, fake_world, init_mesh
+from shardlib.parallel.styles import ColwiseParallel
 from shardlib.policies import Policy, policy_for, policy_for_class_name
 from shardlib.sharding.plan import AttentionSite, LossItems, LossSpec, PlanError
 
@@ -77,6 +79,12 @@ def test_offline_mesh_refuses_a_rank_outside_tp(tp, rank):
 
 
 # ------------------------------------------------------------------------- sharding/plan.py, parallel/layout.py, ...
+def _refuse(problems: list[str]):
+    """A style check's problems raised as shard() reports them."""
+    if problems:
+        raise PlanError("; ".join(problems))
+
+
 @pytest.mark.parametrize("make, error, message", [
     (lambda: LossItems(key="mask", count="mask"), PlanError, "LossItems.count must be 'targets' or 'true', got 'mask'"),
     (lambda: shardlib.Layout((2, 3), shard_dim=2), ValueError, r"shard_dim 2 out of range for shape \(2, 3\)"),
@@ -84,7 +92,12 @@ def test_offline_mesh_refuses_a_rank_outside_tp(tp, rank):
     (lambda: shardlib.Layout((4,), shard_dim=0, num_shards=2).shard(torch.zeros(5), 0), ValueError,
      r"tensor of shape \(5,\) does not match layout \(4,\)"),
     (lambda: policy_for_class_name("GPT2Model"), PlanError, "no shardlib policy for model class GPT2Model"),
-], ids=["loss-items-count", "layout-dim", "layout-shards", "layout-shape", "policy-by-name"])
+    (lambda: shardlib.Layout((8, 18), shard_dim=1, num_shards=4, blocks=3), ValueError,
+     r"a dim of 3 blocks must divide into 3 x 4 equal parts, got shape \(8, 18\) split on dim 1"),
+    (lambda: _refuse(ColwiseParallel(blocks=3).check("h.0.attn.c_attn", Conv1D(18, 8), 4)), PlanError,
+     r"h\.0\.attn\.c_attn: out_features 18 is not divisible by tp=4 in each of its 3 fused blocks"),
+], ids=["loss-items-count", "layout-dim", "layout-shards", "layout-shape", "policy-by-name", "layout-blocks",
+        "fused-projection-blocks"])
 def test_plain_data_refusals(make, error, message):
     with pytest.raises(error, match=message):
         make()
