@@ -7,6 +7,7 @@ module-path patterns to parallel styles, plus attribute rewrites, the layer trun
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -111,6 +112,38 @@ def policy_for_class_name(name: str) -> Policy:
         if cls.__name__ == name:
             return policy
     raise PlanError(f"no shardlib policy for model class {name}")
+
+
+def hub_key_mapping(class_name: str) -> Callable[[str], str]:
+    """How the in-memory parameter names of the model class called ``class_name`` map to its Hub checkpoint keys:
+    its policy's :meth:`Policy.to_hub_key`. A class without a policy (sharded by an inferred plan) keeps its names,
+    unless transformers renames its weights between checkpoint and memory (DeiT, BEiT): that mapping is
+    transformers' own, which shardlib's checkpoint code does not apply, so it is refused by name."""
+    _load_builtin(class_name)
+    for cls, policy in _REGISTRY.items():
+        if cls.__name__ == class_name:
+            return policy.to_hub_key
+    if _transformers_renames(class_name):
+        raise PlanError(f"{class_name} has no shardlib policy and transformers renames its weights between its "
+                        "checkpoints and memory (transformers.conversion_mapping); shardlib's checkpoint code does not "
+                        "apply that mapping: write a policy with checkpoint_keys for it (docs/policy-authoring.md)")
+    return lambda name: name
+
+
+@functools.lru_cache(maxsize=None)
+def _transformers_renames(class_name: str) -> bool:
+    """Whether transformers maps any weight name of ``class_name`` on load (built on the meta device with its
+    config class's defaults: the mapping is per class and model type, not per size)."""
+    import torch
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        return False
+    with torch.device("meta"):
+        model = cls(cls.config_class())
+    return bool(get_model_conversion_mapping(model, add_legacy=False))
 
 
 def registered_classes() -> list[type]:

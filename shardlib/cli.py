@@ -112,7 +112,7 @@ def data_bytes_by_file(ckpt) -> dict[str, int]:
     for name, t in ckpt.tensors.items():
         itemsize = ckpt.dtype(name).itemsize
         for p in t["pieces"]:
-            nbytes = math.prod(piece_shape(t["shape"], p["dim"], p["start"], p["stop"])) * itemsize
+            nbytes = math.prod(piece_shape(t["shape"], p["dim"], p["start"], p["stop"], p.get("blocks", 1))) * itemsize
             out[p["file"]] = out.get(p["file"], 0) + nbytes
     return out
 
@@ -156,6 +156,7 @@ def inspect(directory: str) -> int:
         layout = "carried (not a model tensor)" if t.get("carried") else \
             "replicated" if lay["shard_dim"] is None or lay["num_shards"] == 1 else \
             f"dim {lay['shard_dim']} / {lay['num_shards']}" + (
+                f" in {lay['blocks']} blocks" if lay.get("blocks", 1) > 1 else "") + (
                 f" (padded to {lay['padded_size']})" if lay["padded_size"] != t["shape"][lay["shard_dim"]] else "")
         files = sorted({p["file"].replace(".safetensors", "") for p in t["pieces"]})
         print(f"{name:<60} {shape:>14} {t['dtype']:>9}  {layout:<34} {', '.join(files) if len(files) < 3 else files[0] + ' ... ' + files[-1]}")

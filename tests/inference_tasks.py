@@ -103,18 +103,21 @@ def fit_matches(family: str, cls: str, layout: dict, steps: int = 3) -> dict:
             "stages": [list(s) for s in state.pipeline.plan.layers] if state.pipeline else None}
 
 
-def cuts_proven(family: str, cls: str) -> str:
-    """The inferred trunk's pipeline cuts proven on the verification twin (:mod:`shardlib.sharding.inference.cuts`),
-    or the refusal's message."""
+def cuts_proven(cases: list[tuple[str, str]]) -> list[str]:
+    """For each (family, class): its inferred trunk's pipeline cuts proven on the verification twin
+    (:mod:`shardlib.sharding.inference.cuts`), or the refusal's message (inference is cached per class in a rank)."""
     from shardlib.sharding.inference import infer
     from shardlib.sharding.inference.cuts import verify_cuts
 
-    model = make_model(cls, family)
-    try:
-        verify_cuts(model, infer(model).plan)
-        return "proven"
-    except shardlib.PlanError as exc:
-        return str(exc)
+    results = []
+    for family, cls in cases:
+        model = make_model(cls, family)
+        try:
+            verify_cuts(model, infer(model).plan)
+            results.append("proven")
+        except shardlib.PlanError as exc:
+            results.append(str(exc))
+    return results
 
 
 def auto_on_a_hand_policy_class() -> dict:
@@ -127,3 +130,43 @@ def auto_on_a_hand_policy_class() -> dict:
     model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=2), policy="auto")
     compared = compare_training_step(ref, model, bert_cases.make_batch(spec, ref.config), torch.float64)
     return {**compared, "policy": shardlib.report(model).policy, "verified": shardlib.report(model).verified_s}
+
+
+def checkpoint_round_trip(family: str, cls: str, workdir: str) -> int:
+    """HF checkpoint -> sharded at tp=2 by the inferred plan (read straight into shards) -> sharded save -> load at
+    tp=4 -> HF export and the live model's save_pretrained: weights bitwise equal to the original at every step
+    (GPT-2: the fused c_attn's blocked shards, docs/checkpoint-format.md)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import transformers
+
+    from shardlib import checkpoint as ckpt
+
+    work, original = Path(workdir), make_model(cls, family)
+    expected = original.state_dict()
+    if dist.get_rank() == 0:
+        original.save_pretrained(work / "hf")
+    dist.barrier()
+    model_class = getattr(transformers, cls)
+
+    def check_bitwise(model, stage):
+        full = shardlib.full_state_dict(model)
+        for name, value in full.items():
+            assert torch.equal(value.to(expected[name].dtype), expected[name]), f"{stage}: {name} differs"
+        return len(full)
+
+    tensors = check_bitwise(ckpt.from_pretrained(model_class, work / "hf", pool_mesh(tp=2), torch_dtype=torch.float64),
+                            "HF -> tp=2")
+    ckpt.save(ckpt.from_pretrained(model_class, work / "hf", pool_mesh(tp=2), torch_dtype=torch.float64),
+              work / "sharded", overwrite=True)
+    model = ckpt.from_sharded(model_class, work / "sharded", pool_mesh(tp=4))
+    check_bitwise(model, "sharded tp=2 -> tp=4")
+    shardlib.save_pretrained(model, work / "live", overwrite=True)
+    if dist.get_rank() == 0:
+        ckpt.export_hf(work / "sharded", work / "export", overwrite=True)
+        for directory in (work / "export", work / "live"):
+            for name, value in model_class.from_pretrained(directory).state_dict().items():
+                assert torch.equal(value.to(expected[name].dtype), expected[name]), f"{directory.name}: {name}"
+    dist.barrier()
+    return tensors

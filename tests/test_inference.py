@@ -112,15 +112,43 @@ def test_fit_at_tp2_pp2_equals_unsharded_sgd(pool, family, cls):
     assert len(results[0]["stages"]) == 2, results[0]
 
 
-@pytest.mark.parametrize("family,cls", DEV_CASES, ids=[c for _, c in DEV_CASES])
-def test_inferred_trunks_are_proven_cuttable_into_pipeline_stages(pool, family, cls):
-    """Every inferred trunk is cut into one stage per layer of the verification twin and equals the uncut twin
-    (loss and every gradient); ALBERT's shared, nested layer groups are refused by name."""
-    message = pool.run(inference_tasks.cuts_proven, family, cls)[0]
-    if family == "albert":
-        assert "layer stacks are nested" in message and "albert_layer_groups" in message, message
-    else:
-        assert message == "proven", message
+def test_inferred_trunks_are_proven_cuttable_into_pipeline_stages(pool):
+    """Every inferred trunk (every class in CI, one per family in dev) is cut into one stage per layer of the
+    verification twin and equals the uncut twin (loss and every gradient); ALBERT's shared, nested layer groups are
+    refused by name."""
+    results = pool.run(inference_tasks.cuts_proven, DEV_CASES)[0]
+    for (family, cls), message in zip(DEV_CASES, results):
+        if family == "albert":
+            assert "layer stacks are nested" in message and "albert_layer_groups" in message, (cls, message)
+        else:
+            assert message == "proven", (cls, message)
+
+
+def test_checkpoints_of_an_inferred_model_with_a_fused_projection(pool, tmp_path):
+    """GPT-2 (fused c_attn, blocked shards): HF -> tp=2 -> sharded save -> tp=4 -> HF export, bitwise equal."""
+    tensors = pool.run(inference_tasks.checkpoint_round_trip, "gpt2", "GPT2LMHeadModel", str(tmp_path))
+    assert tensors[0] >= 20
+
+
+def test_offline_conversion_of_an_inferred_model_into_pipeline_stages(tmp_path):
+    """``convert`` (no process group) of a GPT-2 HF checkpoint to tp=2 x pp=2: the stages come from the inferred
+    trunk, the fused c_attn is stored as blocked pieces; a class whose weights transformers renames (DeiT) is
+    refused by name rather than written under the wrong keys."""
+    import json
+
+    from shardlib.checkpoint import convert
+    from shardlib.policies import hub_key_mapping
+
+    inference_cases.make_model("GPT2LMHeadModel", "gpt2").save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "sharded", tp=2, pp=2)
+    meta = json.loads((tmp_path / "sharded" / "shardlib.json").read_text())
+    c_attn = meta["tensors"]["transformer.h.1.attn.c_attn.weight"]
+    assert [p["blocks"] for p in c_attn["pieces"]] == [3, 3], c_attn
+    assert {p["file"] for p in c_attn["pieces"]} == {"model-pp01-tp00-of-02.safetensors",
+                                                    "model-pp01-tp01-of-02.safetensors"}
+    with pytest.raises(shardlib.PlanError, match="DeiTForImageClassification has no shardlib policy and transformers "
+                                                 "renames its weights"):
+        hub_key_mapping("DeiTForImageClassification")
 
 
 def test_a_cut_that_does_not_carry_what_the_next_layer_needs_is_refused():

@@ -79,9 +79,9 @@ def export_hf(directory: str | Path, destination: str | Path, *, overwrite: bool
 
 def write_hf(ckpt: ShardedCheckpoint, tmp: Path, max_shard_bytes: int, progress=None) -> None:
     """:func:`export_hf`'s files, into the (staging) directory ``tmp``."""
-    from ..policies import policy_for_class_name  # noqa: PLC0415
+    from ..policies import hub_key_mapping  # noqa: PLC0415
 
-    parts = _hf_parts(ckpt, policy_for_class_name(ckpt.meta["model_class"]).to_hub_key, max_shard_bytes)
+    parts = _hf_parts(ckpt, hub_key_mapping(ckpt.meta["model_class"]), max_shard_bytes)
     files = ["model.safetensors"] if len(parts) == 1 else \
         [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
     with Writer(tmp, checksum=None) as writer:
@@ -144,7 +144,7 @@ def _config_and_class(source: Path):
     that its ``key(names)`` gives (``shape``, ``dtype``, ``read_into``, ``close``)."""
     import transformers
 
-    from ..policies import policy_for_class_name  # noqa: PLC0415
+    from ..policies import hub_key_mapping  # noqa: PLC0415
 
     if (source / METADATA).exists():
         ckpt = _ShardedSource(source)
@@ -155,7 +155,7 @@ def _config_and_class(source: Path):
     class_name = (config.architectures or [None])[0]
     if class_name is None or not hasattr(transformers, class_name):
         raise CheckpointError(f"{source}/config.json names no known model class (architectures={config.architectures})")
-    return config, class_name, _HFSource(source, policy_for_class_name(class_name).to_hub_key)
+    return config, class_name, _HFSource(source, hub_key_mapping(class_name))
 
 
 def _entries(model, src, source: Path, owners) -> list[tuple]:
@@ -186,7 +186,8 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
 
     from ..parallel.mesh import OfflineMesh
     from ..pipeline import stage_plan, tensor_owners
-    from ..policies import policy_for
+    from ..policies import has_policy, policy_for
+    from ..sharding.inference import inferred_policy
     from ..sharding.sharder import shard
 
     source, destination = Path(source), Path(destination)
@@ -198,7 +199,8 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
             model = getattr(transformers, class_name)(config)
         owners = None
         if pp > 1:  # before sharding: the cost model reads the full shapes
-            owners = tensor_owners(model, stage_plan(model, policy_for(model).plan(model, tp).trunk, pp))
+            policy = policy_for(model) if has_policy(model) else inferred_policy(model)
+            owners = tensor_owners(model, stage_plan(model, policy.plan(model, tp).trunk, pp))
         shard(model, OfflineMesh(tp=tp))  # validates the layout: e.g. heads that the new tp does not divide
         entries = _entries(model, src, source, owners)
         carried = set(src.carried())
@@ -228,13 +230,50 @@ def _write_stage(writer: Writer, src, mine: list[tuple], stage: int | None, tp: 
     contents: dict[str, list] = {}
     for names, layout, dtype, _, _ in mine:
         for p in pieces(layout, stage):
-            contents.setdefault(p.file, []).append((names[0], dtype, piece_shape(layout.global_shape, p.dim, p.start,
-                                                                                 p.stop)))
+            contents.setdefault(p.file, []).append(
+                (names[0], dtype, piece_shape(layout.global_shape, p.dim, p.start, p.stop, p.blocks)))
     files = {name: writer.open(name, tensors, {"format": "pt", "writer": FORMAT}) for name, tensors in contents.items()}
     for names, layout, dtype, _, key in mine:
         outs = {None: files.get(replicated_file(stage))} | {r: files.get(rank_file(r, tp, stage)) for r in range(tp)}
-        ranges = [(r, *layout.valid_range(r)) for r in range(layout.num_shards)] if layout.is_sharded else []
-        nbytes = copy_split(writer, src, key, layout.global_shape, dtype,
-                            layout.shard_dim if layout.is_sharded else None, ranges, outs)
+        nbytes = _copy_layout(writer, src, key, layout, dtype, outs)
         if progress:
             progress(names[0], nbytes)
+
+
+def _copy_layout(writer: Writer, src, key: str, layout: Layout, dtype: torch.dtype, outs: dict) -> int:
+    """Copy source tensor ``key`` into each rank's file (``outs``: rank -> file, None -> the replicated one) as
+    ``layout`` splits it (:func:`copy_split`); the bytes copied. A rank's rows are its :meth:`Layout.ranges`, each
+    appended in turn: right along dim 0, where they are whole rows. Along a dim d > 0 the ranges of a blocked
+    layout interleave within each row, so the tensor is seen as :class:`_BlocksApart`, where they are one range per
+    rank of a dim of their own."""
+    if not layout.is_sharded:
+        return copy_split(writer, src, key, layout.global_shape, dtype, None, [], outs)
+    d, n = layout.shard_dim, layout.num_shards
+    if layout.blocks > 1 and d > 0:
+        apart = _BlocksApart(src, layout)
+        rows = apart.shape[d + 1] // n
+        return copy_split(writer, apart, key, apart.shape, dtype, d + 1,
+                          [(r, r * rows, (r + 1) * rows) for r in range(n)], outs)
+    ranges = [(r, start, stop) for r in range(n) for start, stop in layout.ranges(r)]
+    return copy_split(writer, src, key, layout.global_shape, dtype, d, ranges, outs)
+
+
+class _BlocksApart:
+    """A convert source whose tensor of a blocked ``layout`` (split along dim d > 0) is seen with dim d cut into
+    ``(blocks, rows of a block)``: the same bytes and the same dim-0 rows, so its reads are the source's, into
+    the same memory viewed with the source's shape. A rank's local rows are then one range of dim d + 1."""
+
+    def __init__(self, source, layout: Layout):
+        d, shape = layout.shard_dim, layout.global_shape
+        self.source, self._shape = source, shape
+        self.shape = shape[:d] + (layout.blocks, shape[d] // layout.blocks) + shape[d + 1:]
+
+    def extents(self, key: str, start: int = 0, stop: int | None = None):
+        return self.source.extents(key, start, stop)
+
+    def read_into(self, key: str, out: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Dim-0 rows ``[start, stop)`` (the only reads :func:`copy_split` makes along a dim > 0)."""
+        if dim != 0:
+            raise ValueError(f"_BlocksApart reads dim-0 rows only, not dim {dim}")
+        self.source.read_into(key, out.view(stop - start, *self._shape[1:]), 0, start, stop)
+        return out

@@ -2,8 +2,10 @@
 written with a checksum of its own and read back only after a strict check of every field.
 
 A tensor is stored whole (one piece, ``dim`` None, in a replicated file) or as pieces along one dim that tile it
-exactly: no gap, no overlap, nothing out of range. Everything a reader relies on is checked when the metadata is
-read, so a damaged ``shardlib.json`` is refused with the field it lacks, never half-loaded.
+exactly: no gap, no overlap, nothing out of range. A piece of a blocked layout (a fused projection, ``blocks`` k)
+holds the same rows of each of the k equal blocks of its dim, stored one after the other (:func:`piece_spans`).
+Everything a reader relies on is checked when the metadata is read, so a damaged ``shardlib.json`` is refused with
+the field it lacks, never half-loaded.
 """
 
 from __future__ import annotations
@@ -32,10 +34,21 @@ HEX_DIGITS = {"xxh3_128": 32, "sha256": 64}
 
 @dataclass(frozen=True)
 class Piece:
+    """Rows ``[start, stop)`` of ``dim`` stored in ``file``; with ``blocks`` k > 1, those rows of each of the k
+    equal blocks of ``dim`` (:func:`piece_spans`)."""
+
     file: str
     dim: int | None
     start: int
     stop: int
+    blocks: int = 1
+
+    def to_dict(self) -> dict:
+        """The piece's entry in ``shardlib.json`` (``blocks`` only when > 1: unblocked pieces as they always were)."""
+        d = vars(self).copy()
+        if self.blocks == 1:
+            del d["blocks"]
+        return d
 
 
 def rank_file(rank: int, tp: int, stage: int | None = None, dp: int | None = None) -> str:
@@ -56,30 +69,42 @@ def _dp_suffix(dp: int | None) -> str:
     return "" if dp is None else f"-dp{dp:02d}"
 
 
-def piece_shape(shape, dim: int | None, start: int, stop: int) -> tuple[int, ...]:
-    """The shape a piece of a tensor of ``shape`` is stored with: rows ``[start, stop)`` of ``dim`` (all of it when
-    ``dim`` is None)."""
+def piece_shape(shape, dim: int | None, start: int, stop: int, blocks: int = 1) -> tuple[int, ...]:
+    """The shape a piece of a tensor of ``shape`` is stored with: rows ``[start, stop)`` of ``dim`` (of each of
+    ``blocks`` blocks; all of it when ``dim`` is None)."""
     shape = list(shape)
     if dim is not None:
-        shape[dim] = stop - start
+        shape[dim] = (stop - start) * blocks
     return tuple(shape)
 
 
+def piece_spans(piece: dict, shape) -> list[tuple[int, int, int]]:
+    """The global rows of dim ``piece["dim"]`` that a piece stores, as ``(start, stop, offset)``: global rows
+    ``[start, stop)`` are the stored rows ``[offset, offset + stop - start)``. One span, unless the piece is
+    blocked (``"blocks": k``): then rows ``[start, stop)`` of each of the k equal blocks of the dim, in block
+    order. The one place that says where a piece's rows are: every reader and the tiling check use it."""
+    blocks, rows = piece.get("blocks", 1), piece["stop"] - piece["start"]
+    stride = shape[piece["dim"]] // blocks
+    return [(piece["start"] + b * stride, piece["stop"] + b * stride, b * rows) for b in range(blocks)]
+
+
 def pieces(layout: Layout, stage: int | None = None, dp: int | None = None) -> list[Piece]:
+    """Where each rank's local rows of a ``layout`` tensor are stored: one piece per rank that holds real rows (a
+    blocked layout's piece: the rank's rows of the first block, and ``blocks``), or one whole piece."""
     if not layout.is_sharded:
         return [Piece(replicated_file(stage, dp), None, 0, 0)]
     out = []
     for r in range(layout.num_shards):
-        start, stop = layout.valid_range(r)
+        start, stop = layout.ranges(r)[0]
         if stop > start:
-            out.append(Piece(rank_file(r, layout.num_shards, stage, dp), layout.shard_dim, start, stop))
+            out.append(Piece(rank_file(r, layout.num_shards, stage, dp), layout.shard_dim, start, stop, layout.blocks))
     return out
 
 
 def tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None,
                  dp: int | None = None) -> dict:
     return {"shape": list(layout.global_shape), "dtype": dtype_name(dtype), "layout": layout.to_dict(),
-            "aliases": aliases, "pieces": [vars(p) for p in pieces(layout, stage, dp)]}
+            "aliases": aliases, "pieces": [p.to_dict() for p in pieces(layout, stage, dp)]}
 
 
 def parameter_names(names: list[str]) -> list[str]:
@@ -229,13 +254,15 @@ def _tensor_problems(entry, tp: int, files: dict) -> list[str]:
         return [f"'carried' is {entry['carried']!r}, expected true or false"]
     if not _layout_ok(entry.get("layout"), shape):
         return [f"layout {entry.get('layout')!r:.200} is not {{'global_shape': the shape, 'shard_dim': a dim or "
-                "null, 'num_shards': int >= 1, 'padded_size': int >= 0}"]
+                "null, 'num_shards': int >= 1, 'padded_size': int >= 0, optionally 'blocks': int >= 2}"]
     if not isinstance(parts, list) or not parts:
         return ["no pieces"]
     for p in parts:
         if not isinstance(p, dict) or not isinstance(p.get("file"), str) or not _is_int(p.get("start")) or \
                 not _is_int(p.get("stop")) or "dim" not in p or not (p["dim"] is None or _is_int(p["dim"])):
             return [f"piece {p!r}: expected {{'file': str, 'dim': int or null, 'start': int, 'stop': int}}"]
+        if "blocks" in p and (not _is_int(p["blocks"], 2) or p["dim"] is None):
+            return [f"piece {p!r}: 'blocks' must be an integer >= 2, on a piece with a dim"]
         if p["file"] not in files:
             return [f"piece file {p['file']!r} is not listed in 'files'"]
     return _tiling_problems(shape, parts, tp)
@@ -247,12 +274,13 @@ def _layout_ok(layout, shape: list[int]) -> bool:
         return False
     dim = layout.get("shard_dim")
     return (dim is None or _is_int(dim) and dim < len(shape)) and _is_int(layout.get("num_shards"), 1) and \
-        _is_int(layout.get("padded_size"))
+        _is_int(layout.get("padded_size")) and _is_int(layout.get("blocks", 2), 2)
 
 
 def _tiling_problems(shape: list[int], parts: list[dict], tp: int) -> list[str]:
-    """The pieces must tile the tensor exactly: one whole piece, or pieces along one dim whose row ranges cover
-    ``[0, shape[dim])`` with neither a gap nor an overlap, at most one per tp rank."""
+    """The pieces must tile the tensor exactly: one whole piece, or pieces along one dim whose row ranges (every
+    block's, for a blocked piece: :func:`piece_spans`) cover ``[0, shape[dim])`` with neither a gap nor an
+    overlap, at most one per tp rank."""
     dims = {p["dim"] for p in parts}
     if None in dims:
         return [] if len(parts) == 1 else [f"{len(parts)} pieces, one of them whole (dim null)"]
@@ -265,12 +293,18 @@ def _tiling_problems(shape: list[int], parts: list[dict], tp: int) -> list[str]:
         return [f"{len(parts)} pieces for tp={tp}"]
     if len({p["file"] for p in parts}) != len(parts):  # a file holds one entry per tensor name
         return [f"two pieces in one file ({sorted(p['file'] for p in parts)})"]
+    for p in parts:
+        blocks = p.get("blocks", 1)
+        if blocks > 1 and (shape[dim] % blocks or p["stop"] > shape[dim] // blocks):
+            return [f"piece {p['file']}: rows [{p['start']}, {p['stop']}) of each of {blocks} blocks do not fit "
+                    f"dim {dim} of {shape[dim]} rows"]
     covered = 0
-    for p in sorted(parts, key=lambda p: (p["start"], p["stop"])):
-        if p["start"] != covered or p["stop"] <= p["start"]:
-            what = "overlap" if p["start"] < covered else "gap" if p["start"] > covered else "empty piece"
-            return [f"pieces do not tile dim {dim}: {what} at row {min(p['start'], covered)} ({p['file']})"]
-        covered = p["stop"]
+    spans = [(a, b, p["file"]) for p in parts for a, b, _ in piece_spans(p, shape)]
+    for start, stop, file in sorted(spans, key=lambda span: span[:2]):
+        if start != covered or stop <= start:
+            what = "overlap" if start < covered else "gap" if start > covered else "empty piece"
+            return [f"pieces do not tile dim {dim}: {what} at row {min(start, covered)} ({file})"]
+        covered = stop
     if covered != shape[dim]:
         return [f"pieces cover rows [0, {covered}) of dim {dim}, the tensor has {shape[dim]}"]
     return []

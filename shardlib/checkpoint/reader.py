@@ -10,7 +10,7 @@ from ..safetensors_io import (
     DTYPES, CheckpointError, ReaderPool, SafetensorsFile, checksum_of, dtype_name, file_checksum, inside,
 )
 from .atomic import recover
-from .format import METADATA, piece_shape, read_document
+from .format import METADATA, piece_shape, piece_spans, read_document
 
 
 class ShardedCheckpoint(ReaderPool):
@@ -84,7 +84,7 @@ class ShardedCheckpoint(ReaderPool):
         the rows that the metadata records (a file that disagrees is refused, never read as something else)."""
         reader = self._reader(piece["file"])
         entry, meta = reader.entry(name), self.tensors[name]
-        shape = list(piece_shape(meta["shape"], piece["dim"], piece["start"], piece["stop"]))
+        shape = list(piece_shape(meta["shape"], piece["dim"], piece["start"], piece["stop"], piece.get("blocks", 1)))
         if entry.dtype != self.dtype(name) or list(entry.shape) != shape:
             raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype_name(entry.dtype)} {list(entry.shape)}, "
                                   f"{METADATA} records {meta['dtype']} {shape} for this piece")
@@ -110,12 +110,8 @@ class ShardedCheckpoint(ReaderPool):
         if not shape or any(p["dim"] != 0 for p in pieces):
             return None
         stop = shape[0] if stop is None else stop
-        out = []
-        for p in sorted(pieces, key=lambda p: p["start"]):
-            lo, hi = max(start, p["start"]), min(stop, p["stop"])
-            if lo < hi:
-                out.append(self._piece_reader(name, p).extent(name, lo - p["start"], hi - p["start"]))
-        return out
+        return [self._piece_reader(name, p).extent(name, at, at + hi - lo)
+                for p, lo, hi, at in _overlaps(pieces, shape, start, stop)]
 
     def read(self, name: str, dim: int | None, start: int, stop: int | None) -> torch.Tensor:
         """Global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (whole tensor when dim is None), as a new
@@ -128,9 +124,10 @@ class ShardedCheckpoint(ReaderPool):
     def read_into(self, name: str, out: torch.Tensor, dim: int | None = None, start: int = 0,
                   stop: int | None = None) -> torch.Tensor:
         """Read global rows ``[start, stop)`` of ``dim`` of tensor ``name`` (all of it when dim is None) into
-        ``out`` (that shape; may be a strided view): each overlapping piece is read straight into its part of
-        ``out``. Pieces split along another dim than ``dim`` each fill their own columns of ``out``. The pieces
-        tile the tensor along one dim (checked when the checkpoint was opened)."""
+        ``out`` (that shape; may be a strided view): each stored span that overlaps them (a piece's rows; each
+        block's, for a blocked piece) is read straight into its part of ``out``. Pieces split along another dim
+        than ``dim`` each fill their own rows of that dim (:meth:`_read_across`). The pieces tile the tensor along
+        one dim (checked when the checkpoint was opened)."""
         t = self.tensors[name]
         pieces = t["pieces"]
         if any(p["dim"] is None for p in pieces):  # stored whole
@@ -139,13 +136,37 @@ class ShardedCheckpoint(ReaderPool):
         if dim is None:
             dim, start, stop = pdim, 0, shape[pdim]
         stop = shape[dim] if stop is None else stop
-        for p in pieces:
-            if dim == pdim:
-                lo, hi = max(start, p["start"]), min(stop, p["stop"])
-                if lo < hi:
-                    self._piece_reader(name, p).read_into(name, out.narrow(dim, lo - start, hi - lo), dim,
-                                                          lo - p["start"], hi - p["start"])
-            else:
-                rows = p["stop"] - p["start"]
-                self._piece_reader(name, p).read_into(name, out.narrow(pdim, p["start"], rows), dim, start, stop)
+        if dim != pdim:
+            for p in pieces:
+                self._read_across(name, p, out, dim, start, stop)
+            return out
+        for p, lo, hi, at in _overlaps(pieces, shape, start, stop):
+            self._piece_reader(name, p).read_into(name, out.narrow(dim, lo - start, hi - lo), dim, at, at + hi - lo)
         return out
+
+    def _read_across(self, name: str, piece: dict, out: torch.Tensor, dim: int, start: int, stop: int) -> None:
+        """Global rows ``[start, stop)`` of ``dim`` from ``piece``, split along another dim, into its own rows of
+        that dim in ``out``: straight in for a piece of one span; a blocked piece's spans are not one view of
+        ``out``, so its part of the rows is read once and each span copied to its place."""
+        reader, pdim = self._piece_reader(name, piece), piece["dim"]
+        spans = piece_spans(piece, self.shape(name))
+        if len(spans) == 1:
+            a, b, _ = spans[0]
+            reader.read_into(name, out.narrow(pdim, a, b - a), dim, start, stop)
+            return
+        stored = reader.read(name, dim, start, stop)  # this piece's part only, never the whole tensor
+        for a, b, at in spans:
+            out.narrow(pdim, a, b - a).copy_(stored.narrow(pdim, at, b - a))
+
+
+def _overlaps(pieces: list[dict], shape: tuple[int, ...], start: int, stop: int) -> list[tuple[dict, int, int, int]]:
+    """``(piece, lo, hi, at)`` for every stored span (:func:`.format.piece_spans`) of ``pieces``, split along one
+    dim, that overlaps global rows ``[start, stop)`` of it, in global order: global rows ``[lo, hi)`` are the
+    piece's stored rows ``[at, at + hi - lo)``."""
+    found = []
+    for p in pieces:
+        for a, b, offset in piece_spans(p, shape):
+            lo, hi = max(start, a), min(stop, b)
+            if lo < hi:
+                found.append((p, lo, hi, offset + lo - a))
+    return sorted(found, key=lambda span: span[1])

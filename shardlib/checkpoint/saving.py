@@ -31,9 +31,10 @@ def _optimizer_hyperparameters(optimizer) -> list[dict] | None:
 
 
 def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: int | None = 0) -> tuple[dict, dict]:
-    """This rank's file contents: {file: {key: tensor view}} (real rows only, no copies), and the metadata of the
-    tensors this rank's pipeline stage writes (all of them without a pipeline; a tensor used by several stages is
-    written by the lowest pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
+    """This rank's file contents: {file: {key: tensor view}} (real rows only, no copies; a blocked tensor's local
+    rows as one tensor, whose piece says which global rows they are), and the metadata of the tensors this rank's
+    pipeline stage writes (all of them without a pipeline; a tensor used by several stages is written by the lowest
+    pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
     its (pp, tp) position that writes (sp rank 0), else None; replicated tensors are written by dp rank 0, the
     state of a partitioned optimizer by the dp rank holding it."""
     split = _pipeline(model)
@@ -49,10 +50,10 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: 
         if replica is None or (replica != 0 and not partitioned):
             continue
         if layout.is_sharded:
-            start, stop = layout.valid_range(rank)
-            if stop > start:
+            rows = sum(max(stop - start, 0) for start, stop in layout.ranges(rank))  # one piece (every block's rows)
+            if rows:
                 files.setdefault(rank_file(rank, layout.num_shards, stage, dp), {})[names[0]] = \
-                    tensor.detach().narrow(layout.shard_dim, 0, stop - start)  # a view: streamed
+                    tensor.detach().narrow(layout.shard_dim, 0, rows)  # a view without the padding: streamed
         elif rank == 0:
             files.setdefault(replicated_file(stage, dp), {})[names[0]] = tensor.detach()
     return files, meta

@@ -17,20 +17,22 @@ from .format import OPTIMIZER_PREFIX
 
 def fill_local(read_into, layout: Layout, rank: int, out: torch.Tensor, what: str) -> torch.Tensor:
     """Fill ``out``, this rank's local tensor for ``layout``, in place: ``read_into(dim, start, stop, view)`` reads
-    global rows straight into ``view`` (a narrow of ``out``); padding rows are zeroed in place. No temporary."""
+    global rows straight into ``view`` (a narrow of ``out``), one call per range of :meth:`Layout.ranges` (several
+    for a blocked layout, each into its part of ``out``); padding rows are zeroed in place. No temporary."""
     if tuple(out.shape) != tuple(layout.local_shape):
         raise CheckpointError(f"{what}: the local tensor has shape {tuple(out.shape)}, its layout says "
                               f"{tuple(layout.local_shape)}")
     if not layout.is_sharded:
         read_into(None, 0, None, out)
         return out
-    d = layout.shard_dim
-    start, stop = layout.valid_range(rank)
-    valid = max(stop - start, 0)
-    if valid:
-        read_into(d, start, stop, out.narrow(d, 0, valid))
-    if valid < out.shape[d]:
-        out.narrow(d, valid, out.shape[d] - valid).zero_()
+    d, filled = layout.shard_dim, 0
+    for start, stop in layout.ranges(rank):
+        rows = max(stop - start, 0)
+        if rows:
+            read_into(d, start, stop, out.narrow(d, filled, rows))
+        filled += rows
+    if filled < out.shape[d]:
+        out.narrow(d, filled, out.shape[d] - filled).zero_()
     return out
 
 
