@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import inference_cases
@@ -53,6 +53,10 @@ def inferred_specs(draw):
     kv_heads = tp * draw(st.integers(1, 2))
     sizes = {"kv_heads": kv_heads, "heads": kv_heads * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
              "ffn": tp * draw(st.integers(2, 8)), "vocab": draw(st.integers(16, 70)), "layers": draw(st.integers(1, 2))}
+    # a hidden size of 2 (one head of dim 2, where the hidden size is heads x head dim): a LayerNorm over 2 features
+    # outputs +-1 whatever its input, so every gradient below it is 0 plus rounding noise (seen: 3.7e-10 against
+    # 6e-12 at tp=1, for a bias whose true gradient is 0); nothing is tested there
+    assume(sizes["heads"] * sizes["head_dim"] >= 4)
     return family, cls, tp, sp, sizes
 
 
