@@ -129,8 +129,13 @@ def _module_at(model: nn.Module, path: str) -> nn.Module | None:
 
 def _cost(model: nn.Module, paths) -> float:
     """:func:`module_cost` of the modules at ``paths`` plus the size of the parameters some paths name alone."""
-    modules = [m for p in paths if (m := _module_at(model, p)) is not None]
-    alone = [t for p in paths if _module_at(model, p) is None for _, t in _held(model, p)]
+    modules, alone = [], []
+    for path in paths:
+        module = _module_at(model, path)
+        if module is not None:
+            modules.append(module)
+        else:
+            alone += [t for _, t in _held(model, path)]
     return module_cost(modules) + sum(t.numel() for t in alone if isinstance(t, nn.Parameter))
 
 

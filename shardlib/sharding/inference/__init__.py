@@ -9,9 +9,10 @@
    output projection; linear -> element-wise -> linear regions are MLPs; embeddings with the vocabulary's rows, and
    the heads tied to them, are vocab-parallel; per-head tables inside attention blocks are split by head;
 3. the facts become a plan (:mod:`.assemble`): Megatron styles, input copies where the projections read the
-   block's own arguments, per-rank RNG on sharded activations, head attributes to divide, the layer trunk, and
-   patterns over the layer index;
-4. before ``shard()`` uses it, the plan is **proven** on a verification twin (:mod:`.verify`).
+   block's own arguments, per-rank RNG on sharded activations, head attributes to divide, the layer trunk (with
+   what a cut between two layers carries), and patterns over the layer index;
+4. before ``shard()`` uses it, the plan is **proven** on a verification twin (:mod:`.verify`), and so are its
+   pipeline cuts when the mesh has pp > 1 (:mod:`.cuts`).
 
 Anything the analysis cannot place stays replicated and is listed (:attr:`Inferred.unplaced`). The result is
 cached per model class and config structure (the plan depends on the architecture, not the sizes).

@@ -23,7 +23,7 @@ from ...parallel.random import preserved_rng
 from ..examples import example_batch
 from ..plan import PlanError
 from .twin import verification_twin
-from .verify import ATOL, LOSS_TOLERANCE, RTOL
+from .verify import ATOL, LOSS_TOLERANCE, RTOL, weighted_sum
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ def _objective(out) -> torch.Tensor:
     """What the last stage returns, as a scalar: the loss, or a fixed weighting of the first output."""
     value = out[0] if isinstance(out, tuple) else (out.loss if getattr(out, "loss", None) is not None
                                                     else out[next(iter(out.keys()))])
-    if value.dim() == 0:
-        return value
-    return (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
+    return value if value.dim() == 0 else weighted_sum(value)
 
 
 def verify_cuts(model: nn.Module, plan) -> float:

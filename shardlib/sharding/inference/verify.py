@@ -51,6 +51,11 @@ class TensorParallelMesh:
         return f"the tp={self.tp} group of the mesh"
 
 
+def weighted_sum(value: torch.Tensor) -> torch.Tensor:
+    """A fixed, non-symmetric scalar function of an output (every feature weighted differently), in float64."""
+    return (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
+
+
 def _objective(out) -> torch.Tensor:
     """The loss when the model computed one, else a fixed function of every floating output."""
     loss = getattr(out, "loss", None)
@@ -59,7 +64,7 @@ def _objective(out) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for value in out.values():
         if torch.is_tensor(value) and value.is_floating_point():
-            total = total + (value.double() * torch.linspace(-1, 1, value.shape[-1], dtype=torch.float64)).sum()
+            total = total + weighted_sum(value)
     return total
 
 
