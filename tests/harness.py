@@ -19,6 +19,7 @@ import importlib
 import os
 import queue
 import socket
+import tempfile
 import sys
 import time
 import traceback
@@ -57,13 +58,17 @@ def mesh(dp=None, pp=1, tp=1, sp=1):
     return _MESHES[key]
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results, fault_log: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
                       TRANSFORMERS_VERBOSITY="error")
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # a rank killed by a signal writes where each of its threads was; the driver puts it in the RankFailure
+    faulthandler.enable(open(fault_log, "w"), all_threads=True)  # noqa: SIM115 - open for the process's life
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     while True:
@@ -88,6 +93,7 @@ class RankPool:
         self.collective_timeout_s = collective_timeout_s
         self._procs: list = []
         self._task_id = 0
+        self._fault_dir = tempfile.mkdtemp(prefix="shardlib-pool-")
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -96,11 +102,28 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
-                        args=(r, self.world_size, port, self.collective_timeout_s, self._tasks[r], self._results))
+                        args=(r, self.world_size, port, self.collective_timeout_s, self._tasks[r], self._results,
+                              self._fault_log(r)))
             for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+
+    def _fault_log(self, rank: int) -> str:
+        return os.path.join(self._fault_dir, f"rank{rank}.faults")
+
+    def _faults(self, ranks: list[int]) -> str:
+        """What faulthandler wrote for ``ranks`` (the Python stacks of a rank killed by a signal)."""
+        out = []
+        for r in ranks:
+            try:
+                with open(self._fault_log(r)) as f:
+                    text = f.read().split("\nExtension modules:")[0].strip()
+            except OSError:
+                continue
+            if text:
+                out.append(f"\n--- rank {r}: faulthandler ---\n{text[-6000:]}")
+        return "".join(out)
 
     def stop(self, graceful: bool = True) -> None:
         if graceful:
@@ -130,7 +153,7 @@ class RankPool:
                 codes = [self._procs[r].exitcode for r in dead]  # before stop() forgets the processes
                 self.stop(graceful=False)
                 raise RankFailure(f"{fn.__qualname__}: rank(s) {dead} died (exit codes {codes}; negative: the "
-                                  "signal that killed it)")
+                                  "signal that killed it)" + self._faults(dead))
             try:
                 task_id, rank, ok, value = self._results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:

@@ -105,9 +105,12 @@ def real_step(spec: dict) -> dict:
         zero_model = _real_model(spec, mesh)
         trainer = shardlib.Trainer(zero_model, torch.optim.AdamW, zero=zero)
         trainer.train_step(batch)
-        stepped = trainer.optimizer.optim if zero == 2 else trainer.optimizer
-        result[f"zero{zero}"] = [_unique_bytes(local(p) for p in zero_model.parameters()),
-                                 _unique_bytes(local(p.grad) for p in zero_model.parameters() if p.grad is not None),
+        if zero == 2:  # flat buckets: the gradient shards persist, the full gradients are freed in backward
+            grads = [b.grad_shard for b in trainer.optimizer.buckets if b.grad_shard is not None]
+            stepped = trainer.optimizer.inner
+        else:
+            grads, stepped = [local(p.grad) for p in zero_model.parameters() if p.grad is not None], trainer.optimizer
+        result[f"zero{zero}"] = [_unique_bytes(local(p) for p in zero_model.parameters()), _unique_bytes(grads),
                                  _state_bytes(stepped)]
     return result
 

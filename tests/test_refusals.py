@@ -314,12 +314,14 @@ def _used_sgd(params):
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda o: o.build_optimizer(lambda p: "sgd", [nn.Parameter(torch.zeros(2))], master_weights=False, zero=0,
-                                 dp_group=None),
+    (lambda o: o.base_optimizer(lambda p: "sgd", [nn.Parameter(torch.zeros(2))]),
      TypeError, "optimizer\\(params\\) gave a str, not a torch.optim.Optimizer"),
-    (lambda o: o.build_optimizer(_used_sgd, [nn.Parameter(torch.zeros(2))], master_weights=True, zero=0,
-                                 dp_group=None),
+    (lambda o: o.build_optimizer(_used_sgd([nn.Parameter(torch.zeros(2))]), master_weights=True, zero=0),
      ValueError, "SGD built by optimizer\\(params\\) already holds state"),
+    (lambda o: o.check_zero(2, False, OfflineMesh(dp=2), None, _sgd, base=torch.optim.LBFGS([nn.Parameter(
+        torch.zeros(2))])), ValueError, "zero=2 partitions every parameter by elements .* LBFGS is not one of them"),
+    (lambda o: o.check_zero(1, True, OfflineMesh(dp=2), None, _sgd), ValueError,
+     "offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 \\(got zero=1\\)"),
     (lambda o: o.check_zero(1, False, OfflineMesh(dp=2), None, None), ValueError,
      r"zero=1 partitions an optimizer: pass Trainer\(model, optimizer=lambda params: ...\)"),
     (lambda o: o.check_zero(3, False, OfflineMesh(dp=2), None, _sgd, master_weights=True), ValueError,
@@ -329,7 +331,8 @@ def _used_sgd(params):
     (lambda o: o.MasterWeightsOptimizer([nn.Parameter(torch.zeros(2).half())], torch.optim.SGD,
                                         lr=0.1).load_state_dict({}),
      NotImplementedError, r"load through shardlib.checkpoint.load\(model, dir, optimizer=...\)"),
-], ids=["not-an-optimizer", "used-optimizer", "zero-without-optimizer", "zero3-master-weights", "master-save",
+], ids=["not-an-optimizer", "used-optimizer", "zero-not-elementwise", "offload-without-zero3",
+        "zero-without-optimizer", "zero3-master-weights", "master-save",
         "master-load"])
 def test_optimizer_refusals(call, error, message):
     from shardlib.train import optim

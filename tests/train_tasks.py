@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 import shardlib
 from shardlib.train import epoch_order
-from shardlib.train.fsdp import local
-from shardlib.train.optim import param_state
+from shardlib.train.optim import held_state_bytes, param_state
 
 from harness import mesh as pool_mesh
 from rank_tasks import cases
@@ -82,8 +81,7 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
 
 def optimizer_bytes(trainer) -> int:
     """Bytes of optimizer state (moments, master weights) this rank holds."""
-    return sum(local(v).numel() * v.element_size() for p in trainer.params
-               for v in param_state(trainer.optimizer, p).values() if torch.is_tensor(v))
+    return held_state_bytes(trainer.optimizer, trainer.params)
 
 
 def expect_error(spec: dict, workdir: str, case: str) -> str:

@@ -10,8 +10,8 @@ from the code a real rank runs, not from a model of it:
   to equal shapes): parameters (``ShardReport.local_bytes``), gradients (the parameters requiring grad), AdamW
   state (``torch.optim.AdamW`` stepped once on the meta gradients of the Trainer's parameter list: exp_avg,
   exp_avg_sq and the step tensor of every parameter that got a gradient, as a real step allocates them); with
-  dp > 1 also under ZeRO 1 and 2 (the partition torch's ``ZeroRedundancyOptimizer`` computes over the dp group,
-  as the Trainer builds it; zero-2 gradients: those a rank keeps after the reduce) and, without a pipeline, 3
+  dp > 1 also under ZeRO 1 and 2 (the Trainer's flat buckets, an exact 1/dp of every bucket's elements per rank;
+  zero-2 gradients: the rank's gradient shards, which persist over the step) and, without a pipeline, 3
   (FSDP2's local shards: dim 0 of every tensor cut like ``torch.chunk``; computed from that rule, not run);
 * collectives: one forward and backward of a generated batch (meta tensors, :func:`~shardlib.analysis.metarun.
   example_batch`) per pipeline stage, each stage on its own rank's sharded model, run by its
@@ -47,6 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.collectives import all_reduce_flat
+from ..parallel.flat import DEFAULT_BUCKET_BYTES, flat_buckets
+from ..parallel.gradsync import late_gradients
 from ..parallel.mesh import fake_world, init_mesh
 from ..sharding.plan import PlanError
 from ..sharding.sharded import shard_state
@@ -113,23 +115,31 @@ def _fsdp_local(nbytes: int, p: torch.Tensor, dp: int, rank: int) -> int:
     return max(0, min(per, n - rank * per)) * (nbytes // n)
 
 
-def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh) -> list[ZeroBytes]:
-    """Bytes per dp rank under ZeRO 1 and 2 (torch's ZeroRedundancyOptimizer partition, as the Trainer builds it)
-    and, without a pipeline, 3 (FSDP2's local shards of parameters, gradients and AdamW state)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh, late: set[int]) -> list[ZeroBytes]:
+    """Bytes per dp rank under ZeRO 1 and 2 (the Trainer's flat buckets, :func:`shardlib.parallel.flat.flat_buckets`:
+    each rank owns an exact 1/dp of every bucket's elements, and the AdamW state of those elements; zero-2
+    gradients: the rank's shards of the buckets, which persist over the step) and, without a pipeline, 3 (FSDP2's
+    local shards of parameters, gradients and AdamW state). ``late``: the parameters the Trainer buckets apart
+    (:func:`shardlib.parallel.gradsync.late_gradients`)."""
     dp = mesh.dp
     if dp == 1:
         return []
-    parts = ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=mesh.group("dp"))._partition_parameters()
-    owned = [[p for group in part for p in group["params"]] for part in parts]
     trainable = [p for p in params if p.requires_grad]
-    optimizer = [sum(sum(state.get(id(p), (0, 0))) for p in mine) for mine in owned]
+    ranks = range(dp)
+    optimizer, gradients = [0] * dp, [0] * dp
+    for bucket in flat_buckets(params, dp, DEFAULT_BUCKET_BYTES, late):
+        for r in ranks:
+            lo, hi = bucket.owned(r, dp)
+            gradients[r] += (hi - lo) * bucket.params[0].element_size()
+            for i, p in enumerate(bucket.params):
+                a, b = bucket.span(i)
+                overlap = min(b, hi) - max(a, lo)
+                if overlap > 0 and id(p) in state:
+                    shaped, other = state[id(p)]
+                    optimizer[r] += shaped * overlap // p.numel() + other
     zero = [ZeroBytes(1, [_nbytes(params)] * dp, [_nbytes(trainable)] * dp, optimizer),
-            ZeroBytes(2, [_nbytes(params)] * dp, [_nbytes(p for p in mine if p.requires_grad) for mine in owned],
-                      optimizer)]
+            ZeroBytes(2, [_nbytes(params)] * dp, gradients, optimizer)]
     if mesh.pp == 1:
-        ranks = range(dp)
         zero.append(ZeroBytes(
             3, [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in params) for r in ranks],
             [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in trainable) for r in ranks],
@@ -188,7 +198,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
             if dp > 1:  # the Trainer's reduce_gradients without ZeRO: flat all-reduces per dtype
                 all_reduce_flat([p.grad for p in params if p.grad is not None], mesh.group("dp"))
         optimizer = _adamw_state(params)
-        zero = _zero(params, optimizer, mesh)
+        zero = _zero(params, optimizer, mesh, late_gradients(model, state.pipeline))
     layers, modules = _stage_paths(model, index)
     per_microbatch = [c for c in recorder.records if c.phase != "step"]
     info = StageInfo(index=index, layers=layers, modules=modules, parameter_bytes=state.report.local_bytes,

@@ -59,37 +59,23 @@ def all_reduce(x: torch.Tensor, group: Group, op: str = "sum", *, inplace: bool 
     return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), op, group))
 
 
-def all_reduce_flat(tensors: list[torch.Tensor], group: Group) -> None:
-    """Sum each tensor over ``group`` in place, with one all-reduce per dtype of the tensors flattened together."""
-    _sum_flat(tensors, group, None)
-
-
-def reduce_flat(tensors: list[torch.Tensor], group: Group, dst: int) -> None:
-    """Sum each tensor over ``group`` into the tensors of group rank ``dst`` (one reduce per dtype, flattened);
-    the other ranks' tensors are left as they were."""
-    _sum_flat(tensors, group, dst)
-
-
-#: Largest flat buffer of :func:`all_reduce_flat` / :func:`reduce_flat` (torch DDP's default bucket): the gradients
-#: are summed in buckets of at most this many bytes, so no second full copy of them is ever allocated.
+#: Largest flat buffer of :func:`all_reduce_flat` (torch DDP's default bucket): the gradients are summed in buckets
+#: of at most this many bytes, so no second full copy of them is ever allocated.
 FLAT_BUCKET_BYTES = 25 * 2**20
 
 
-def _sum_flat(tensors: list[torch.Tensor], group: Group, dst: int | None) -> None:
+def all_reduce_flat(tensors: list[torch.Tensor], group: Group) -> None:
+    """Sum each tensor over ``group`` in place, with one all-reduce per dtype and bucket of the tensors flattened
+    together (buckets of at most :data:`FLAT_BUCKET_BYTES`)."""
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    receives = dst is None or dist.get_rank(group) == dst
     for same in by_dtype.values():
         for bucket in _buckets(same, FLAT_BUCKET_BYTES):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            if dst is None:
-                dist.all_reduce(flat, group=group)
-            else:
-                dist.reduce(flat, dst=dist.get_global_rank(group, dst), group=group)
-            if receives:
-                torch._foreach_copy_(bucket, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in bucket]),
-                                                                             bucket)])
+            dist.all_reduce(flat, group=group)
+            torch._foreach_copy_(bucket, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in bucket]),
+                                                                         bucket)])
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:

@@ -170,3 +170,25 @@ def unbucket(model: torch.nn.Module) -> None:
         for hook in module._forward_pre_hooks.values():
             if isinstance(hook, ReplicatedGradSync):
                 hook.bucketed = False
+
+
+def sequence_bucketed(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters whose gradients :mod:`shardlib.parallel.gradsync` buckets (over a sequence-parallel
+    group)."""
+    ids = set()
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, ReplicatedGradSync):
+                bucket = hook.buckets.get(module)
+                ids |= {id(r()) for r in (bucket.params if bucket is not None else ()) if r() is not None}
+    return ids
+
+
+def late_gradients(model: torch.nn.Module, split) -> set[int]:
+    """ids of the parameters whose gradient is complete only after backward: those a sequence-parallel bucket
+    completes (:func:`sequence_bucketed`) and, under a pipeline, weights tied across stages (summed over their
+    stages after the schedule)."""
+    late = sequence_bucketed(model)
+    if split is not None:
+        late |= {id(model.get_parameter(name)) for name, _, _, ranks in split.tied if split.pp_rank in ranks}
+    return late

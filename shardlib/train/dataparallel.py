@@ -32,25 +32,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..parallel.gradsync import ReplicatedGradSync
+from ..parallel.gradsync import sequence_bucketed
 
 
 def _sum_hook(group, bucket):
     """DDP comm hook: all-reduce the bucket with SUM (DDP's default divides by the group size)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def sequence_bucketed(model: nn.Module) -> set[int]:
-    """ids of the parameters whose gradients :mod:`shardlib.parallel.gradsync` buckets (over a sequence-parallel
-    group)."""
-    ids = set()
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, ReplicatedGradSync):
-                bucket = hook.buckets.get(module)
-                ids |= {id(r()) for r in (bucket.params if bucket is not None else ()) if r() is not None}
-    return ids
 
 
 def wrap_ddp(model: nn.Module, group) -> tuple[DistributedDataParallel, list[nn.Parameter]]:
@@ -73,4 +61,5 @@ def wrap_ddp(model: nn.Module, group) -> tuple[DistributedDataParallel, list[nn.
 
 def ddp_composes(mesh, pipeline, zero: int, custom_forward: bool) -> bool:
     """Whether the Trainer sums gradients over dp with torch's DDP (module docstring: where it does not)."""
-    return mesh.dp > 1 and pipeline is None and zero in (0, 1) and not custom_forward
+    return mesh.dp > 1 and pipeline is None and zero == 0 and not custom_forward
+

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from ..parallel.collectives import all_reduce_flat, reduce_flat
+from ..parallel.collectives import all_reduce_flat
 from ..parallel.layout import named_layouts
 from .fsdp import local
-from .optim import owners, param_pairs
+from .optim import param_pairs
+from .zero import FlatZero
 
 
 class StepGradients:
@@ -26,7 +27,6 @@ class StepGradients:
                  left_out_of_ddp: list):
         self.model, self.mesh, self.split, self.params = model, mesh, split, params
         self.optimizer, self.zero, self.fsdp, self.left_out_of_ddp = optimizer, zero, fsdp, left_out_of_ddp
-        self.owner = owners(optimizer)  # id(param) -> the dp rank stepping it (zero 1, 2)
         self._counted: list | None = None
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,12 +40,15 @@ class StepGradients:
     def reduce(self, ddp_summed: bool) -> None:
         """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
         summed over data-parallel replicas in flat all-reduces of at most 25 MiB each
-        (``collectives.FLAT_BUCKET_BYTES``); under zero=1 the gradients of parameters another dp rank steps are
-        then dropped; under zero=2 each is summed straight into the dp rank that steps it (flat reduces per dp
-        rank) and dropped elsewhere. ``ddp_summed``: torch's DDP summed them in the step's last backward, so only
-        the parameters left out of DDP are summed here."""
+        (``collectives.FLAT_BUCKET_BYTES``); under zero=1/2 reduce-scattered into each dp rank's pieces
+        (:meth:`FlatZero.finish_grads <shardlib.train.zero.FlatZero.finish_grads>`: what backward did not reduce
+        yet). ``ddp_summed``: torch's DDP summed them in the step's last backward, so only the parameters left out of
+        DDP are summed here."""
         if self.split is not None:
             self.split.sync_tied_grads()
+        if isinstance(self.optimizer, FlatZero):
+            self.optimizer.finish_grads()
+            return
         if self.mesh.dp == 1 or self.fsdp:  # FSDP2 reduce-scatters in backward
             return
         group = self.mesh.group("dp")
@@ -58,15 +61,7 @@ class StepGradients:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.zero >= 2:
-            for owner in range(self.mesh.dp):
-                reduce_flat([p.grad for p in params if self.owner[id(p)] == owner], group, owner)
-        else:
-            all_reduce_flat([p.grad for p in params], group)
-        if self.owner:
-            for p in self.params:
-                if self.owner[id(p)] != self.mesh.local_rank("dp"):
-                    p.grad = None
+        all_reduce_flat([p.grad for p in params], group)
 
     def _norm_tensors(self) -> list[torch.Tensor]:
         """The tensors (stepped by this rank) whose gradients count toward the global gradient norm (fixed by the

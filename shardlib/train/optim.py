@@ -5,8 +5,8 @@ called once on this rank's parameters (torch optimizers allocate their state laz
 class and parameter groups are then rebuilt where needed:
 
 * :class:`MasterWeightsOptimizer`: the same optimizer over fp32 copies of fp16/bf16 parameters;
-* :class:`PartitionedOptimizer`: torch's ``ZeroRedundancyOptimizer`` over the dp group (each dp rank steps and keeps
-  the state of its share of the parameters, then broadcasts them), with master weights for that share only.
+* :class:`shardlib.train.zero.FlatZero`: ZeRO-1/2 over flat buckets, each dp rank stepping an exact 1/dp of every
+  bucket's elements (with master weights for that share only), then all-gathering them.
 
 Everything else talks to any of them through :func:`param_pairs`, :func:`param_state` and
 :func:`set_param_state`: which parameters this rank steps (and the tensor whose ``.grad`` the step reads), and
@@ -16,16 +16,11 @@ each parameter's state by model parameter, as the sharded checkpoint stores it (
 
 from __future__ import annotations
 
-import functools
 import inspect
-from itertools import chain
-
 import torch
-import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
-MASTER_KEY = "master"
+from .zero import MASTER_KEY, FlatZero, check_elementwise
 
 
 def _groups(params) -> list[dict]:
@@ -107,78 +102,57 @@ class MasterWeightsOptimizer(Optimizer):
         return f"MasterWeightsOptimizer({self.inner!r})"
 
 
-class PartitionedOptimizer(ZeroRedundancyOptimizer):
-    """ZeRO-1/2: torch's ``ZeroRedundancyOptimizer`` over the dp group, whose local optimizer is the user's (or its
-    :class:`MasterWeightsOptimizer`). ``owner[i]``: the dp rank (in the group) that steps parameter ``i`` of
-    ``param_groups``."""
-
-    partitioned = True
-
-    def __init__(self, groups: list[dict], local_class, group, **defaults):
-        super().__init__(groups, optimizer_class=local_class, process_group=group, **defaults)
-        self.params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-        index = {id(p): i for i, p in enumerate(self.params)}
-        mine = [index[id(p)] for p, _ in param_pairs(self.optim)]
-        self._mine = {id(self.params[i]) for i in mine}
-        # every rank learns every parameter's owner from the owners themselves (public state only)
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        self.owner = [0] * len(self.params)
-        for rank, indices in enumerate(gathered):
-            for i in indices:
-                self.owner[i] = rank
-        self.dp_rank = dist.get_rank(group)
-
-    def owns(self, param) -> bool:
-        """Whether this dp rank steps (and holds the state of) ``param``."""
-        return id(param) in self._mine
-
-
 def param_pairs(optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(model parameter, the tensor the step updates) for every parameter this rank steps."""
-    if isinstance(optimizer, PartitionedOptimizer):
-        return param_pairs(optimizer.optim)
+    if isinstance(optimizer, FlatZero):
+        return optimizer.pairs()
     if isinstance(optimizer, MasterWeightsOptimizer):
         return optimizer.pairs
     return [(p, p) for g in optimizer.param_groups for p in g["params"]]
 
 
-def _local(optimizer):
-    """The optimizer that steps this rank's parameters: a partitioned optimizer's local one, or itself."""
-    return optimizer.optim if isinstance(optimizer, PartitionedOptimizer) else optimizer
-
-
 def copy_grads(optimizer) -> None:
-    """Move the model's gradients to where the step reads them (master weights), before unscaling / clipping."""
-    if isinstance(_local(optimizer), MasterWeightsOptimizer):
-        _local(optimizer).copy_grads()
+    """Move the model's gradients to where the step reads them (master weights), before unscaling / clipping
+    (:class:`FlatZero` gives its fp32 pieces their gradients itself, in ``finish_grads``)."""
+    if isinstance(optimizer, MasterWeightsOptimizer):
+        optimizer.copy_grads()
 
 
 def holds_state(optimizer, param) -> bool:
-    """Whether this rank steps ``param`` (and so holds its state)."""
-    return optimizer.owns(param) if isinstance(optimizer, PartitionedOptimizer) else True
+    """Whether this rank steps ``param`` (some elements of it, under zero=1/2) and so holds state to load."""
+    return optimizer.owns(param) if isinstance(optimizer, FlatZero) else True
 
 
 def param_state(optimizer, param) -> dict:
-    """The optimizer state of model parameter ``param`` held on this rank ({} when another rank holds it)."""
-    if not holds_state(optimizer, param):
-        return {}
-    local = _local(optimizer)
-    return local.param_state(param) if isinstance(local, MasterWeightsOptimizer) else local.state.get(param, {})
+    """The whole (tp-local) optimizer state of model parameter ``param``: under zero=1/2 gathered over dp, a
+    collective every dp rank makes for the same parameters in the same order."""
+    if isinstance(optimizer, (FlatZero, MasterWeightsOptimizer)):
+        return optimizer.param_state(param)
+    return optimizer.state.get(param, {})
+
+
+def held_state_bytes(optimizer, params) -> int:
+    """Bytes of optimizer state (moments, master weights) this rank holds (its pieces' under zero=1/2, its dp
+    shards' under zero=3)."""
+    if isinstance(optimizer, FlatZero):
+        return optimizer.held_state_bytes()
+    tensors = [v for p in params for v in param_state(optimizer, p).values() if torch.is_tensor(v)]
+    return sum(_local(v).numel() * v.element_size() for v in tensors)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def set_param_state(optimizer, param, state: dict) -> None:
-    """Restore ``param``'s state where this rank steps it (other ranks' parameters are skipped); a master weight
-    missing from ``state`` (a checkpoint saved without master weights) is taken from the parameter."""
-    if not holds_state(optimizer, param):
-        return
-    local = _local(optimizer)
-    if isinstance(local, MasterWeightsOptimizer):
-        local.set_param_state(param, state)
+    """Restore ``param``'s state from its whole (tp-local) tensors (under zero=1/2 this rank keeps its piece); a
+    master weight missing from ``state`` (a checkpoint saved without master weights) is taken from the parameter."""
+    if isinstance(optimizer, (FlatZero, MasterWeightsOptimizer)):
+        optimizer.set_param_state(param, state)
         return
     state = {k: v for k, v in state.items() if k != MASTER_KEY}
     if state:
-        local.state[param] = state
+        optimizer.state[param] = state
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict:
@@ -188,11 +162,17 @@ def _constructor_defaults(optimizer: Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
-def build_optimizer(factory, params: list, *, master_weights: bool, zero: int, dp_group) -> Optimizer:
-    """The Trainer's optimizer (module docstring). ``factory(params)`` must give a ``torch.optim.Optimizer``."""
+def base_optimizer(factory, params: list) -> Optimizer:
+    """``factory(params)``, checked to be a fresh ``torch.optim.Optimizer``."""
     base = factory(params)
     if not isinstance(base, Optimizer):
         raise TypeError(f"optimizer(params) gave a {type(base).__name__}, not a torch.optim.Optimizer")
+    return base
+
+
+def build_optimizer(base: Optimizer, *, master_weights: bool, zero: int, dp_group=None, **zero_options) -> Optimizer:
+    """The Trainer's optimizer (module docstring) from the user's ``base`` optimizer: itself, or rebuilt with its
+    class and parameter groups over master weights and/or dp pieces (``zero_options``: :class:`FlatZero`'s)."""
     if not master_weights and zero in (0, 3):  # zero=3: FSDP2 already sharded the parameters it steps
         return base
     if base.state:
@@ -200,17 +180,18 @@ def build_optimizer(factory, params: list, *, master_weights: bool, zero: int, d
                          "zero rebuild it on other tensors, so it must be fresh")
     groups = [dict(g) for g in base.param_groups]  # every hyperparameter, per group; the model's parameters
     cls, defaults = type(base), _constructor_defaults(base)
-    local = functools.partial(MasterWeightsOptimizer, inner_class=cls) if master_weights else cls
-    if zero == 0:
-        return local(groups, **defaults)
-    return PartitionedOptimizer(groups, local, dp_group, **defaults)
+    if zero in (1, 2):
+        return FlatZero(groups, cls, defaults, stage=zero, group=dp_group, master_weights=master_weights,
+                        **zero_options)
+    return MasterWeightsOptimizer(groups, inner_class=cls, **defaults)
 
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool = False) -> None:
-    """``zero`` and ``offload`` against the mesh, before anything is built (one-line errors)."""
+def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool = False, base=None) -> None:
+    """``zero`` and ``offload`` against the mesh and the user's ``base`` optimizer, before anything is built
+    (one-line errors)."""
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
     if zero and mesh.dp == 1:
@@ -226,12 +207,7 @@ def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool
         raise ValueError("zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype; give the "
                          "model fp32 weights and train with precision='fp16' or 'bf16' (autocast) instead")
     if offload and zero != 3:
-        raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); torch's "
-                         "ZeroRedundancyOptimizer has no offload")
-
-
-def owners(optimizer) -> dict[int, int]:
-    """id(param) -> the dp rank stepping it, for a partitioned optimizer ({} otherwise)."""
-    if not isinstance(optimizer, PartitionedOptimizer):
-        return {}
-    return {id(p): owner for p, owner in zip(optimizer.params, optimizer.owner)}
+        raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); zero=1/2 "
+                         "keep their shards on the parameters' device")
+    if zero in (1, 2) and base is not None:
+        check_elementwise(type(base), zero)

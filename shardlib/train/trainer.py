@@ -34,10 +34,12 @@ from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
+from ..parallel.gradsync import late_gradients
 from .dataparallel import ddp_composes, wrap_ddp
 from .fsdp import apply_fsdp, reshard
 from .gradients import StepGradients
-from .optim import build_optimizer, check_zero, copy_grads
+from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
+from .zero import FlatZero
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
 
@@ -89,8 +91,8 @@ class Trainer:
     ``precision``: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a dynamic loss scaler:
     ``loss_scaler=DynamicLossScaler(...)`` or a dict of its settings; a step with an inf/nan gradient anywhere in
     the mesh is skipped everywhere, ``last_step_skipped``). ``master_weights``: the optimizer steps fp32 copies of
-    fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too, 3 the parameters too
-    (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
+    fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too (both by elements of
+    flat buckets of ``bucket_mb`` MiB, :mod:`shardlib.train.zero`), 3 the parameters too (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
     ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages compile their
     layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
 
@@ -106,13 +108,16 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: Callable | None = None, *, microbatches: int = 1,
                  schedule: str = "1f1b", max_grad_norm: float | None = None,
                  precision: str = "fp32", loss_scaler=None, master_weights: bool = False, zero: int = 0,
-                 offload: bool = False, activation_checkpointing: bool = False, compile: bool | dict = False,
+                 offload: bool = False, bucket_mb: float = 25.0, activation_checkpointing: bool = False,
+                 compile: bool | dict = False,
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward_step: Callable | None = None):
         state = shard_state(model)
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())
         check_precision(precision, params, master_weights, loss_scaler)
-        check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights)
+        # the user's optimizer is built first (torch optimizers allocate their state lazily): zero checks its class
+        base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
+        check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights, base)
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn)
         if compile and zero == 3:  # checked before anything changes the model
             raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
@@ -140,9 +145,10 @@ class Trainer:
             params = list(model.parameters())  # dp-sharded DTensors now
         self.params = params
         self.optimizer = None
-        if optimizer is not None:
-            self.optimizer = build_optimizer(optimizer, params, master_weights=master_weights, zero=zero,
-                                             dp_group=self.mesh.group("dp") if zero else None)
+        if optimizer is not None:  # zero=3: over FSDP2's sharded parameters
+            self.optimizer = build_optimizer(base or base_optimizer(optimizer, params), master_weights=master_weights,
+                                             zero=zero, dp_group=self.mesh.group("dp") if zero else None,
+                                             **self._zero_options(model, bucket_mb))
         self.ddp, left_out_of_ddp, self._dp_synced = None, [], False  # torch DDP sums over dp in backward
         if ddp_composes(self.mesh, self.split, zero, self.custom_forward):  # zero=3 (FSDP2) excluded there
             self.ddp, left_out_of_ddp = wrap_ddp(model, self.mesh.group("dp"))
@@ -157,6 +163,13 @@ class Trainer:
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False  # fp16: the last step had an inf/nan gradient somewhere and was skipped
         self._total = 1.0
+
+    def _zero_options(self, model: nn.Module, bucket_mb: float) -> dict:
+        """:class:`~shardlib.train.zero.FlatZero`'s layout options under zero=1/2."""
+        if self.zero not in (1, 2):
+            return {}
+        return {"late": late_gradients(model, self.split), "order": list(model.parameters()),
+                "bucket_bytes": int(bucket_mb * 2**20)}
 
     # -- overridable ------------------------------------------------------------------------------------------
     def forward_step(self, model: nn.Module, batch: dict):
@@ -211,6 +224,8 @@ class Trainer:
 
     def zero_grad(self) -> None:
         self._dp_synced = False
+        if isinstance(self.optimizer, FlatZero):
+            self.optimizer.zero_grad()  # its gradient shards
         for p in self.params:
             p.grad = None
         for _, stepped in self.gradients.pairs():
@@ -299,6 +314,8 @@ class Trainer:
             last = sync and i == len(parts) - 1
             # under DDP every backward but the step's last accumulates locally (no_sync); the last one sums
             no_sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            if isinstance(self.optimizer, FlatZero):
+                self.optimizer.arm(last)
             with no_sync:
                 with self._autocast(mb):
                     out = self.forward_step(self.ddp if self.ddp is not None else self.model, mb)

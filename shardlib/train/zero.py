@@ -1,0 +1,361 @@
+"""ZeRO-1/2 over flat, bucketed buffers: every data-parallel rank owns an exact 1/dp of every bucket's elements.
+
+The parameters an optimizer steps are laid, in reverse registration order (about the order backward produces their
+gradients), into flat buffers of at most ``bucket_bytes`` each (per dtype), padded to a multiple of dp; each
+parameter becomes a view into its bucket (no second copy of the weights). dp rank ``r`` owns elements
+``[r * n / dp, (r + 1) * n / dp)`` of every bucket of ``n`` elements, so the largest rank holds at most ``dp - 1``
+padding elements per bucket more than ``full / dp``. The user's optimizer is rebuilt over this rank's *pieces*:
+for each parameter, the 1-D slice of it that lies in the rank's range (a view into the bucket, or its fp32 master
+copy), in the parameter's own group (weight decay, learning rate per group are kept). That is exact for optimizers
+whose state and update are per element (SGD, Adam(W), ...); others are refused (:func:`check_elementwise`).
+
+Gradients (Megatron's distributed optimizer, DeepSpeed ZeRO-2, ColossalAI's LowLevelZero do the same):
+
+* **zero=2**: each parameter's post-accumulate-grad hook marks it arrived; when the last parameter of a bucket has
+  arrived the bucket's gradients are copied into one flat buffer, the parameters' ``.grad`` freed, and a
+  reduce-scatter over dp is started without waiting: it runs while backward goes on. Before the next bucket starts
+  the previous one is waited for and its shard added into the rank's gradient shard (``numel / dp`` per bucket,
+  persistent over the step's microbatches). So at most two buckets of full-size gradients exist at any time (the
+  one filling, the one in flight) besides the shards. Every microbatch's backward reduces into the shards: the
+  alternative (keep full gradients over the microbatches, reduce once) is ZeRO-1's memory.
+* **zero=1**: gradients accumulate in full over the microbatches; the step's last backward reduce-scatters them
+  bucket by bucket as above (under a pipeline, once after the schedule).
+* Parameters whose gradient is completed after backward (:mod:`shardlib.parallel.gradsync`'s sequence-parallel
+  buckets; weights tied across pipeline stages, summed over their stages first) are in buckets of their own,
+  reduce-scattered by :meth:`FlatZero.finish_grads` after backward.
+* A parameter that no dp rank used in the step keeps no gradient (its pieces' ``.grad`` is None: AdamW leaves it
+  alone, as without dp): one all-reduce of one flag per parameter.
+
+After the step each bucket's updated shard is all-gathered back into the bucket (one collective per bucket, all
+started at once), so every rank's parameters are whole again.
+
+Checkpoints are written in zero=0's format (each parameter's state whole, tp-local): :meth:`FlatZero.param_state`
+all-gathers a bucket's state once (a collective: every dp rank walks the same tensors), dp rank 0 writes; a load
+reads the whole tensor and keeps this rank's piece. So a checkpoint saved at any zero stage and dp loads at any
+other.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from ..parallel.flat import DEFAULT_BUCKET_BYTES, Bucket, flat_buckets
+
+MASTER_KEY = "master"
+#: optimizers whose state and update are per element: exact on 1-D pieces of the parameters
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop,
+               torch.optim.ASGD)
+
+
+def check_elementwise(optimizer_class: type, zero: int) -> None:
+    """Refuse an optimizer whose state or update is not per element (factored moments, line searches, matrix
+    orthogonalization): partitioning its tensors by elements would change what it computes."""
+    if not issubclass(optimizer_class, ELEMENTWISE):
+        known = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(f"zero={zero} partitions every parameter by elements over the data-parallel ranks, which is "
+                         f"exact only for optimizers whose state and update are per element ({known}); "
+                         f"{optimizer_class.__name__} is not one of them (Adafactor's factored moments, LBFGS's line "
+                         "search and Muon's orthogonalization need whole tensors). Use zero=0 or zero=3")
+
+
+@dataclass(eq=False)
+class Piece:
+    """The elements ``[start, stop)`` of ``param`` (flattened) that this rank steps, as ``tensor`` (a view into the
+    bucket, or an fp32 master copy); ``at`` is where they start in the rank's gradient shard."""
+
+    param: nn.Parameter
+    bucket: Bucket
+    start: int
+    stop: int
+    at: int
+    tensor: torch.Tensor
+
+
+class FlatZero(Optimizer):
+    """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) of ``optimizer_class`` over ``groups`` (the user's parameter
+    groups) on the dp ``group`` (module docstring). ``late``: ids of parameters reduced after backward;
+    ``order``: the model's parameters in registration order (buckets follow its reverse)."""
+
+    def __init__(self, groups: list[dict], optimizer_class: type, defaults: dict, *, stage: int, group,
+                 master_weights: bool = False, late: set[int] = frozenset(), order: list | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        # Optimizer.__init__ is not called on purpose: the parameter groups and the state live in the inner
+        # optimizer over this rank's pieces (as in MasterWeightsOptimizer)
+        check_elementwise(optimizer_class, stage)
+        self.stage, self.group, self.master_weights = stage, group, master_weights
+        self.dp, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.buckets = flat_buckets([p for g in groups for p in g["params"]], self.dp, bucket_bytes, late, order)
+        self._bucket_of: dict[int, tuple[Bucket, int]] = {}
+        self.pieces: list[Piece] = []
+        self._piece_of: dict[int, Piece] = {}
+        for bucket in self.buckets:
+            self._flatten(bucket)
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        inner_groups = [{**g, "params": []} for g in groups]
+        for piece in self.pieces:
+            inner_groups[group_of[id(piece.param)]]["params"].append(piece.tensor)
+        self.inner = optimizer_class(inner_groups, **defaults)
+        self.defaults = self.inner.defaults
+        self.armed = stage == 2  # the hooks reduce-scatter (zero=2: every backward; zero=1: the step's last)
+        self._inflight = None
+        self._waiting: set[int] = set()  # graph tasks whose end-of-backward callback is queued
+        self._used: set[int] = set()  # ids of parameters that got a gradient in this step
+        self._gathered: dict[int, tuple] = {}  # bucket index -> _gather_state(bucket), the last two (checkpoints)
+        me = weakref.ref(self)
+        for bucket in self.buckets:
+            if not bucket.late:
+                for i, p in enumerate(bucket.params):
+                    p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index, i))
+
+    # -- layout -------------------------------------------------------------------------------------------------
+    def _flatten(self, bucket: Bucket) -> None:
+        """Make the bucket's parameters views into one flat buffer and cut this rank's pieces out of it."""
+        first = bucket.params[0]
+        bucket.data = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+        bucket.lo, bucket.hi = bucket.owned(self.dp_rank, self.dp)
+        with torch.no_grad():
+            for i, p in enumerate(bucket.params):
+                a, b = bucket.span(i)
+                view = bucket.data[a:b]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                self._bucket_of[id(p)] = (bucket, i)
+                lo, hi = max(a, bucket.lo), min(b, bucket.hi)
+                if lo < hi:
+                    tensor = bucket.data[lo:hi]
+                    tensor = tensor.to(torch.float32, copy=True) if self.master_weights else tensor
+                    piece = Piece(p, bucket, lo - a, hi - a, lo - bucket.lo, tensor)
+                    self.pieces.append(piece)
+                    self._piece_of[id(p)] = piece
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def pairs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(model parameter, the piece of it this rank steps): what clipping and the loss scaler act on."""
+        return [(piece.param, piece.tensor) for piece in self.pieces]
+
+    def owns(self, param) -> bool:
+        """Whether this rank steps some elements of ``param`` (and so holds their state)."""
+        return id(param) in self._piece_of
+
+    def held_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: its pieces' moments (and fp32 master pieces)."""
+        tensors = [v for state in self.inner.state.values() for v in state.values() if torch.is_tensor(v)]
+        if self.master_weights:
+            tensors += [piece.tensor for piece in self.pieces]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- gradients ------------------------------------------------------------------------------------------------
+    def arm(self, last_backward: bool) -> None:
+        """Before a backward of the Trainer: zero=1 reduce-scatters in the step's last backward only (its gradients
+        accumulate whole over the microbatches before), zero=2 in every backward."""
+        self.armed = self.stage == 2 or last_backward
+
+    def arrived(self, bucket_index: int, i: int) -> None:
+        """Parameter ``i`` of bucket ``bucket_index`` has its gradient of this backward (its post-accumulate hook)."""
+        if not self.armed:
+            return
+        bucket = self.buckets[bucket_index]
+        task = torch._C._current_graph_task_id()
+        if task not in self._waiting:
+            self._waiting.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._backward_done, task))
+        bucket.arrived.add(i)
+        if len(bucket.arrived) == sum(p.requires_grad for p in bucket.params):
+            self._reduce_scatter(bucket)
+
+    def _backward_done(self, task: int) -> None:
+        """End of a backward: buckets some of whose parameters got no gradient in it are reduced as they are."""
+        self._waiting.discard(task)
+        for bucket in self.buckets:
+            if bucket.arrived:
+                self._reduce_scatter(bucket)
+        self._settle()
+
+    def _reduce_scatter(self, bucket: Bucket) -> None:
+        """Start summing the bucket's full gradients into the dp ranks' shards; free them."""
+        self._settle()  # at most one bucket in flight: the peak is the shards + two buckets
+        flat = torch.zeros(bucket.numel, dtype=bucket.data.dtype, device=bucket.data.device)
+        for i, p in enumerate(bucket.params):
+            if p.grad is not None:
+                a, b = bucket.span(i)
+                flat[a:b].copy_(p.grad.reshape(-1))
+                self._used.add(id(p))
+                p.grad = None
+        bucket.arrived.clear()
+        out = torch.empty(bucket.hi - bucket.lo, dtype=flat.dtype, device=flat.device)
+        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        self._inflight = (bucket, flat, out, work)
+
+    def _settle(self) -> None:
+        """Wait for the bucket in flight and add its shard into the rank's gradient shard."""
+        if self._inflight is None:
+            return
+        bucket, _, out, work = self._inflight
+        self._inflight = None
+        work.wait()  # bounded by the process group's timeout
+        if bucket.grad_shard is None:
+            bucket.grad_shard = out
+        else:
+            bucket.grad_shard.add_(out)
+
+    def finish_grads(self) -> None:
+        """After the step's backwards (and the tied-weight sum over pipeline stages): reduce-scatter every gradient
+        still held whole, agree over dp on which parameters were used, and give each piece its gradient."""
+        for bucket in self.buckets:
+            if any(p.grad is not None for p in bucket.params):
+                self._reduce_scatter(bucket)
+        self._settle()
+        params = [p for b in self.buckets for p in b.params]
+        if not params:
+            return
+        used = torch.tensor([id(p) in self._used for p in params], dtype=torch.uint8, device=params[0].device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+        used_ids = {id(p) for p, u in zip(params, used.tolist()) if u}
+        for piece in self.pieces:
+            shard = piece.bucket.grad_shard
+            if id(piece.param) not in used_ids or shard is None:
+                piece.tensor.grad = None
+                continue
+            grad = shard[piece.at:piece.at + piece.stop - piece.start]
+            piece.tensor.grad = grad.to(torch.float32) if self.master_weights else grad
+        self._used.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._settle()
+        for bucket in self.buckets:
+            bucket.grad_shard = None
+            bucket.arrived.clear()
+            for p in bucket.params:
+                p.grad = None
+        for piece in self.pieces:
+            piece.tensor.grad = None
+        self._used.clear()
+
+    # -- step -----------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._gathered.clear()
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        if self.master_weights:
+            for piece in self.pieces:
+                a = piece.bucket.lo + piece.at
+                piece.bucket.data[a:a + piece.tensor.numel()].copy_(piece.tensor)
+        self.gather_params()
+        return loss
+
+    def gather_params(self) -> None:
+        """Every rank's updated shard back into every bucket: one all-gather per bucket, all started at once."""
+        works = [dist.all_gather_single(b.data, b.data[b.lo:b.hi].clone(), group=self.group, async_op=True)
+                 for b in self.buckets]
+        for work in works:
+            work.wait()
+
+    # -- state by model parameter (checkpoints) ---------------------------------------------------------------
+    def param_state(self, param) -> dict:
+        """The whole (tp-local) optimizer state of ``param``, gathered over dp: a collective on the dp group (every
+        dp rank must ask for the same parameters in the same order). Master weights under ``MASTER_KEY``."""
+        located = self._bucket_of.get(id(param))
+        if located is None:
+            return {}
+        bucket, i = located
+        if bucket.index not in self._gathered:
+            if len(self._gathered) == 2:  # an eager and a late bucket alternate in registration order
+                self._gathered.pop(next(iter(self._gathered)))
+            self._gathered[bucket.index] = self._gather_state(bucket)
+        flats, keys = self._gathered[bucket.index]
+        a, b = bucket.span(i)
+        return {key: flats[key][a:b].view_as(param).clone() if value is None else value
+                for key, value in keys.get(i, {}).items()}
+
+    def _gather_state(self, bucket: Bucket) -> tuple[dict, dict]:
+        """The bucket's element-wise state tensors whole (one all-gather per state key) and, per parameter index,
+        its state keys: None for an element-wise tensor (in the first dict), else the value (``step``), from the
+        ranks that hold a piece of it."""
+        mine, described = {}, {}
+        for i, p in enumerate(bucket.params):
+            piece = self._piece_of.get(id(p))
+            if piece is None:
+                continue
+            state = dict(self.inner.state.get(piece.tensor, {}))
+            if self.master_weights:
+                state[MASTER_KEY] = piece.tensor
+            mine[i] = (piece, state)
+            described[i] = {k: (str(v.dtype).removeprefix("torch."), None if _elementwise(v, piece) else v.tolist())
+                            for k, v in state.items() if torch.is_tensor(v)}
+        everyone: list = [None] * self.dp
+        dist.all_gather_object(everyone, described, group=self.group)
+        element_dtypes, keys = {}, {}
+        for described_by_rank in everyone:
+            for i, by_key in described_by_rank.items():
+                for key, (dtype, value) in by_key.items():
+                    if value is None:
+                        element_dtypes[key] = getattr(torch, dtype)
+                        keys.setdefault(i, {})[key] = None
+                    else:
+                        keys.setdefault(i, {})[key] = torch.tensor(value, dtype=getattr(torch, dtype))
+        flats = {}
+        for key in sorted(element_dtypes):  # the same order on every rank
+            shard = torch.zeros(bucket.hi - bucket.lo, dtype=element_dtypes[key], device=bucket.data.device)
+            for piece, state in mine.values():
+                if key in state:
+                    shard[piece.at:piece.at + piece.stop - piece.start].copy_(state[key])
+            flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+            dist.all_gather_single(flat, shard, group=self.group)
+            flats[key] = flat
+        return flats, keys
+
+    def set_param_state(self, param, state: dict) -> None:
+        """Keep this rank's piece of ``param``'s whole (tp-local) state; a master weight missing from ``state`` (a
+        checkpoint saved without master weights) is taken from the parameter."""
+        piece = self._piece_of.get(id(param))
+        if piece is None:
+            return
+        self._gathered.clear()
+        mine = {}
+        for key, value in state.items():
+            if key == MASTER_KEY:
+                continue
+            if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
+                value = value.reshape(-1)[piece.start:piece.stop].to(piece.tensor.device).clone()
+            mine[key] = value
+        if self.master_weights:
+            with torch.no_grad():
+                source = state.get(MASTER_KEY, param)
+                piece.tensor.copy_(source.reshape(-1)[piece.start:piece.stop])
+        if mine:
+            self.inner.state[piece.tensor] = mine
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("load through shardlib.checkpoint.load(model, dir, optimizer=...)")
+
+    def state_dict(self):
+        raise NotImplementedError("save through shardlib.checkpoint.save(model, dir, optimizer=...)")
+
+    def __repr__(self) -> str:
+        return f"FlatZero(stage={self.stage}, dp={self.dp}, buckets={len(self.buckets)}, {self.inner!r})"
+
+
+def _elementwise(value: torch.Tensor, piece: Piece) -> bool:
+    return value.dim() > 0 and value.shape == piece.tensor.shape
+
+
+def _arrived(zero_ref: weakref.ref, bucket_index: int, i: int, param) -> None:
+    """A parameter's post-accumulate-grad hook (held weakly: a discarded Trainer's optimizer leaves no work)."""
+    zero = zero_ref()
+    if zero is not None:
+        zero.arrived(bucket_index, i)

@@ -1,0 +1,161 @@
+"""ZeRO-1/2 over flat buckets (shardlib.train.zero): equal to zero=0 at every layout, exact 1/dp partitions, the
+gradient memory of ZeRO-2, refusals. Tasks in zero_tasks.py.
+
+Tolerances. float64: the pieces step the same numbers as zero=0's whole parameters (AdamW is per element), and the
+dp sums are the same sums (a reduce-scatter instead of an all-reduce; the order of a sum of dp terms may differ):
+1e-12 relative on losses, gradient norms, every parameter and every optimizer state after the steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zero_tasks
+from harness import RankPool
+from test_train import BERT, RUN, T5, VIT
+
+LAYOUTS = {"dp4": {"dp": 4}, "dp2_tp2": {"dp": 2, "tp": 2}, "pp2_dp2": {"dp": 2, "pp": 2},
+           "dp2_sp2": {"dp": 2, "sp": 2}}  # beside an all-to-all sequence group every layer parameter is late
+
+
+def _check(result: dict, stages, what: str, rtol: float = 1e-12) -> None:
+    for stage in stages:
+        worst = {k: v for k, v in result[stage].items() if k in ("losses", "norms", "params", "states")}
+        assert max(worst.values()) < rtol, f"zero={stage} {what}: {worst}"
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2_tp2", "pp2_dp2"])
+def test_zero1_and_zero2_equal_zero0_in_float64(pool, layout):
+    """BERT, 3 steps of 2 microbatches with clipping, buckets of 4 KiB (several per rank, so the hooks reduce some
+    during backward and the rest after): zero 1 and 2 equal zero=0 (losses, gradient norms, every parameter and
+    optimizer state); each rank holds 1/dp of the state (AdamW's two moments; its step counts are per piece)."""
+    spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": LAYOUTS[layout], "stages": [1, 2],
+            "bucket_mb": 4 / 1024}
+    ranks = pool.run(zero_tasks.zero_equivalence, spec)
+    dp = LAYOUTS[layout]["dp"]
+    for rank in ranks:
+        _check(rank, (1, 2), layout)
+        assert rank[2]["buckets"] > 2, rank[2]
+        assert rank[2]["held"] <= rank["full"] / dp * 1.01 + 64 * rank[2]["buckets"], (rank["full"], rank[2])
+
+
+@pytest.mark.parametrize("family, layout, shard", [
+    ("t5", "pp2_dp2", {}), ("vit", "dp2_tp2", {"sequence_parallel": "megatron"}),
+    ("bert", "dp2_sp2", {"sequence_parallel": "all_to_all"})], ids=["t5-pp2-dp2", "vit-megatron-sp", "bert-all-to-all"])
+def test_zero_composes_with_tied_stages_and_sequence_parallelism(pool, family, layout, shard):
+    """Parameters completed after backward (T5's embeddings tied across pipeline stages; Megatron SP's norms and
+    biases; every layer parameter under all-to-all SP) are reduced after backward, the rest in it: equal to zero=0."""
+    spec = {**{"t5": T5, "vit": VIT, "bert": BERT}[family], **RUN, "dtype": "float64", "steps": 2,
+            "layout": LAYOUTS[layout], "shard": shard, "stages": [1, 2], "bucket_mb": 4 / 1024}
+    for rank in pool.run(zero_tasks.zero_equivalence, spec):
+        _check(rank, (1, 2), f"{family} {layout} {shard}")
+
+
+@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"activation_checkpointing": True},
+                                     {"compile": {"backend": "aot_eager"}}], ids=["bf16", "checkpointing", "compile"])
+def test_zero2_composes_with_precision_checkpointing_and_compile(pool, options):
+    """zero=2 against zero=0 under the same option (float32 weights; compile and bf16 round alike on both, the dp
+    sums run in another order: 1e-5 relative). Compiled: AOT autograd's backward still accumulates into the
+    parameters' ``.grad`` outside the graph, so the post-accumulate hooks fire."""
+    spec = {**BERT, **RUN, "dtype": "float32", "steps": 2, "layout": LAYOUTS["dp2_tp2"], "stages": [2],
+            "trainer": options, "bucket_mb": 4 / 1024}
+    for rank in pool.run(zero_tasks.zero_equivalence, spec, timeout_s=400):
+        _check(rank, (2,), str(options), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    """Eight ranks, for pp=2 x dp=2 x tp=2."""
+    p = RankPool(world_size=8)
+    p.start()
+    yield p
+    p.stop()
+
+
+def test_zero_at_pp2_dp2_tp2(pool8):
+    """The full mesh: pp=2 x dp=2 x tp=2, 2 microbatches, clipping: zero 1 and 2 equal zero=0 in float64."""
+    spec = {**BERT, **RUN, "dtype": "float64", "steps": 2, "layout": {"dp": 2, "pp": 2, "tp": 2}, "stages": [1, 2],
+            "bucket_mb": 4 / 1024}
+    for rank in pool8.run(zero_tasks.zero_equivalence, spec, timeout_s=300):
+        _check(rank, (1, 2), "pp2 x dp2 x tp2")
+
+
+def test_zero2_gradient_peak_is_a_shard_and_two_buckets(pool):
+    """One step of 2 microbatches at dp=4, BERT in buckets of 2 KiB: the most gradient bytes a rank holds at once
+    under zero=2 is at most full / dp + 2 buckets; zero=1 holds the full gradients."""
+    spec = {**BERT, **RUN, "dtype": "float32", "layout": {"dp": 4}, "bucket_mb": 2 / 1024}
+    zero2 = pool.run(zero_tasks.gradient_peak, {**spec, "stage": 2})
+    zero1 = pool.run(zero_tasks.gradient_peak, {**spec, "stage": 1})
+    for two, one in zip(zero2, zero1):
+        assert two["buckets"] >= 6, two
+        assert two["peak"] <= two["shards"] + 2 * two["bucket"], two
+        assert two["peak"] < 0.7 * one["peak"] and one["peak"] >= one["full"], (two, one)
+
+
+def test_inf_on_one_rank_skips_the_zero2_step_everywhere(pool):
+    """fp16 at pp=2 x dp=2 with zero=2: an inf gradient on one rank (pp 1, dp 0) skips the step on every rank;
+    parameters and (gathered) optimizer state bitwise unchanged."""
+    import train_tasks
+
+    spec = {**BERT, **RUN, "dtype": "float32", "layout": {"dp": 2, "pp": 2}, "trainer": {"zero": 2},
+            "inject": [{"pp": 1, "dp": 0}, {"pp": 0, "dp": 1}]}
+    ranks = pool.run(train_tasks.inject_inf, spec)
+    assert [sum(r["injected"][step] for r in ranks) for step in range(2)] == [1, 1], ranks
+    for r in ranks:
+        assert r["unchanged"], r
+        assert r["scales"] == [(2.0 ** 16, True, 1), (2.0 ** 15, True, 2)], r
+
+
+# ------------------------------------------------------------------------------------------- partitions
+BERT_SHAPES = {"tiny": (2, 128, 2, 512), "base": (12, 768, 12, 3072), "large": (24, 1024, 16, 4096)}
+
+
+@pytest.mark.parametrize("size", BERT_SHAPES)
+@pytest.mark.parametrize("dp", [2, 3, 4, 8])
+def test_largest_rank_holds_at_most_1_01_of_full_over_dp(size, dp):
+    """BERT-tiny to BERT-large shapes on the meta device, the Trainer's 25 MiB buckets: the largest dp rank's
+    elements (padding included) are at most 1.01x of the full count / dp (exact up to dp - 1 elements per
+    bucket)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from shardlib.parallel.flat import DEFAULT_BUCKET_BYTES, flat_buckets
+
+    layers, hidden, heads, ffn = BERT_SHAPES[size]
+    with torch.device("meta"):
+        model = BertForMaskedLM(BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                           intermediate_size=ffn))
+    params = list(model.parameters())
+    buckets = flat_buckets(params, dp, DEFAULT_BUCKET_BYTES, order=params)
+    full = sum(p.numel() for p in {id(p): p for p in params}.values())
+    per_rank = [sum(b.owned(r, dp)[1] - b.owned(r, dp)[0] for b in buckets) for r in range(dp)]
+    assert sum(b.numel for b in buckets) - full < dp * len(buckets)
+    assert max(per_rank) <= 1.01 * full / dp, (per_rank, full)
+
+
+@settings(max_examples=30)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12), dp=st.integers(1, 9),
+       bucket=st.integers(1, 2000))
+def test_flat_buckets_tile_every_parameter_once(sizes, dp, bucket):
+    """Any parameter sizes, dp and bucket size: every parameter lies in one bucket, the spans tile each bucket's
+    front without overlap, and the dp ranks' ranges tile the padded bucket."""
+    from shardlib.parallel.flat import flat_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    buckets = flat_buckets(params, dp, bucket * 4)
+    assert sorted(id(p) for b in buckets for p in b.params) == sorted(id(p) for p in params)
+    for b in buckets:
+        spans = [b.span(i) for i in range(len(b.params))]
+        assert spans[0][0] == 0 and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+        assert b.numel % dp == 0 and 0 <= b.numel - spans[-1][1] < dp
+        assert [b.owned(r, dp) for r in range(dp)] == [(r * b.numel // dp, (r + 1) * b.numel // dp)
+                                                        for r in range(dp)]
+
+
+def test_an_optimizer_that_is_not_per_element_is_refused_before_anything_changes(pool):
+    """Adafactor (factored moments) and LBFGS under zero=1/2: refused naming the class, the model untouched."""
+    for rank in pool.run(zero_tasks.refused_optimizers, {**BERT, **RUN, "dtype": "float32", "layout": {"dp": 4}}):
+        for name, message in rank.items():
+            assert f"{name} is not one of them" in message and "zero=2" in message, (name, message)

@@ -1,0 +1,134 @@
+"""Rank tasks of tests/test_zero.py: ZeRO-1/2 over flat buckets against zero=0 at the same layout, and the gradient
+memory a rank holds during backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import shardlib
+from shardlib.train.optim import held_state_bytes, param_state
+from shardlib.train.zero import FlatZero
+
+from train_tasks import MAX_GRAD_NORM, adamw, build_sharded, dataset
+
+
+def _batches(spec: dict, mesh) -> list[dict]:
+    """``spec["steps"]`` global batches of ``batch_size``, this dp rank's share of each."""
+    size = spec["batch_size"]
+    train, _ = dataset(spec, size * spec["steps"])
+    return [shardlib.dp_shard(torch.utils.data.default_collate(train[i * size:(i + 1) * size]), mesh)
+            for i in range(spec["steps"])]
+
+
+def _train(spec: dict, options: dict) -> dict:
+    """``steps`` train_steps at ``spec["layout"]`` with Trainer ``options``: losses, gradient norms, and every
+    (tp-local) parameter and optimizer state tensor of this rank's stage afterwards, by parameter name."""
+    mesh, model = build_sharded(spec)
+    trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], max_grad_norm=MAX_GRAD_NORM,
+                               **spec.get("trainer", {}), **options)
+    trainer.track_grad_norm = True
+    losses, norms = [], []
+    for batch in _batches(spec, mesh):
+        losses.append(trainer.train_step(batch))
+        norms.append(trainer.last_grad_norm)
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = {names[id(p)]: p.detach().clone() for p in trainer.params}
+    states = {f"{key}.{names[id(p)]}": v.detach().clone() for p in trainer.params
+              for key, v in param_state(trainer.optimizer, p).items() if torch.is_tensor(v)}
+    held = held_state_bytes(trainer.optimizer, trainer.params)
+    buckets = len(trainer.optimizer.buckets) if isinstance(trainer.optimizer, FlatZero) else 0
+    return {"losses": losses, "norms": norms, "params": params, "states": states, "held": held, "buckets": buckets}
+
+
+def _worst(a, b) -> float:
+    """The largest difference between two tensors (or lists of floats), relative to max(|b|)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
+
+
+def _worst_of_kind(got: dict, base: dict) -> float:
+    """The largest difference over tensors of one kind (parameters; one optimizer state key), relative to the
+    largest value of that kind: a parameter whose true gradient is 0 (an attention key bias: softmax ignores it)
+    gets rounding noise of 1e-23, whose own relative difference means nothing."""
+    kinds: dict = {}
+    for name in base:
+        kinds.setdefault(name.split(".")[0] if name.split(".")[0] in ("exp_avg", "exp_avg_sq", "step", "master",
+                                                                         "momentum_buffer") else "param", []).append(name)
+    worst = 0.0
+    for names in kinds.values():
+        scale = max(base[n].abs().max().item() for n in names) or 1.0
+        worst = max(worst, max((got[n].double() - base[n].double()).abs().max().item() for n in names) / scale)
+    return worst
+
+
+def zero_equivalence(spec: dict) -> dict:
+    """Each ZeRO stage in ``spec["stages"]`` against zero=0 at the same layout, same seed and batches: the worst
+    relative difference of the step losses, the gradient norms, every parameter and every optimizer state tensor
+    (gathered whole over dp: the checkpoint path) after the steps; the optimizer bytes each rank holds."""
+    base = _train(spec, {})
+    result = {"full": base["held"]}
+    for stage in spec["stages"]:
+        got = _train(spec, {"zero": stage, "bucket_mb": spec.get("bucket_mb", 25.0)})
+        assert got["params"].keys() == base["params"].keys() and got["states"].keys() == base["states"].keys(), \
+            (sorted(set(got["states"]) ^ set(base["states"])))
+        result[stage] = {"losses": _worst(got["losses"], base["losses"]), "norms": _worst(got["norms"], base["norms"]),
+                         "params": _worst_of_kind(got["params"], base["params"]),
+                         "states": _worst_of_kind(got["states"], base["states"]),
+                         "held": got["held"], "buckets": got["buckets"]}
+    return result
+
+
+def gradient_peak(spec: dict) -> dict:
+    """The most gradient bytes this rank held at once during one train_step of ``spec`` with zero ``stage``: every
+    parameter's ``.grad``, the buckets' gradient shards and the flat buffer in flight, sampled after every
+    parameter's gradient arrives and at the moment each bucket's flat buffer is allocated (the full gradients of the
+    bucket still alive); with the full gradient bytes and the largest bucket."""
+    mesh, model = build_sharded(spec)
+    trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], zero=spec["stage"],
+                               bucket_mb=spec["bucket_mb"])
+    zero = trainer.optimizer
+    params = [p for b in zero.buckets for p in b.params]
+
+    def live(extra: int = 0) -> int:
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        shards = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in zero.buckets
+                     if b.grad_shard is not None)
+        flight = zero._inflight[1].numel() * zero._inflight[1].element_size() if zero._inflight else 0
+        return grads + shards + flight + extra
+
+    peak = [0]
+    original = zero._reduce_scatter
+
+    def reduce_scatter(bucket):
+        zero._settle()  # what the original does first; then the new flat buffer is allocated beside the gradients
+        peak[0] = max(peak[0], live(bucket.numel * bucket.data.element_size()))
+        original(bucket)
+
+    zero._reduce_scatter = reduce_scatter
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: peak.__setitem__(0, max(peak[0], live())))
+    trainer.train_step(_batches({**spec, "steps": 1}, mesh)[0])
+    full = sum(p.numel() * p.element_size() for p in params)
+    bucket = max(b.numel * b.data.element_size() for b in zero.buckets)
+    dist.barrier()
+    return {"peak": peak[0], "full": full, "bucket": bucket, "buckets": len(zero.buckets),
+            "shards": sum(b.numel // zero.dp * b.data.element_size() for b in zero.buckets)}
+
+
+def refused_optimizers(spec: dict) -> dict:
+    """zero=2 with optimizers whose state is not per element: {class name: the error}; the model must be untouched."""
+    mesh, model = build_sharded(spec)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    storages = {name: p.data_ptr() for name, p in model.named_parameters()}
+    messages = {}
+    for cls in (torch.optim.Adafactor, torch.optim.LBFGS):
+        try:
+            shardlib.Trainer(model, lambda params: cls(params), zero=2)
+            messages[cls.__name__] = "no error"
+        except ValueError as exc:
+            messages[cls.__name__] = str(exc)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and p.data_ptr() == storages[name], name
+    return messages
