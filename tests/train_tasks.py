@@ -76,7 +76,8 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
     return {"losses": result.losses, "first_step": result.first_step, "evals": result.evals,
             "checkpoints": [str(p) for p in result.checkpoints], "mesh": str(mesh),
             "optimizer_bytes": optimizer_bytes(trainer), "scaler": scaler.state_dict() if scaler else None,
-            "ddp": trainer.ddp is not None, "left_out_of_ddp": len(trainer.gradients.left_out_of_ddp)}
+            "ddp": getattr(trainer.data_parallel, "ddp", None) is not None,
+            "left_out_of_ddp": len(getattr(trainer.data_parallel, "left_out_of_ddp", []))}
 
 
 def optimizer_bytes(trainer) -> int:

@@ -48,14 +48,14 @@ def _worst(a, b) -> float:
     return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
-def _worst_of_kind(got: dict, base: dict) -> float:
-    """The largest difference over tensors of one kind (parameters; one optimizer state key), relative to the
-    largest value of that kind: a parameter whose true gradient is 0 (an attention key bias: softmax ignores it)
-    gets rounding noise of 1e-23, whose own relative difference means nothing."""
+def _worst_of_kind(got: dict, base: dict, by_key: bool) -> float:
+    """The largest difference over tensors of one kind (all parameters; with ``by_key``, the optimizer states of
+    one key: ``exp_avg.<param>``), relative to the largest value of that kind: a parameter whose true gradient is 0
+    (an attention key bias: softmax ignores it) gets rounding noise of 1e-23, whose own relative difference means
+    nothing."""
     kinds: dict = {}
     for name in base:
-        kinds.setdefault(name.split(".")[0] if name.split(".")[0] in ("exp_avg", "exp_avg_sq", "step", "master",
-                                                                         "momentum_buffer") else "param", []).append(name)
+        kinds.setdefault(name.split(".")[0] if by_key else "", []).append(name)
     worst = 0.0
     for names in kinds.values():
         scale = max(base[n].abs().max().item() for n in names) or 1.0
@@ -74,8 +74,8 @@ def zero_equivalence(spec: dict) -> dict:
         assert got["params"].keys() == base["params"].keys() and got["states"].keys() == base["states"].keys(), \
             (sorted(set(got["states"]) ^ set(base["states"])))
         result[stage] = {"losses": _worst(got["losses"], base["losses"]), "norms": _worst(got["norms"], base["norms"]),
-                         "params": _worst_of_kind(got["params"], base["params"]),
-                         "states": _worst_of_kind(got["states"], base["states"]),
+                         "params": _worst_of_kind(got["params"], base["params"], False),
+                         "states": _worst_of_kind(got["states"], base["states"], True),
                          "held": got["held"], "buckets": got["buckets"]}
     return result
 

@@ -2,8 +2,8 @@
 
 * :class:`shardlib.pipeline.PipelineRunner`: pipeline stages and schedules;
 * :class:`Trainer` (:mod:`.trainer`): weigh microbatch losses, reduce, clip, step; precision and the fp16 loss
-  scaler (:mod:`.precision`), master weights and ZeRO-1/2 (:mod:`.optim`), ZeRO-3 (:mod:`.fsdp`), data
-  parallelism (:mod:`.dataparallel`);
+  scaler (:mod:`.precision`), master weights (:mod:`.optim`), ZeRO-1/2 over flat buckets (:mod:`.zero`), ZeRO-3
+  (:mod:`.fsdp`), and the one data-parallel layer over them and DDP (:mod:`.dataparallel`);
 * :meth:`Trainer.fit` (:mod:`.loop`): data (:mod:`.data`), evaluation, logging (:mod:`.logs`), checkpoints and
   exact resume (:mod:`.checkpoints`);
 * :class:`TrainingArguments` (:mod:`.args`): one dataclass of command-line arguments, the mesh and the launch

@@ -81,11 +81,14 @@ class TrainingArguments:
     zero: int = field(default=0, metadata={"help": "ZeRO over dp: 1 optimizer state, 2 + gradients, 3 + parameters "
                                                    "(FSDP2)"})
     offload: bool = field(default=False, metadata={"help": "zero=3: parameters and optimizer state in CPU memory"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "zero=1/2: MiB per flat gradient bucket"})
     activation_checkpointing: bool = False
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (pipeline stages: their layers)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
 
     def __post_init__(self):
+        if not self.bucket_mb > 0:
+            raise ValueError(f"--bucket_mb must be positive, got {self.bucket_mb}")
         for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -116,7 +119,7 @@ class TrainingArguments:
     def trainer_options(self) -> dict:
         """Keyword arguments of :class:`shardlib.train.Trainer` (after the model and the optimizer)."""
         return {"microbatches": self.microbatches, "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
-                "precision": self.precision, "zero": self.zero, "offload": self.offload,
+                "precision": self.precision, "zero": self.zero, "offload": self.offload, "bucket_mb": self.bucket_mb,
                 "master_weights": self.master_weights, "loss_scaler": self.loss_scaler(),
                 "activation_checkpointing": self.activation_checkpointing, "compile": self.compile}
 

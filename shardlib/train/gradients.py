@@ -1,6 +1,7 @@
-"""The gradients of a training step (:class:`StepGradients`, one per :class:`~shardlib.train.trainer.Trainer`):
-summed over tied pipeline stages and data-parallel replicas, their global norm over the whole mesh, clipping, and
-the names of non-finite ones. Split from the Trainer, which owns the step's order and delegates to this."""
+"""The gradients of a training step once summed (:class:`StepGradients`, one per
+:class:`~shardlib.train.trainer.Trainer`): their global norm over the whole mesh, clipping, and the names of
+non-finite ones. Split from the Trainer, which owns the step's order and delegates to this; the sums over pipeline
+stages and dp are :mod:`shardlib.train.dataparallel`'s."""
 
 from __future__ import annotations
 
@@ -11,22 +12,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-from ..parallel.collectives import all_reduce_flat
 from ..parallel.layout import named_layouts
 from .fsdp import local
 from .optim import param_pairs
-from .zero import FlatZero
 
 
 class StepGradients:
     """``params``: what this rank's model holds; ``optimizer``: what steps them (None: no step, each parameter is
-    its own stepped tensor); ``zero``: the ZeRO stage; ``fsdp``: whether FSDP2 (zero=3) reduces in backward;
-    ``left_out_of_ddp``: the parameters torch's DDP does not sum (:mod:`shardlib.train.dataparallel`)."""
+    its own stepped tensor); ``zero``: the ZeRO stage (above 0 each dp rank steps its own share)."""
 
-    def __init__(self, model: nn.Module, mesh, split, params: list, optimizer, zero: int, fsdp: bool,
-                 left_out_of_ddp: list):
+    def __init__(self, model: nn.Module, mesh, split, params: list, optimizer, zero: int):
         self.model, self.mesh, self.split, self.params = model, mesh, split, params
-        self.optimizer, self.zero, self.fsdp, self.left_out_of_ddp = optimizer, zero, fsdp, left_out_of_ddp
+        self.optimizer, self.zero = optimizer, zero
         self._counted: list | None = None
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -36,32 +33,6 @@ class StepGradients:
     def stepped(self) -> list[torch.Tensor]:
         """The gradients the optimizer step reads, as this rank's local tensors."""
         return [local(t.grad) for _, t in self.pairs() if t.grad is not None]
-
-    def reduce(self, ddp_summed: bool) -> None:
-        """Tied parameters across pipeline stages get the sum of their stages' gradients; then gradients are
-        summed over data-parallel replicas in flat all-reduces of at most 25 MiB each
-        (``collectives.FLAT_BUCKET_BYTES``); under zero=1/2 reduce-scattered into each dp rank's pieces
-        (:meth:`FlatZero.finish_grads <shardlib.train.zero.FlatZero.finish_grads>`: what backward did not reduce
-        yet). ``ddp_summed``: torch's DDP summed them in the step's last backward, so only the parameters left out of
-        DDP are summed here."""
-        if self.split is not None:
-            self.split.sync_tied_grads()
-        if isinstance(self.optimizer, FlatZero):
-            self.optimizer.finish_grads()
-            return
-        if self.mesh.dp == 1 or self.fsdp:  # FSDP2 reduce-scatters in backward
-            return
-        group = self.mesh.group("dp")
-        candidates = self.left_out_of_ddp if ddp_summed else self.params
-        # a parameter no replica used keeps grad None (AdamW then leaves it alone, as without dp)
-        used = torch.tensor([p.grad is not None for p in candidates], dtype=torch.uint8, device=self.mesh.device_type)
-        if candidates:
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
-        params = [p for p, u in zip(candidates, used.tolist()) if u]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        all_reduce_flat([p.grad for p in params], group)
 
     def _norm_tensors(self) -> list[torch.Tensor]:
         """The tensors (stepped by this rank) whose gradients count toward the global gradient norm (fixed by the

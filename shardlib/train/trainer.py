@@ -10,8 +10,9 @@ the unsharded model's gradient on the global batch whatever the microbatch and d
 then summed over dp, clipped by the norm of the whole model and the optimizer steps.
 
 Precision (``"fp32" | "bf16" | "fp16"``, the fp16 loss scaler, master weights) is :mod:`shardlib.train.precision`;
-the optimizer over master weights and partitioned over dp (``zero=1, 2``) is :mod:`shardlib.train.optim`; ``zero=3``
-is torch's FSDP2 (:mod:`shardlib.train.fsdp`).
+the optimizer over master weights and partitioned over dp (``zero=1, 2``) is :mod:`shardlib.train.optim` and
+:mod:`shardlib.train.zero`; ``zero=3`` is torch's FSDP2 (:mod:`shardlib.train.fsdp`); how gradients meet over dp (DDP,
+the flat ZeRO buckets, FSDP2) is one interface, :mod:`shardlib.train.dataparallel`.
 
 The pipeline schedule belongs to :class:`shardlib.pipeline.PipelineRunner`; the data loop, evaluation, logging and
 checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.loop`). Each layer can be used alone.
@@ -35,11 +36,10 @@ from ..pipeline import PipelineRunner, check_schedule
 from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
 from ..parallel.gradsync import late_gradients
-from .dataparallel import ddp_composes, wrap_ddp
-from .fsdp import apply_fsdp, reshard
+from .dataparallel import data_parallel
+from .fsdp import apply_fsdp
 from .gradients import StepGradients
 from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
-from .zero import FlatZero
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
 
@@ -92,7 +92,8 @@ class Trainer:
     ``loss_scaler=DynamicLossScaler(...)`` or a dict of its settings; a step with an inf/nan gradient anywhere in
     the mesh is skipped everywhere, ``last_step_skipped``). ``master_weights``: the optimizer steps fp32 copies of
     fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too (both by elements of
-    flat buckets of ``bucket_mb`` MiB, :mod:`shardlib.train.zero`), 3 the parameters too (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
+    flat buckets of ``bucket_mb`` MiB, :mod:`shardlib.train.zero`), 3 the parameters too (FSDP2); ``offload``:
+    keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
     ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages compile their
     layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
 
@@ -118,7 +119,7 @@ class Trainer:
         # the user's optimizer is built first (torch optimizers allocate their state lazily): zero checks its class
         base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
         check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights, base)
-        _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn)
+        _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
         if compile and zero == 3:  # checked before anything changes the model
             raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
@@ -140,8 +141,8 @@ class Trainer:
             rng_safe_checkpointing(model)
         if compile:  # after checkpointing, before FSDP, as torchtitan orders them
             compile_model(model, **(compile if isinstance(compile, dict) else {}))
-        self.fsdp = apply_fsdp(model, offload=offload) if zero == 3 else []
-        if self.fsdp:
+        if zero == 3:
+            apply_fsdp(model, offload=offload)
             params = list(model.parameters())  # dp-sharded DTensors now
         self.params = params
         self.optimizer = None
@@ -149,11 +150,9 @@ class Trainer:
             self.optimizer = build_optimizer(base or base_optimizer(optimizer, params), master_weights=master_weights,
                                              zero=zero, dp_group=self.mesh.group("dp") if zero else None,
                                              **self._zero_options(model, bucket_mb))
-        self.ddp, left_out_of_ddp, self._dp_synced = None, [], False  # torch DDP sums over dp in backward
-        if ddp_composes(self.mesh, self.split, zero, self.custom_forward):  # zero=3 (FSDP2) excluded there
-            self.ddp, left_out_of_ddp = wrap_ddp(model, self.mesh.group("dp"))
-        self.gradients = StepGradients(model, self.mesh, self.split, params, self.optimizer, zero, bool(self.fsdp),
-                                       left_out_of_ddp)
+        self.data_parallel = data_parallel(model, self.mesh, self.split, zero, self.optimizer, params,
+                                           self.custom_forward)
+        self.gradients = StepGradients(model, self.mesh, self.split, params, self.optimizer, zero)
         self.runner = None
         if self.split is not None:
             self.runner = PipelineRunner(self.split, schedule, autocast_dtype=AUTOCAST_DTYPES[precision],
@@ -223,9 +222,7 @@ class Trainer:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
-        self._dp_synced = False
-        if isinstance(self.optimizer, FlatZero):
-            self.optimizer.zero_grad()  # its gradient shards
+        self.data_parallel.zero_grad()
         for p in self.params:
             p.grad = None
         for _, stepped in self.gradients.pairs():
@@ -269,9 +266,11 @@ class Trainer:
         return float(total)
 
     def reduce_gradients(self) -> None:
-        """Sum the gradients over tied pipeline stages and data-parallel replicas (under zero=1/2 each ends on the
-        dp rank that steps it): :meth:`StepGradients.reduce <shardlib.train.gradients.StepGradients.reduce>`."""
-        self.gradients.reduce(ddp_summed=self._dp_synced)
+        """Sum the gradients over tied pipeline stages, then over data-parallel replicas (under zero=1/2 into the
+        pieces each dp rank steps): :class:`~shardlib.train.dataparallel.DataParallel` ``.finish_grads``."""
+        if self.split is not None:
+            self.split.sync_tied_grads()
+        self.data_parallel.finish_grads()
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradient of the whole (unsharded) model, a float64 scalar tensor
@@ -299,8 +298,7 @@ class Trainer:
                 with self._autocast(mb):
                     out = self.forward_step(self.model, mb)
                 outputs.append({"loss": out} if torch.is_tensor(out) else dict(out.items()))
-            if self.fsdp:
-                reshard(self.model)  # a forward without backward leaves the root unsharded
+            self.data_parallel.after_eval()
             return outputs
 
     # -- internals ------------------------------------------------------------------------------------------
@@ -311,14 +309,9 @@ class Trainer:
         loss_sum = 0.0
         parts = list(zip(split_batch(batch, self.microbatches), weights.chunk(self.microbatches)))
         for i, (mb, w) in enumerate(parts):
-            last = sync and i == len(parts) - 1
-            # under DDP every backward but the step's last accumulates locally (no_sync); the last one sums
-            no_sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
-            if isinstance(self.optimizer, FlatZero):
-                self.optimizer.arm(last)
-            with no_sync:
+            with self.data_parallel.backward(last=sync and i == len(parts) - 1):
                 with self._autocast(mb):
-                    out = self.forward_step(self.ddp if self.ddp is not None else self.model, mb)
+                    out = self.forward_step(self.data_parallel.module, mb)
                     if self.loss_fn is not None:
                         loss = self.loss_fn(out[next(iter(out.keys()))])
                     else:
@@ -326,7 +319,6 @@ class Trainer:
                 scaled = self._scale(loss, w)
                 scaled.backward()
             loss_sum += float(scaled.detach())
-        self._dp_synced = self.ddp is not None and sync
         return loss_sum  # times the fp16 loss scale, which forward_backward divides out
 
     def _stage_forward_step(self, model, batch):
@@ -360,12 +352,17 @@ class Trainer:
         return fit(self, train_data, **options)
 
 
-def _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn) -> None:
+def _positive(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
+
+
+def _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb) -> None:
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if max_grad_norm is not None and (not isinstance(max_grad_norm, numbers.Real) or isinstance(max_grad_norm, bool)
-                                      or not (max_grad_norm > 0 and math.isfinite(max_grad_norm))):
+    if max_grad_norm is not None and not _positive(max_grad_norm):
         raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if not _positive(bucket_mb):
+        raise ValueError(f"bucket_mb must be a positive finite number (MiB per gradient bucket), got {bucket_mb!r}")
     for name, value in (("optimizer", optimizer), ("forward_step", forward_step), ("loss_fn", loss_fn)):
         if value is not None and not callable(value):
             what = {"optimizer": "a function from parameters to an optimizer (lambda params: torch.optim.AdamW("
