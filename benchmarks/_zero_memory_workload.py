@@ -1,5 +1,6 @@
 """The workload of ``benchmarks/zero_memory.py`` (its models, inputs, ranks and measurements); the script keeps its command line
-and its report. ZeRO stages 0-3 on CPU: the bytes each dp rank holds, the step time, and the peak RSS of a large model."""
+and its report. ZeRO stages 0-3 on CPU: the bytes each dp rank holds (optimizer state, gradient peak during a step,
+parameters), the step time, and the peak RSS of a large model."""
 
 from __future__ import annotations
 
@@ -24,13 +25,21 @@ TINY_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, int
 TINY_LARGE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
                   vocab_size=1000)
 STAGES = (0, 1, 2, 3)
-TARGET = 1.05
+OPT_TARGET = 1.01  # zero 1/2: the largest rank's optimizer state / (full / dp)
 IDLE_CORES = 0.1
 MIB = 2 ** 20
 RSS_PER_PARAM_BYTE = 5.5  # peak RSS per rank / fp32 parameter bytes at zero=0 (measured 5.3 at hidden 1024 x 8)
 RSS_PER_PARAM_BYTE_Z3 = 1.6  # zero=3: one whole model per rank while building it, before FSDP2 shards it
+RSS_PER_PARAM_BYTE_Z12 = 2.2  # zero 1/2: parameters, two gradient buckets (+ full gradients with microbatches > 1)
 RSS_BASE = 0.4 * 2 ** 30  # torch + transformers + gloo per rank
-PARTITIONED = {"opt": 1, "grad_after": 2, "param": 3}  # quantity -> the lowest stage that partitions it
+
+
+def rss_need(zero: int, param_bytes: float, microbatches: int = 1) -> float:
+    """Estimated peak RSS of one rank training a model of ``param_bytes`` (fp32) at ``zero`` (AdamW)."""
+    factor = {0: RSS_PER_PARAM_BYTE, 3: RSS_PER_PARAM_BYTE_Z3}.get(zero, RSS_PER_PARAM_BYTE_Z12)
+    if zero == 1 and microbatches > 1:
+        factor += 1.0  # zero=1 accumulates whole gradients over the microbatches
+    return factor * param_bytes + RSS_BASE
 
 
 # ================================================================================================== rank side
@@ -58,7 +67,8 @@ def _build(opts: dict, mesh, zero: int):
     torch.manual_seed(0)
     model = shardlib.shard(transformers.BertForSequenceClassification(config), mesh)
     trainer = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4), max_grad_norm=1.0,
-                               precision="fp32", zero=zero)
+                               precision="fp32", zero=zero, microbatches=opts.get("microbatches", 1),
+                               bucket_mb=opts.get("bucket_mb", 25.0))
     return config, model, trainer
 
 
@@ -74,21 +84,113 @@ def _batches(opts: dict, mesh, vocab: int, n: int) -> list[dict]:
     return [shardlib.dp_shard(default_collate(samples[i * b:(i + 1) * b]), mesh) for i in range(n)]
 
 
-def _byte_counts(trainer, batch: dict) -> dict:
-    """This rank's optimizer-state, parameter and gradient bytes (module docstring, 1.)."""
-    from shardlib.train.optim import param_state
+def _nbytes_all(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    opt = sum(_nbytes(v) for p in trainer.params for v in param_state(trainer.optimizer, p).values()
-              if hasattr(v, "numel"))
-    param = sum(_nbytes(p) for p in trainer.params)
-    trainer.zero_grad()
-    total = trainer._global_items([batch])
-    trainer.forward_backward(batch, total_items=total)
-    grad_before = sum(_nbytes(p.grad) for p in trainer.params if p.grad is not None)
-    trainer.reduce_gradients()
-    grad_after = sum(_nbytes(p.grad) for p in trainer.params if p.grad is not None)
-    trainer.zero_grad()
-    return dict(opt=opt, param=param, grad_before=grad_before, grad_after=grad_after)
+
+def _instrument(trainer) -> list[int]:
+    """Sample the gradient bytes this rank holds during the next train_step into the returned ``[peak]`` (module
+    docstring of zero_memory.py, 1.): under zero 1/2 every ``.grad``, the buckets' gradient shards and the flat
+    buffer in flight, after each post-accumulate-grad hook and when a bucket's flat buffer is allocated (the
+    bucket's full gradients still alive: wrapping ``FlatZero._reduce_scatter``, as tests/zero_tasks.py does); under
+    every stage right after the step's backwards (``trainer.reduce_gradients`` is called after them): the local
+    ``.grad`` bytes (DDP's bucket views at zero=0, FSDP2's reduce-scattered shards at zero=3)."""
+    from shardlib.train.fsdp import local
+    from shardlib.train.zero import FlatZero
+
+    peak = [0]
+    zero = trainer.optimizer if isinstance(trainer.optimizer, FlatZero) else None
+
+    def live(extra: int = 0) -> int:
+        grads = _nbytes_all(local(p.grad) for p in trainer.params if p.grad is not None)
+        if zero is None:
+            return grads
+        shards = _nbytes_all(b.grad_shard for b in zero.buckets)
+        flight = _nbytes_all([zero._inflight[1]]) if zero._inflight else 0
+        return grads + shards + flight + extra
+
+    def sample(extra: int = 0) -> None:
+        peak[0] = max(peak[0], live(extra))
+
+    if zero is not None:
+        original = zero._reduce_scatter
+
+        def reduce_scatter(bucket):
+            zero._settle()  # what the original does first; then the flat buffer is allocated beside the gradients
+            sample(bucket.numel * bucket.data.element_size())
+            original(bucket)
+
+        zero._reduce_scatter = reduce_scatter
+        for p in trainer.params:
+            p.register_post_accumulate_grad_hook(lambda _: sample())
+    reduce_gradients = trainer.reduce_gradients
+
+    def after_backward() -> None:
+        sample()
+        reduce_gradients()
+
+    trainer.reduce_gradients = after_backward
+    return peak
+
+
+def _bytes_of(trainer, peak: int) -> dict:
+    """This rank's figures after the instrumented step: optimizer state it holds, its gradient peak, its local
+    parameters; the model's full parameter bytes; under zero 1/2 the bucket layout (bound on the gradient peak)."""
+    from shardlib.train.fsdp import local
+    from shardlib.train.optim import held_state_bytes
+    from shardlib.train.zero import FlatZero
+
+    out = dict(opt=held_state_bytes(trainer.optimizer, trainer.params), grad=peak,
+               param=_nbytes_all(local(p) for p in trainer.params),
+               full_param=sum(p.numel() * p.element_size() for p in trainer.params), n_params=len(trainer.params))
+    zero = trainer.optimizer
+    if isinstance(zero, FlatZero):
+        sizes = [b.numel * b.data.element_size() for b in zero.buckets]
+        out.update(buckets=len(sizes), bucket=max(sizes), shards=sum(s // zero.dp for s in sizes))
+    return out
+
+
+def _worker_bytes(opts: dict) -> dict:
+    """Part 1: each stage of ``opts['zeros']`` one after another, each on a fresh model freed before the next: one
+    instrumented ``train_step`` (it creates AdamW's state too), then this rank's bytes; per stage the rank's peak
+    RSS from building the model to after the step (VmHWM reset first)."""
+    import torch.distributed as dist
+
+    import shardlib
+
+    mesh = shardlib.init_mesh(tp=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counts = {}
+    for zero in opts["zeros"]:
+        gc.collect()
+        _malloc_trim()
+        _reset_hwm()
+        t0 = time.perf_counter()
+        config, _, trainer = _build(opts, mesh, zero)
+        batch = _batches(opts, mesh, config.vocab_size, 1)[0]
+        peak = _instrument(trainer)
+        dist.barrier()
+        t1 = time.perf_counter()
+        loss = trainer.train_step(batch)
+        mine = dict(_bytes_of(trainer, peak[0]), rss_peak=status_kib("VmHWM") * 1024)
+        counts[zero] = _gather(mine)
+        if rank == 0:
+            print(f"  dp={world} zero={zero}: built in {t1 - t0:.1f} s, step {time.perf_counter() - t1:.1f} s "
+                  f"(loss {loss:.4f}); rank 0: optimizer {mine['opt'] / MIB:.1f} MiB, gradient peak "
+                  f"{mine['grad'] / MIB:.1f} MiB, parameters {mine['param'] / MIB:.1f} MiB, peak RSS "
+                  f"{mine['rss_peak'] / MIB:.0f} MiB", flush=True)
+        del trainer, batch
+        dist.barrier()
+    return dict(counts=counts, world=world)
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _gather(value):
@@ -100,8 +202,8 @@ def _gather(value):
 
 
 def _worker_steps(opts: dict) -> dict:
-    """Part 2 (and 1 with ``opts['bytes']``): with ``opts['interleave']`` a trainer per stage, all alive at once,
-    their steps interleaved; else the stages one after another, each on a fresh model. See the module docstring."""
+    """Part 2: with ``opts['interleave']`` a trainer per stage, all alive at once, their steps interleaved; else the
+    stages one after another, each on a fresh model. See the module docstring."""
     import torch
     import torch.distributed as dist
 
@@ -110,7 +212,7 @@ def _worker_steps(opts: dict) -> dict:
     mesh = shardlib.init_mesh(tp=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     zeros, warmup, rounds = opts["zeros"], opts["warmup"], opts["rounds"]
-    records, counts = [], {}
+    records = []
     trainers, batches = {}, []
 
     def build(zero):
@@ -144,8 +246,6 @@ def _worker_steps(opts: dict) -> dict:
             records.append(dict(round=r, zero=zero, wall_s=wall, cpu_s=own, foreign_cores=foreign))
 
     def finish(zero):
-        if opts["bytes"]:
-            counts[zero] = _gather(_byte_counts(trainers[zero], batches[0]))
         del trainers[zero]
         gc.collect()
         _malloc_trim()
@@ -170,7 +270,7 @@ def _worker_steps(opts: dict) -> dict:
             finish(zero)
             dist.barrier()
     hwm = _gather(status_kib("VmHWM") * 1024)
-    return dict(records=records, counts=counts, world=world, peak_rss=max(hwm), interleave=opts["interleave"])
+    return dict(records=records, world=world, peak_rss=max(hwm), interleave=opts["interleave"])
 
 
 def _worker_rss(opts: dict) -> dict:
@@ -190,12 +290,7 @@ def _worker_rss(opts: dict) -> dict:
     build_s = time.perf_counter() - t0
     build_hwm = status_kib("VmHWM") * 1024
     before = status_kib("VmRSS") * 1024
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        reset = True
-    except OSError:
-        reset = False
+    reset = _reset_hwm()
     dist.barrier()
     step_s = []
     for batch in batches:
@@ -221,7 +316,7 @@ def worker_main(args) -> None:
     torch.set_num_threads(1)
     with open(args.opts) as f:
         opts = json.load(f)
-    result = _worker_steps(opts) if args.worker == "steps" else _worker_rss(opts)
+    result = {"bytes": _worker_bytes, "steps": _worker_steps, "rss": _worker_rss}[args.worker](opts)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -85,14 +85,6 @@ def test_unknown_loss_kind_is_refused_before_any_change():
         shardlib.shard(model, shardlib.init_mesh(tp=2))  # untouched: it shards now
 
 
-def test_trainer_refuses_compile_with_zero3():
-    config, cls, _ = _bert()
-    with fake_world(2, 0):
-        model = shardlib.shard(cls(config), shardlib.init_mesh(dp=2))
-        with pytest.raises(ValueError, match="compile=True with zero=3"):
-            shardlib.Trainer(model, lambda params: torch.optim.AdamW(params), zero=3, compile=True)
-
-
 def test_fake_world_refuses_an_initialized_process_and_bad_sizes():
     import torch.distributed as dist
 

@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 and mixed precision in ``Trainer.fit`` on the rank pool (tasks in train_tasks.py).
 
-Tolerances. float64: a partitioned optimizer steps the same numbers as zero=0 (each parameter on one rank instead
-of all), and the dp gradient sums are the same sums (a reduce instead of an all-reduce); only the gradient-norm sum
+Tolerances. float64: a partitioned optimizer steps the same numbers as zero=0 (each element on one rank instead
+of all), and the dp gradient sums are the same sums (a reduce-scatter instead of an all-reduce); only the norm sum
 changes order (its squares are summed per dp rank, then over dp): rtol 1e-12 on every step's loss.
 """
 
@@ -33,8 +33,8 @@ def test_zero_steps_equal_zero0_in_float64(pool, layout):
         partitioned = pool.run(train_tasks.fit_run, {**spec, "trainer": options})
         for step, (a, b) in enumerate(zip(partitioned[0]["losses"], baseline[0]["losses"])):
             assert close(a, b, 1e-12), f"{options} {layout} step {step}: {a!r} != {b!r}"
-        # zero 1/2: whole parameters (ZeroRedundancyOptimizer's greedy partition); zero 3: FSDP2's dim-0 shards,
-        # padded, plus each rank's scalar step counts
+        # zero 1/2: 1/dp of every flat bucket (plus a step count per piece); zero 3: FSDP2's dim-0 shards, padded,
+        # plus each rank's scalar step counts
         held = [r["optimizer_bytes"] for r in partitioned]
         assert max(held) < 0.6 * full and sum(held) >= full * len(held) // dp, (options, held, full)
 
@@ -116,12 +116,13 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(pool, layout, injected)
         assert r["scales"] == [(2.0 ** 16, True, 1), (2.0 ** 15, True, 2)], r
 
 
-@pytest.mark.parametrize("saved, resumed", [("zero2", "plain"), ("plain", "zero3")])
+@pytest.mark.parametrize("saved, resumed", [("zero2", "plain"), ("plain", "zero2"), ("plain", "zero3")])
 def test_zero_checkpoint_resumes_without_zero_and_back(pool, tmp_path, saved, resumed):
-    """Saved at dp=4 with zero=2 (each dp rank writes the optimizer state it holds), resumed at dp=2 x tp=2 with
-    zero=0 (the state read back resharded over tp); saved at dp=2 x tp=2 without ZeRO, resumed at dp=4 with zero=3
-    (FSDP2 takes each rank's dp slice): steps 5-8 equal the uninterrupted run within float32 rounding (rtol 1e-6,
-    as test_train's resume at another layout)."""
+    """Saved at dp=4 with zero=2 (each tensor's state gathered whole over dp per bucket, written in zero=0's format),
+    resumed at dp=2 x tp=2 with zero=0 (the state read back resharded over tp); saved at dp=2 x tp=2 without ZeRO,
+    resumed at dp=4 with zero=2 (each rank keeps its pieces) and with zero=3 (FSDP2 takes each rank's dp slice):
+    steps 5-8 equal the uninterrupted run within float32 rounding (rtol 1e-6, as test_train's resume at another
+    layout)."""
     settings = {"zero2": ({"dp": 4}, {"zero": 2}), "zero3": ({"dp": 4}, {"zero": 3}),
                 "plain": ({"dp": 2, "tp": 2}, {})}
     layout, options = settings[saved]

@@ -66,6 +66,15 @@ def test_zero2_composes_with_precision_checkpointing_and_compile(pool, options):
         _check(rank, (2,), str(options), rtol=1e-5)
 
 
+def test_zero3_composes_with_compile(pool):
+    """FSDP2 over a compiled model (compiled first, then fully_shard, as torchtitan orders them; aot_eager): equal to
+    the compiled zero=0 (float32: 1e-5)."""
+    spec = {**BERT, **RUN, "dtype": "float32", "steps": 2, "layout": LAYOUTS["dp2_tp2"], "stages": [3],
+            "trainer": {"compile": {"backend": "aot_eager"}}}
+    for rank in pool.run(zero_tasks.zero_equivalence, spec, timeout_s=400):
+        _check(rank, (3,), "compiled", rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pool8():
     """Eight ranks, for pp=2 x dp=2 x tp=2."""

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardlib
+from shardlib.train.fsdp import whole
 from shardlib.train.optim import held_state_bytes, param_state
 from shardlib.train.zero import FlatZero
 
@@ -33,8 +34,8 @@ def _train(spec: dict, options: dict) -> dict:
         losses.append(trainer.train_step(batch))
         norms.append(trainer.last_grad_norm)
     names = {id(p): name for name, p in model.named_parameters()}
-    params = {names[id(p)]: p.detach().clone() for p in trainer.params}
-    states = {f"{key}.{names[id(p)]}": v.detach().clone() for p in trainer.params
+    params = {names[id(p)]: whole(p).clone() for p in trainer.params}  # zero=3: gathered over dp
+    states = {f"{key}.{names[id(p)]}": whole(v).clone() for p in trainer.params
               for key, v in param_state(trainer.optimizer, p).items() if torch.is_tensor(v)}
     held = held_state_bytes(trainer.optimizer, trainer.params)
     buckets = len(trainer.optimizer.buckets) if isinstance(trainer.optimizer, FlatZero) else 0

@@ -120,8 +120,6 @@ class Trainer:
         base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
         check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights, base)
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
-        if compile and zero == 3:  # checked before anything changes the model
-            raise ValueError("compile=True with zero=3 (FSDP2) is not supported yet; use zero <= 2")
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
         apart = generator_disagreement(state.mesh)  # before anything changes the model
         if apart:
