@@ -51,7 +51,8 @@ def unchanged(model, before):
     ({"max_grad_norm": True}, ValueError, "max_grad_norm must be a positive finite number or None, got True"),
     ({"forward_step": "loss"}, TypeError, "forward_step must be a function (model, batch) -> loss"),
     ({"loss_fn": 3}, TypeError, "loss_fn must be a function from the model's first output to a loss, got int"),
-], ids=["microbatches-bool", "max_grad_norm-str", "max_grad_norm-bool", "forward_step", "loss_fn"])
+    ({"bucket_mb": 0}, ValueError, "bucket_mb must be a positive finite number (MiB per gradient bucket), got 0"),
+], ids=["microbatches-bool", "max_grad_norm-str", "max_grad_norm-bool", "forward_step", "loss_fn", "bucket_mb"])
 def test_trainer_options_are_refused_at_construction(model, kwargs, error, message):
     with pytest.raises(error) as err:
         shardlib.Trainer(model, sgd, **kwargs)
@@ -134,6 +135,7 @@ def test_fit_names_the_step_whose_gradient_norm_is_not_finite(model):
     ("nproc", 0, "--nproc must be >= 1 when given, got 0"),
     ("num_workers", -1, "--num-workers must be >= 0, got -1"),
     ("zero", 4, "--zero must be one of 0, 1, 2, 3, got 4"),
+    ("bucket_mb", 0.0, "--bucket-mb must be positive, got 0.0"),
 ])
 def test_training_arguments_refuse_invalid_values(field, value, message):
     with pytest.raises(ValueError) as err:

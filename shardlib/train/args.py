@@ -88,7 +88,7 @@ class TrainingArguments:
 
     def __post_init__(self):
         if not self.bucket_mb > 0:
-            raise ValueError(f"--bucket_mb must be positive, got {self.bucket_mb}")
+            raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
         for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
