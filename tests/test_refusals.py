@@ -322,6 +322,9 @@ def _used_sgd(params):
         torch.zeros(2))])), ValueError, "zero=2 partitions every parameter by elements .* LBFGS is not one of them"),
     (lambda o: o.check_zero(1, True, OfflineMesh(dp=2), None, _sgd), ValueError,
      "offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 \\(got zero=1\\)"),
+    (lambda o: o.check_zero(3, True, OfflineMesh(dp=2), None, _sgd), ValueError,
+     "offload=True moves zero=3's parameters, gradients and optimizer state from the GPU to host memory, but this "
+     "mesh runs on 'cpu', where they already are"),
     (lambda o: o.check_zero(1, False, OfflineMesh(dp=2), None, None), ValueError,
      r"zero=1 partitions an optimizer: pass Trainer\(model, optimizer=lambda params: ...\)"),
     (lambda o: o.check_zero(3, False, OfflineMesh(dp=2), None, _sgd, master_weights=True), ValueError,
@@ -331,7 +334,7 @@ def _used_sgd(params):
     (lambda o: o.MasterWeightsOptimizer([nn.Parameter(torch.zeros(2).half())], torch.optim.SGD,
                                         lr=0.1).load_state_dict({}),
      NotImplementedError, r"load through shardlib.checkpoint.load\(model, dir, optimizer=...\)"),
-], ids=["not-an-optimizer", "used-optimizer", "zero-not-elementwise", "offload-without-zero3",
+], ids=["not-an-optimizer", "used-optimizer", "zero-not-elementwise", "offload-without-zero3", "offload-without-cuda",
         "zero-without-optimizer", "zero3-master-weights", "master-save",
         "master-load"])
 def test_optimizer_refusals(call, error, message):

@@ -28,16 +28,18 @@ def _check(result: dict, stages, what: str, rtol: float = 1e-12) -> None:
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2_tp2", "pp2_dp2"])
-def test_zero1_and_zero2_equal_zero0_in_float64(pool, layout):
+def test_every_zero_stage_equals_zero0_in_float64(pool, layout):
     """BERT, 3 steps of 2 microbatches with clipping, buckets of 4 KiB (several per rank, so the hooks reduce some
-    during backward and the rest after): zero 1 and 2 equal zero=0 (losses, gradient norms, every parameter and
-    optimizer state); each rank holds 1/dp of the state (AdamW's two moments; its step counts are per piece)."""
-    spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": LAYOUTS[layout], "stages": [1, 2],
+    during backward and the rest after): zero 1, 2 (and 3 without a pipeline) equal zero=0 (losses, gradient norms,
+    every parameter and optimizer state); each rank holds 1/dp of the state (AdamW's two moments; its step counts
+    are per piece)."""
+    stages = (1, 2) if "pp" in LAYOUTS[layout] else (1, 2, 3)
+    spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": LAYOUTS[layout], "stages": list(stages),
             "bucket_mb": 4 / 1024}
     ranks = pool.run(zero_tasks.zero_equivalence, spec)
     dp = LAYOUTS[layout]["dp"]
     for rank in ranks:
-        _check(rank, (1, 2), layout)
+        _check(rank, stages, layout)
         assert rank[2]["buckets"] > 2, rank[2]
         assert rank[2]["held"] <= rank["full"] / dp * 1.01 + 64 * rank[2]["buckets"], (rank["full"], rank[2])
 
@@ -76,20 +78,31 @@ def test_zero3_composes_with_compile(pool):
 
 
 @pytest.fixture(scope="module")
-def pool8():
-    """Eight ranks, for pp=2 x dp=2 x tp=2."""
-    p = RankPool(world_size=8)
-    p.start()
-    yield p
-    p.stop()
+def pools():
+    """Pools of other world sizes than the session's 4, started on first use: 2 (dp=2 alone), 8 (pp x dp x tp)."""
+    started: dict[int, RankPool] = {}
+
+    def get(world: int) -> RankPool:
+        if world not in started:
+            started[world] = RankPool(world_size=world)
+            started[world].start()
+        return started[world]
+
+    yield get
+    for p in started.values():
+        p.stop()
 
 
-def test_zero_at_pp2_dp2_tp2(pool8):
-    """The full mesh: pp=2 x dp=2 x tp=2, 2 microbatches, clipping: zero 1 and 2 equal zero=0 in float64."""
-    spec = {**BERT, **RUN, "dtype": "float64", "steps": 2, "layout": {"dp": 2, "pp": 2, "tp": 2}, "stages": [1, 2],
+@pytest.mark.parametrize("layout, stages", [({"dp": 2}, (1, 2, 3)), ({"dp": 2, "pp": 2, "tp": 2}, (1, 2))],
+                         ids=["dp2", "pp2_dp2_tp2"])
+def test_zero_at_dp2_alone_and_on_the_full_mesh(pools, layout, stages):
+    """dp=2 on two ranks (zero 1, 2, 3) and pp=2 x dp=2 x tp=2 on eight (zero 1, 2), 3 steps of 2 microbatches with
+    clipping: equal to zero=0 in float64."""
+    spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": layout, "stages": list(stages),
             "bucket_mb": 4 / 1024}
-    for rank in pool8.run(zero_tasks.zero_equivalence, spec, timeout_s=300):
-        _check(rank, (1, 2), "pp2 x dp2 x tp2")
+    world = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1)
+    for rank in pools(world).run(zero_tasks.zero_equivalence, spec, timeout_s=300):
+        _check(rank, stages, str(layout))
 
 
 def test_zero2_gradient_peak_is_a_shard_and_two_buckets(pool):

@@ -16,12 +16,10 @@ shared by two groups.
 * Not with pipeline stages (refused by :func:`shardlib.train.optim.check_zero`): torch's pipeline schedules would
   have to unshard and reshard every stage around each microbatch, which shardlib's runner does not drive.
 * ``offload=True``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, the
-  step on CPU); on a machine without CUDA everything already is in host memory, so it is skipped with a warning.
+  step on CPU); refused on a mesh without CUDA, where everything already is in host memory.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
@@ -31,8 +29,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..parallel.gradsync import unbucket
 from ..sharding.sharded import shard_state
-
-log = logging.getLogger("shardlib.train")
 
 
 def dp_device_mesh(mesh) -> DeviceMesh:
@@ -44,12 +40,8 @@ def apply_fsdp(model: nn.Module, *, offload: bool = False) -> list[FSDPModule]:
     """``fully_shard`` every layer of the model's stacks, then the model (root); returns the FSDP modules."""
     state = shard_state(model)
     policy: OffloadPolicy = OffloadPolicy()
-    if offload:
-        if torch.cuda.is_available() and state.mesh.device_type == "cuda":
-            policy = CPUOffloadPolicy()
-        else:
-            log.warning("offload=True: no CUDA device, parameters and optimizer state are already in host memory "
-                        "(FSDP2's CPUOffloadPolicy skipped)")
+    if offload:  # a CUDA mesh (train.optim.check_zero refuses offload elsewhere)
+        policy = CPUOffloadPolicy()
     dp_mesh = dp_device_mesh(state.mesh)
     unbucket(model)  # FSDP2 reads a layer's gradients right after its backward
     modules = []

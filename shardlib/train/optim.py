@@ -209,5 +209,9 @@ def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool
     if offload and zero != 3:
         raise ValueError(f"offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 (got zero={zero}); zero=1/2 "
                          "keep their shards on the parameters' device")
+    device = getattr(mesh, "device_type", "cpu")
+    if offload and device != "cuda":
+        raise ValueError(f"offload=True moves zero=3's parameters, gradients and optimizer state from the GPU to host "
+                         f"memory, but this mesh runs on {device!r}, where they already are: leave offload off")
     if zero in (1, 2) and base is not None:
         check_elementwise(type(base), zero)
