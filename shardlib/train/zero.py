@@ -104,6 +104,12 @@ class FlatZero(Optimizer):
             inner_groups[group_of[id(piece.param)]]["params"].append(piece.tensor)
         self.inner = optimizer_class(inner_groups, **defaults)
         self.defaults = self.inner.defaults
+        self._expected = [sum(p.requires_grad for p in b.params) for b in self.buckets]  # gradients per backward
+        #: buckets the hooks reduce, in the order every dp rank launches them
+        self._eager = [b.index for b in self.buckets if not b.late and self._expected[b.index]]
+        self._next = 0  # the first of _eager not launched in this backward
+        self._ready: set[int] = set()  # complete in this backward, waiting for an earlier bucket
+        self._reduced: set[int] = set()  # reduce-scattered since the step began
         self.armed = stage == 2  # the hooks reduce-scatter (zero=2: every backward; zero=1: the step's last)
         self._inflight = None
         self._waiting: set[int] = set()  # graph tasks whose end-of-backward callback is queued
@@ -175,15 +181,21 @@ class FlatZero(Optimizer):
             self._waiting.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._backward_done, task))
         bucket.arrived.add(i)
-        if len(bucket.arrived) == sum(p.requires_grad for p in bucket.params):
-            self._reduce_scatter(bucket)
+        if len(bucket.arrived) == self._expected[bucket_index]:
+            self._ready.add(bucket_index)
+            while self._next < len(self._eager) and self._eager[self._next] in self._ready:
+                self._reduce_scatter(self.buckets[self._eager[self._next]])
+                self._next += 1
 
     def _backward_done(self, task: int) -> None:
-        """End of a backward: buckets some of whose parameters got no gradient in it are reduced as they are."""
+        """End of a backward: the buckets not launched yet (some of their parameters got no gradient in it, or an
+        earlier bucket did not complete) are reduced as they are, in order: every dp rank issues the same
+        reduce-scatters in the same order whatever its graph did (as DDP's reducer launches its buckets)."""
         self._waiting.discard(task)
-        for bucket in self.buckets:
-            if bucket.arrived:
-                self._reduce_scatter(bucket)
+        for index in self._eager[self._next:]:
+            self._reduce_scatter(self.buckets[index])
+        self._next = 0
+        self._ready.clear()
         self._settle()
 
     def _reduce_scatter(self, bucket: Bucket) -> None:
@@ -197,6 +209,7 @@ class FlatZero(Optimizer):
                 self._used.add(id(p))
                 p.grad = None
         bucket.arrived.clear()
+        self._reduced.add(bucket.index)
         out = torch.empty(bucket.hi - bucket.lo, dtype=flat.dtype, device=flat.device)
         work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         self._inflight = (bucket, flat, out, work)
@@ -214,12 +227,14 @@ class FlatZero(Optimizer):
             bucket.grad_shard.add_(out)
 
     def finish_grads(self) -> None:
-        """After the step's backwards (and the tied-weight sum over pipeline stages): reduce-scatter every gradient
-        still held whole, agree over dp on which parameters were used, and give each piece its gradient."""
+        """After the step's backwards (and the tied-weight sum over pipeline stages): reduce-scatter the late buckets
+        and those no hook reduced in this step (zero=1 under a pipeline), agree over dp on which parameters were
+        used, and give each piece its gradient."""
         for bucket in self.buckets:
-            if any(p.grad is not None for p in bucket.params):
+            if self._expected[bucket.index] and (bucket.late or bucket.index not in self._reduced):
                 self._reduce_scatter(bucket)
         self._settle()
+        self._reduced.clear()
         params = [p for b in self.buckets for p in b.params]
         if not params:
             return
@@ -237,6 +252,7 @@ class FlatZero(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._settle()
+        self._reduced.clear()
         for bucket in self.buckets:
             bucket.grad_shard = None
             bucket.arrived.clear()
