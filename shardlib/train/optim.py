@@ -17,9 +17,11 @@ each parameter's state by model parameter, as the sharded checkpoint stores it (
 from __future__ import annotations
 
 import inspect
+
 import torch
 from torch.optim import Optimizer
 
+from .fsdp import local
 from .zero import MASTER_KEY, FlatZero, check_elementwise
 
 
@@ -137,11 +139,7 @@ def held_state_bytes(optimizer, params) -> int:
     if isinstance(optimizer, FlatZero):
         return optimizer.held_state_bytes()
     tensors = [v for p in params for v in param_state(optimizer, p).values() if torch.is_tensor(v)]
-    return sum(_local(v).numel() * v.element_size() for v in tensors)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return sum(local(v).numel() * v.element_size() for v in tensors)
 
 
 def set_param_state(optimizer, param, state: dict) -> None:
