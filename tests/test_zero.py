@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import zero_tasks
 from harness import RankPool
+from profiles import ci_only
 from test_train import BERT, RUN, T5, VIT
 
 LAYOUTS = {"dp4": {"dp": 4}, "dp2_tp2": {"dp": 2, "tp": 2}, "pp2_dp2": {"dp": 2, "pp": 2},
@@ -56,25 +57,18 @@ def test_zero_composes_with_tied_stages_and_sequence_parallelism(pool, family, l
         _check(rank, (1, 2), f"{family} {layout} {shard}")
 
 
-@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"activation_checkpointing": True},
-                                     {"compile": {"backend": "aot_eager"}}], ids=["bf16", "checkpointing", "compile"])
-def test_zero2_composes_with_precision_checkpointing_and_compile(pool, options):
-    """zero=2 against zero=0 under the same option (float32 weights; compile and bf16 round alike on both, the dp
-    sums run in another order: 1e-5 relative). Compiled: AOT autograd's backward still accumulates into the
-    parameters' ``.grad`` outside the graph, so the post-accumulate hooks fire."""
-    spec = {**BERT, **RUN, "dtype": "float32", "steps": 2, "layout": LAYOUTS["dp2_tp2"], "stages": [2],
+@pytest.mark.parametrize("options, stages", [({"precision": "bf16"}, (2,)), ({"activation_checkpointing": True}, (2,)),
+                                             ({"compile": {"backend": "aot_eager"}}, (2, 3))],
+                         ids=["bf16", "checkpointing", "compile"])
+def test_zero_composes_with_precision_checkpointing_and_compile(pool, options, stages):
+    """zero=2 (and zero=3 compiled) against zero=0 under the same option (float32 weights; compile and bf16 round
+    alike on both, the dp sums run in another order: 1e-5 relative). Compiled zero=2: AOT autograd's backward
+    still accumulates into the parameters' ``.grad`` outside the graph, so the post-accumulate hooks fire;
+    compiled zero=3: compiled first, then fully_shard, as torchtitan orders them."""
+    spec = {**BERT, **RUN, "dtype": "float32", "steps": 2, "layout": LAYOUTS["dp2_tp2"], "stages": list(stages),
             "trainer": options, "bucket_mb": 4 / 1024}
     for rank in pool.run(zero_tasks.zero_equivalence, spec, timeout_s=400):
-        _check(rank, (2,), str(options), rtol=1e-5)
-
-
-def test_zero3_composes_with_compile(pool):
-    """FSDP2 over a compiled model (compiled first, then fully_shard, as torchtitan orders them; aot_eager): equal to
-    the compiled zero=0 (float32: 1e-5)."""
-    spec = {**BERT, **RUN, "dtype": "float32", "steps": 2, "layout": LAYOUTS["dp2_tp2"], "stages": [3],
-            "trainer": {"compile": {"backend": "aot_eager"}}}
-    for rank in pool.run(zero_tasks.zero_equivalence, spec, timeout_s=400):
-        _check(rank, (3,), "compiled", rtol=1e-5)
+        _check(rank, stages, str(options), rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +87,11 @@ def pools():
         p.stop()
 
 
-@pytest.mark.parametrize("layout, stages", [({"dp": 2}, (1, 2, 3)), ({"dp": 2, "pp": 2, "tp": 2}, (1, 2))],
-                         ids=["dp2", "pp2_dp2_tp2"])
+@pytest.mark.parametrize("layout, stages", [
+    ({"dp": 2}, (1, 2, 3)),
+    pytest.param({"dp": 2, "pp": 2, "tp": 2}, (1, 2), marks=ci_only("about 60 s: eight ranks on two cores; pp=2 x "
+                                                                    "dp=2 and dp=2 x tp=2 run in the dev profile"))],
+    ids=["dp2", "pp2_dp2_tp2"])
 def test_zero_at_dp2_alone_and_on_the_full_mesh(pools, layout, stages):
     """dp=2 on two ranks (zero 1, 2, 3) and pp=2 x dp=2 x tp=2 on eight (zero 1, 2), 3 steps of 2 microbatches with
     clipping: equal to zero=0 in float64."""

@@ -201,13 +201,19 @@ class FlatZero(Optimizer):
     def _reduce_scatter(self, bucket: Bucket) -> None:
         """Start summing the bucket's full gradients into the dp ranks' shards; free them."""
         self._settle()  # at most one bucket in flight: the peak is the shards + two buckets
-        flat = torch.zeros(bucket.numel, dtype=bucket.data.dtype, device=bucket.data.device)
-        for i, p in enumerate(bucket.params):
-            if p.grad is not None:
-                a, b = bucket.span(i)
-                flat[a:b].copy_(p.grad.reshape(-1))
+        like = {"dtype": bucket.data.dtype, "device": bucket.data.device}
+        parts = []
+        for p in bucket.params:
+            if p.grad is None:
+                parts.append(torch.zeros(p.numel(), **like))
+            else:
+                parts.append(p.grad.reshape(-1))
                 self._used.add(id(p))
-                p.grad = None
+        parts.append(torch.zeros(bucket.numel - bucket.offsets[-1] - bucket.params[-1].numel(), **like))
+        flat = torch.cat(parts)  # one allocation, one copy
+        del parts
+        for p in bucket.params:
+            p.grad = None
         bucket.arrived.clear()
         self._reduced.add(bucket.index)
         out = torch.empty(bucket.hi - bucket.lo, dtype=flat.dtype, device=flat.device)
