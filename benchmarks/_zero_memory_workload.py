@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import time
+import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -28,17 +29,24 @@ STAGES = (0, 1, 2, 3)
 OPT_TARGET = 1.01  # zero 1/2: the largest rank's optimizer state / (full / dp)
 IDLE_CORES = 0.1
 MIB = 2 ** 20
-RSS_PER_PARAM_BYTE = 5.5  # peak RSS per rank / fp32 parameter bytes at zero=0 (measured 5.3 at hidden 1024 x 8)
-RSS_PER_PARAM_BYTE_Z3 = 1.6  # zero=3: one whole model per rank while building it, before FSDP2 shards it
-RSS_PER_PARAM_BYTE_Z12 = 2.2  # zero 1/2: parameters, two gradient buckets (+ full gradients with microbatches > 1)
+RSS_PER_PARAM_BYTE = 5.5  # peak RSS per rank / fp32 parameter bytes at zero=0 (measured 5.3 at hidden 1024 x 8,
+#                           4.4 for BERT-base at dp 2 and 4)
 RSS_BASE = 0.4 * 2 ** 30  # torch + transformers + gloo per rank
 
 
-def rss_need(zero: int, param_bytes: float, microbatches: int = 1) -> float:
-    """Estimated peak RSS of one rank training a model of ``param_bytes`` (fp32) at ``zero`` (AdamW)."""
-    factor = {0: RSS_PER_PARAM_BYTE, 3: RSS_PER_PARAM_BYTE_Z3}.get(zero, RSS_PER_PARAM_BYTE_Z12)
-    if zero == 1 and microbatches > 1:
-        factor += 1.0  # zero=1 accumulates whole gradients over the microbatches
+def rss_need(zero: int, param_bytes: float, dp: int, microbatches: int = 1) -> float:
+    """Estimated peak RSS of one rank building and training a model of ``param_bytes`` (fp32, AdamW) at ``zero``
+    and ``dp``. Multiples of the parameter bytes measured for BERT-base with MALLOC_MMAP_THRESHOLD_=131072 (peak
+    RSS - 400 MiB): zero 1/2 3.3 / 2.2 / 2.0 at dp 2 / 4 / 8 (parameters, AdamW's 2/dp and its temporaries, the
+    gradient buckets), zero=3 2.2 / 2.0 / 2.0 (building the whole model before FSDP2 shards it)."""
+    if zero == 0:
+        factor = RSS_PER_PARAM_BYTE
+    elif zero == 3:
+        factor = 2.0 + 1.0 / dp
+    else:
+        factor = 1.75 + 4.0 / dp
+        if zero == 1 and microbatches > 1:
+            factor += 1.0  # zero=1 accumulates whole gradients over the microbatches
     return factor * param_bytes + RSS_BASE
 
 
@@ -88,21 +96,24 @@ def _nbytes_all(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _instrument(trainer) -> list[int]:
+def _instrument(trainer) -> tuple[list[int], object]:
     """Sample the gradient bytes this rank holds during the next train_step into the returned ``[peak]`` (module
     docstring of zero_memory.py, 1.): under zero 1/2 every ``.grad``, the buckets' gradient shards and the flat
     buffer in flight, after each post-accumulate-grad hook and when a bucket's flat buffer is allocated (the
     bucket's full gradients still alive: wrapping ``FlatZero._reduce_scatter``, as tests/zero_tasks.py does); under
     every stage right after the step's backwards (``trainer.reduce_gradients`` is called after them): the local
-    ``.grad`` bytes (DDP's bucket views at zero=0, FSDP2's reduce-scattered shards at zero=3)."""
+    ``.grad`` bytes (DDP's bucket views at zero=0, FSDP2's reduce-scattered shards at zero=3). Also returns
+    ``undo()``: removes the hooks and wrappers (a hook on a parameter that refers to the trainer would keep the
+    stage's model alive into the next stage)."""
     from shardlib.train.fsdp import local
     from shardlib.train.zero import FlatZero
 
     peak = [0]
     zero = trainer.optimizer if isinstance(trainer.optimizer, FlatZero) else None
+    params = list(trainer.params)
 
     def live(extra: int = 0) -> int:
-        grads = _nbytes_all(local(p.grad) for p in trainer.params if p.grad is not None)
+        grads = _nbytes_all(local(p.grad) for p in params if p.grad is not None)
         if zero is None:
             return grads
         shards = _nbytes_all(b.grad_shard for b in zero.buckets)
@@ -112,6 +123,7 @@ def _instrument(trainer) -> list[int]:
     def sample(extra: int = 0) -> None:
         peak[0] = max(peak[0], live(extra))
 
+    handles = []
     if zero is not None:
         original = zero._reduce_scatter
 
@@ -121,8 +133,7 @@ def _instrument(trainer) -> list[int]:
             original(bucket)
 
         zero._reduce_scatter = reduce_scatter
-        for p in trainer.params:
-            p.register_post_accumulate_grad_hook(lambda _: sample())
+        handles = [p.register_post_accumulate_grad_hook(lambda _: sample()) for p in params]
     reduce_gradients = trainer.reduce_gradients
 
     def after_backward() -> None:
@@ -130,7 +141,16 @@ def _instrument(trainer) -> list[int]:
         reduce_gradients()
 
     trainer.reduce_gradients = after_backward
-    return peak
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+        del trainer.reduce_gradients
+        if zero is not None:
+            del zero._reduce_scatter
+        params.clear()
+
+    return peak, undo
 
 
 def _bytes_of(trainer, peak: int) -> dict:
@@ -166,12 +186,15 @@ def _worker_bytes(opts: dict) -> dict:
         _malloc_trim()
         _reset_hwm()
         t0 = time.perf_counter()
-        config, _, trainer = _build(opts, mesh, zero)
+        config, model, trainer = _build(opts, mesh, zero)
+        del model  # the trainer holds it: nothing of this stage may outlive it (checked below)
         batch = _batches(opts, mesh, config.vocab_size, 1)[0]
-        peak = _instrument(trainer)
+        peak, undo = _instrument(trainer)
         dist.barrier()
         t1 = time.perf_counter()
         loss = trainer.train_step(batch)
+        undo()
+        del undo  # its closure holds the trainer
         mine = dict(_bytes_of(trainer, peak[0]), rss_peak=status_kib("VmHWM") * 1024)
         counts[zero] = _gather(mine)
         if rank == 0:
@@ -179,7 +202,12 @@ def _worker_bytes(opts: dict) -> dict:
                   f"(loss {loss:.4f}); rank 0: optimizer {mine['opt'] / MIB:.1f} MiB, gradient peak "
                   f"{mine['grad'] / MIB:.1f} MiB, parameters {mine['param'] / MIB:.1f} MiB, peak RSS "
                   f"{mine['rss_peak'] / MIB:.0f} MiB", flush=True)
+        alive = weakref.ref(trainer.model)
         del trainer, batch
+        gc.collect()
+        if alive() is not None:
+            print(f"  WARNING: rank {rank}: zero={zero}'s model is still alive after its stage: the next stages' "
+                  "peak RSS counts it", flush=True)
         dist.barrier()
     return dict(counts=counts, world=world)
 

@@ -29,16 +29,19 @@ launch is a fresh process group:
    * the rank's peak RSS from building the model to after the step (VmHWM reset before each stage).
 
    Max over ranks, next to full/dp, full being zero=0's figure, and the ratio max / (full/dp). zero=0 holds
-   parameters + gradients + DDP buckets + AdamW + its temporaries (~5.5x the parameter bytes per rank): 8 ranks of
-   BERT-base need ~23 GiB, so a stage whose estimate (``rss_need``) exceeds 90% of MemAvailable is left out of the
-   launch (message in the output) and the full figures come from zero=0 at another dp (they do not depend on dp),
-   or, where no zero=0 ran, from the model's parameter count (AdamW: 2 x parameter bytes + a 4-byte ``step`` per
-   tensor). Targets: optimizer state of zero 1/2 on the largest rank <= 1.01 x full/dp (each rank owns 1/dp of
-   every bucket, at most dp - 1 padding elements more); the zero=2 gradient peak <= full/dp + 2 x the largest bucket
-   (the shards, the bucket filling and the bucket in flight). A second table gives the bucket layout and the bound
-   shards + 2 buckets. At ``--microbatches 1`` zero=1's only backward is also its last, so it reduce-scatters
-   during backward like zero=2 and has the same peak; ``--microbatches 2`` (and a ``--batch`` that gives each rank
-   a multiple of it) shows zero=1 holding whole gradients over the step.
+   parameters, gradients (DDP's buckets), AdamW and its temporaries: 2.2 GiB per rank for BERT-base (measured), so 8
+   ranks need ~18 GiB and the estimate (``rss_need``, 5.5x the parameter bytes + 0.4 GiB) ~21 GiB. A stage whose
+   estimate exceeds 90% of MemAvailable is left out of the launch (message in the output; on a 24 GiB machine: zero=0
+   at dp=8), and the full figures come from zero=0 at another dp (they do not depend on dp), or, where no zero=0 ran,
+   from the model's parameter count (AdamW: 2 x parameter bytes + a 4-byte ``step`` per tensor). Targets: optimizer
+   state of zero 1/2 on the largest rank <= 1.01 x full/dp (each rank owns 1/dp of every bucket, at most dp - 1
+   padding elements more); the zero=2 gradient peak <= full/dp + 2 x the largest bucket (the shards, the bucket
+   filling and the bucket in flight; a peak above it by no more than the shards' padding is reported as met up to the
+   padding). A second table gives the bucket layout and the bound shards + 2 buckets. A bucket closes once it holds
+   ``--bucket-mb``, so one can be larger: BERT-base's last bucket (the word embeddings, 89 MiB, and the rest of the
+   embeddings) is 93 MiB of its 13, and dominates the peak. At ``--microbatches 1`` zero=1's only backward is also
+   its last, so it reduce-scatters during backward like zero=2 and has the same peak; ``--microbatches 2`` (and a
+   ``--batch`` that gives each rank a multiple of it) shows zero=1 holding whole gradients over the step.
 
 2. **Step time** of each stage against zero=0 at dp=2 and dp=4 (``--dps``; one launch per dp). Interleaved
    (``--interleave yes``): one Trainer per stage, all four alive at once (fresh models, same seed); ``--warmup``
@@ -180,7 +183,7 @@ def _run_bytes(args, dps: list, base: dict, seq: int, tmp: str, warnings: list) 
         avail = _mem_available()
         zeros = []
         for zero in STAGES:
-            need = dp * rss_need(zero, pb, args.microbatches)
+            need = dp * rss_need(zero, pb, dp, args.microbatches)
             if need > 0.9 * avail and not args.no_memory_check:
                 skipped[(dp, zero)] = f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
                 print(f"\ndp={dp} zero={zero}: SKIPPED, {skipped[(dp, zero)]}", flush=True)
@@ -189,7 +192,7 @@ def _run_bytes(args, dps: list, base: dict, seq: int, tmp: str, warnings: list) 
         if not zeros:
             continue
         print(f"\nbytes dp={dp}: stages {zeros}, estimated need "
-              f"{max(dp * rss_need(z, pb, args.microbatches) for z in zeros) / 2**30:.1f} GiB; MemAvailable "
+              f"{max(dp * rss_need(z, pb, dp, args.microbatches) for z in zeros) / 2**30:.1f} GiB; MemAvailable "
               f"{avail / 2**30:.1f} GiB", flush=True)
         opts = dict(model=base, batch=args.batch, seq=seq, zeros=zeros, microbatches=args.microbatches,
                     bucket_mb=args.bucket_mb)
@@ -231,7 +234,7 @@ def _run_rss(args, stages: list, large: dict, seq: int, tmp: str, warnings: list
     rss, skipped = {}, {}
     n_params = _param_count(large)
     for zero in stages:
-        need = 4 * rss_need(zero, 4.0 * n_params)
+        need = 4 * rss_need(zero, 4.0 * n_params, 4)
         avail = _mem_available()
         print(f"\nBERT-large {large['num_hidden_layers']} layers ({n_params / 1e6:.0f} M parameters), "
               f"zero={zero}: estimated need {need / 2**30:.1f} GiB for 4 ranks, MemAvailable "
@@ -253,14 +256,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny BERTs (hidden 64/128, 2 layers, vocab "
-                                                        "1000), 8 x 32 tokens, 2 rounds")
+                                                        "1000), 8 x 32 tokens, 2 rounds, part 1 in buckets of 1/16 MiB")
     p.add_argument("--parts", default="bytes,time,rss", help="comma-separated from bytes, time, rss")
     p.add_argument("--dps-bytes", default="2,4,8", help="dp sizes for the bytes (default 2,4,8)")
     p.add_argument("--dps", default="2,4", help="dp sizes for the step times (default 2,4)")
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; --quick 32)")
     p.add_argument("--microbatches", type=int, default=1, help="part 1: Trainer microbatches (default 1)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="part 1: zero 1/2 bucket size (default 25)")
+    p.add_argument("--bucket-mb", type=float, default=None, help="part 1: zero 1/2 bucket size in MiB (default 25, "
+                                                                  "the Trainer's; --quick 1/16: several buckets)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds, one timed step per stage each "
                                                              "(default 3; --quick 2)")
@@ -297,14 +301,16 @@ def main(argv=None) -> int:
         p.error("--batch must divide by every dp size (and by 4 for part 3)")
     if any((args.batch // d) % args.microbatches for d in dps_bytes):
         p.error("--batch / dp must divide by --microbatches at every --dps-bytes")
+    args.bucket_mb = args.bucket_mb or (1 / 16 if args.quick else 25.0)
     base = TINY_BASE if args.quick else BASE
     large = dict(TINY_LARGE if args.quick else LARGE, num_hidden_layers=args.large_layers if not args.quick else 2)
     import torch
     import transformers
 
+    part1 = (f"part 1: BERT-{'tiny' if args.quick else 'base'} at dp {', '.join(map(str, dps_bytes))}, microbatches "
+             f"{args.microbatches}, buckets {args.bucket_mb:g} MiB; " if dps_bytes else "")
     print(f"# ZeRO 0-3 on CPU: BertForSequenceClassification fp32, AdamW, max_grad_norm 1.0, tp=1; global batch "
-          f"{args.batch} x {seq} tokens; part 1: BERT-{'tiny' if args.quick else 'base'}, microbatches "
-          f"{args.microbatches}, buckets {args.bucket_mb:g} MiB; torch {torch.__version__}, transformers "
+          f"{args.batch} x {seq} tokens; {part1}torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {os.cpu_count()} CPUs, MemAvailable {_mem_available() / 2**30:.1f} GiB, load "
           f"average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}{'; QUICK (tiny models)' if args.quick else ''}",
           flush=True)

@@ -40,8 +40,10 @@ class Bucket:
 
 def flat_buckets(params, dp: int, bucket_bytes: int, late=frozenset(), order=None) -> list[Bucket]:
     """The buckets of ``params`` (each once) in reverse ``order`` (the model's registration order; default: as
-    given): one open bucket per (dtype, device, late), closed once it holds ``bucket_bytes``, its element count
-    padded to a multiple of ``dp``. A pure function of the shapes: the dry run (``shardlib.plan``) calls it too."""
+    given): one open bucket per (dtype, device, late), filled up to ``bucket_bytes`` (a parameter that would overflow
+    it starts the next one; a parameter larger than ``bucket_bytes`` is a bucket of its own), its element count
+    padded to a multiple of ``dp``. So a bucket is at most max(``bucket_bytes``, the largest parameter). A pure
+    function of the shapes: the dry run (``shardlib.plan``) calls it too."""
     seen, unique = set(), []
     for p in params:
         if id(p) not in seen:
@@ -52,10 +54,10 @@ def flat_buckets(params, dp: int, bucket_bytes: int, late=frozenset(), order=Non
     closed, open_ = [], {}
     for p in unique:
         key = (p.dtype, p.device, id(p) in late)
-        members = open_.setdefault(key, [])
-        members.append(p)
-        if sum(m.numel() for m in members) * p.element_size() >= bucket_bytes:
+        members = open_.get(key, [])
+        if members and (sum(m.numel() for m in members) + p.numel()) * p.element_size() > bucket_bytes:
             closed.append((key, open_.pop(key)))
+        open_.setdefault(key, []).append(p)
     buckets = []
     for i, (key, members) in enumerate(closed + list(open_.items())):
         offsets = [sum(m.numel() for m in members[:j]) for j in range(len(members))]
