@@ -58,7 +58,8 @@ def test_zero_composes_with_tied_stages_and_sequence_parallelism(pool, family, l
 
 
 @pytest.mark.parametrize("options, stages", [({"precision": "bf16"}, (2,)), ({"activation_checkpointing": True}, (2,)),
-                                             ({"compile": {"backend": "aot_eager"}}, (2, 3))],
+                                             pytest.param({"compile": {"backend": "aot_eager"}}, (2, 3),
+                                                          marks=ci_only("about 40 s: three compiles"))],
                          ids=["bf16", "checkpointing", "compile"])
 def test_zero_composes_with_precision_checkpointing_and_compile(pool, options, stages):
     """zero=2 (and zero=3 compiled) against zero=0 under the same option (float32 weights; compile and bf16 round
