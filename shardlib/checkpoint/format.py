@@ -53,7 +53,8 @@ class Piece:
 
 def rank_file(rank: int, tp: int, stage: int | None = None, dp: int | None = None) -> str:
     """The file of tp rank ``rank``'s pieces; under a pipeline, of pipeline rank ``stage``'s tp rank ``rank``;
-    with ``dp``, of the optimizer state that data-parallel rank holds (an optimizer partitioned over dp)."""
+    with ``dp``, of the optimizer state that data-parallel rank held (what zero=1/2 wrote before its state was gathered
+    on save; still read)."""
     prefix = "model" if stage is None else f"model-pp{stage:02d}"
     return f"{prefix}-tp{rank:02d}-of-{tp:02d}{_dp_suffix(dp)}.safetensors"
 

@@ -35,27 +35,26 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: 
     rows as one tensor, whose piece says which global rows they are), and the metadata of the tensors this rank's
     pipeline stage writes (all of them without a pipeline; a tensor used by several stages is written by the lowest
     pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
-    its (pp, tp) position that writes (sp rank 0), else None; replicated tensors are written by dp rank 0, the
-    state of a partitioned optimizer by the dp rank holding it."""
+    its (pp, tp) position that writes (sp rank 0), else None; everything is written by dp rank 0 (a ZeRO
+    optimizer's state is gathered whole first, :func:`saved_tensors`)."""
     split = _pipeline(model)
     stage = split.pp_rank if split is not None else None
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
-    for name, tensor, layout, aliases, partitioned in saved_tensors(model, optimizer):
+    for name, tensor, layout, aliases in saved_tensors(model, optimizer):
         names = [name, *aliases]
         if split is not None and not split.writer(parameter_names(names)):
             continue
-        dp = replica if partitioned else None
-        meta[names[0]] = tensor_entry(layout, tensor.dtype, names[1:], stage, dp)
-        if replica is None or (replica != 0 and not partitioned):
+        meta[names[0]] = tensor_entry(layout, tensor.dtype, names[1:], stage)
+        if replica != 0:
             continue
         if layout.is_sharded:
             rows = sum(max(stop - start, 0) for start, stop in layout.ranges(rank))  # one piece (every block's rows)
             if rows:
-                files.setdefault(rank_file(rank, layout.num_shards, stage, dp), {})[names[0]] = \
+                files.setdefault(rank_file(rank, layout.num_shards, stage), {})[names[0]] = \
                     tensor.detach().narrow(layout.shard_dim, 0, rows)  # a view without the padding: streamed
         elif rank == 0:
-            files.setdefault(replicated_file(stage, dp), {})[names[0]] = tensor.detach()
+            files.setdefault(replicated_file(stage), {})[names[0]] = tensor.detach()
     return files, meta
 
 
@@ -113,11 +112,11 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
     train on while the copies are written, see :func:`commit`), into ``buffers`` (a dict kept by the caller and
     reused by its next save, once this one is committed). ``extra_files``: {file: {key: tensor}} this
     rank writes whatever its mesh position (per-rank state), listed and checksummed like the model files. Local
-    work only, no collective."""
+    work, except where a ZeRO stage's state or FSDP2's parameters are gathered over dp (every dp rank calls it)."""
     state = shard_state(model)
     mesh = state.mesh
     # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
-    # (the dp ranks of a partitioned optimizer each write the state they hold)
+    # (a ZeRO optimizer's state too, once saved_tensors has gathered it)
     sp_writer = mesh.sp == 1 or mesh.local_rank("sp") == 0
     dp_rank = mesh.local_rank("dp") if mesh.dp > 1 else 0
     files, meta = _rank_file_tensors(model, mesh.tp_rank, optimizer, replica=dp_rank if sp_writer else None)

@@ -72,20 +72,18 @@ def tp_rank(model: nn.Module) -> int:
 
 
 def saved_tensors(model: nn.Module, optimizer=None):
-    """(name, tensor, layout, aliases, partitioned) of everything a checkpoint holds: parameters and persistent
-    buffers (tied ones once), then, with an optimizer, each parameter's state tensors held on this rank as
-    ``optimizer.<state>.<param name>`` (master weights: ``optimizer.master.<param name>``): moments shaped like
-    the parameter share its layout, scalars (``step``) are replicated. ``partitioned``: an optimizer partitioned over
-    dp (:class:`shardlib.train.optim.PartitionedOptimizer`), whose states each dp rank writes for its own parameters.
-    Parameters sharded over dp by FSDP2 (zero=3) and their states are gathered to their tp-local tensors here (a
-    collective on the dp group: every rank walks the same tensors)."""
+    """(name, tensor, layout, aliases) of everything a checkpoint holds: parameters and persistent buffers (tied ones
+    once), then, with an optimizer, each parameter's state tensors as ``optimizer.<state>.<param name>`` (master
+    weights: ``optimizer.master.<param name>``): moments shaped like the parameter share its layout, scalars
+    (``step``) are replicated. Every tensor is whole on its tp rank: parameters sharded over dp by FSDP2 (zero=3)
+    and their states are gathered here, and so is the state zero=1/2 partitions by elements (collectives on the dp
+    group: every rank walks the same tensors)."""
     for tensor, names in tensors_to_load(model):
-        yield names[0], whole(tensor), layout_of(model, names[0]), names[1:], False
+        yield names[0], whole(tensor), layout_of(model, names[0]), names[1:]
     if optimizer is None:
         return
-    partitioned = getattr(optimizer, "partitioned", False)
     for tensor, names in tensors_to_load(model):
         for key, value in param_state(optimizer, tensor).items():
             if torch.is_tensor(value):
                 layout = layout_of(model, names[0]) if value.shape == tensor.shape else Layout.replicated(value.shape)
-                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", whole(value), layout, [], partitioned
+                yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", whole(value), layout, []
