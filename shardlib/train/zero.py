@@ -1,7 +1,8 @@
 """ZeRO-1/2 over flat, bucketed buffers: every data-parallel rank owns an exact 1/dp of every bucket's elements.
 
 The parameters an optimizer steps are laid, in reverse registration order (about the order backward produces their
-gradients), into flat buffers of at most ``bucket_bytes`` each (per dtype), padded to a multiple of dp; each
+gradients), into flat buffers of at most ``bucket_bytes`` each (per dtype; a larger parameter is a bucket of its
+own: :func:`shardlib.parallel.flat.flat_buckets`), padded to a multiple of dp; each
 parameter becomes a view into its bucket (no second copy of the weights). dp rank ``r`` owns elements
 ``[r * n / dp, (r + 1) * n / dp)`` of every bucket of ``n`` elements, so the largest rank holds at most ``dp - 1``
 padding elements per bucket more than ``full / dp``. The user's optimizer is rebuilt over this rank's *pieces*:
@@ -13,7 +14,9 @@ Gradients (Megatron's distributed optimizer, DeepSpeed ZeRO-2, ColossalAI's LowL
 
 * **zero=2**: each parameter's post-accumulate-grad hook marks it arrived; when the last parameter of a bucket has
   arrived the bucket's gradients are copied into one flat buffer, the parameters' ``.grad`` freed, and a
-  reduce-scatter over dp is started without waiting: it runs while backward goes on. Before the next bucket starts
+  reduce-scatter over dp is started without waiting: it runs while backward goes on. Buckets are launched in bucket
+  order on every rank (one that completes early waits for the earlier ones; the end of backward launches the rest),
+  so all dp ranks issue the same collectives in the same order, as DDP's reducer does. Before the next bucket starts
   the previous one is waited for and its shard added into the rank's gradient shard (``numel / dp`` per bucket,
   persistent over the step's microbatches). So at most two buckets of full-size gradients exist at any time (the
   one filling, the one in flight) besides the shards. Every microbatch's backward reduces into the shards: the
@@ -27,7 +30,8 @@ Gradients (Megatron's distributed optimizer, DeepSpeed ZeRO-2, ColossalAI's LowL
   alone, as without dp): one all-reduce of one flag per parameter.
 
 After the step each bucket's updated shard is all-gathered back into the bucket (one collective per bucket, all
-started at once), so every rank's parameters are whole again.
+started at once), so every rank's parameters are whole again. (Not overlapped with the next forward: Megatron's
+per-bucket waits before first use would make every reader of the parameters between steps wait too.)
 
 Checkpoints are written in zero=0's format (each parameter's state whole, tp-local): :meth:`FlatZero.param_state`
 all-gathers a bucket's state once (a collective: every dp rank walks the same tensors), dp rank 0 writes; a load
