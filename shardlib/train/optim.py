@@ -22,7 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from .fsdp import local
-from .zero import MASTER_KEY, FlatZero, check_elementwise
+from .zero import MASTER_KEY, FlatZero, InnerOptimizer, check_elementwise
 
 
 def _groups(params) -> list[dict]:
@@ -30,7 +30,7 @@ def _groups(params) -> list[dict]:
     return params if params and isinstance(params[0], dict) else [{"params": params}]
 
 
-class MasterWeightsOptimizer(Optimizer):
+class MasterWeightsOptimizer(InnerOptimizer):
     """``inner_class`` over fp32 copies ("masters") of ``params``. :meth:`copy_grads` moves the low-precision
     gradients onto the masters (as fp32; the model's gradients are freed), :meth:`step` steps the masters and copies
     them back into the parameters. ``param_groups`` and ``state`` are the inner optimizer's (an LR scheduler on
@@ -51,14 +51,6 @@ class MasterWeightsOptimizer(Optimizer):
         self.defaults = self.inner.defaults
         self._master_of = {id(p): m for p, m in self.pairs}
         self._grads_copied = False
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
 
     @torch.no_grad()
     def copy_grads(self) -> None:
@@ -93,12 +85,6 @@ class MasterWeightsOptimizer(Optimizer):
             master.copy_(state.pop(MASTER_KEY, param))
         if state:
             self.inner.state[master] = state
-
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("load through shardlib.checkpoint.load(model, dir, optimizer=...)")
-
-    def state_dict(self):
-        raise NotImplementedError("save through shardlib.checkpoint.save(model, dir, optimizer=...)")
 
     def __repr__(self) -> str:
         return f"MasterWeightsOptimizer({self.inner!r})"

@@ -83,7 +83,27 @@ class Piece:
     tensor: torch.Tensor
 
 
-class FlatZero(Optimizer):
+class InnerOptimizer(Optimizer):
+    """An optimizer whose parameter groups and state live in ``self.inner`` (over other tensors than the model's),
+    whose state is read and written per model parameter by the sharded checkpoint, not by ``state_dict``.
+    ``Optimizer.__init__`` is not called on purpose."""
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("load through shardlib.checkpoint.load(model, dir, optimizer=...)")
+
+    def state_dict(self):
+        raise NotImplementedError("save through shardlib.checkpoint.save(model, dir, optimizer=...)")
+
+
+class FlatZero(InnerOptimizer):
     """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) of ``optimizer_class`` over ``groups`` (the user's parameter
     groups) on the dp ``group`` (module docstring). ``late``: ids of parameters reduced after backward;
     ``order``: the model's parameters in registration order (buckets follow its reverse)."""
@@ -145,14 +165,6 @@ class FlatZero(Optimizer):
                     piece = Piece(p, bucket, lo - a, hi - a, lo - bucket.lo, tensor)
                     self.pieces.append(piece)
                     self._piece_of[id(p)] = piece
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
 
     def pairs(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(model parameter, the piece of it this rank steps): what clipping and the loss scaler act on."""
@@ -365,12 +377,6 @@ class FlatZero(Optimizer):
                 piece.tensor.copy_(source.reshape(-1)[piece.start:piece.stop])
         if mine:
             self.inner.state[piece.tensor] = mine
-
-    def load_state_dict(self, state_dict):
-        raise NotImplementedError("load through shardlib.checkpoint.load(model, dir, optimizer=...)")
-
-    def state_dict(self):
-        raise NotImplementedError("save through shardlib.checkpoint.save(model, dir, optimizer=...)")
 
     def __repr__(self) -> str:
         return f"FlatZero(stage={self.stage}, dp={self.dp}, buckets={len(self.buckets)}, {self.inner!r})"
