@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _harness import machine_busy_s, timed  # noqa: E402
+from _harness import machine_busy_s, reset_peak_rss, timed  # noqa: E402
 
 # Keep the module light at import: spawned workers re-import it, and the DCP tp=4 workers need torch only.
 BENCH_DIR = Path(__file__).resolve().parent
@@ -47,15 +47,6 @@ def _status() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(value.split()[0]) * 1024
     return out
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class _PeakSampler:
@@ -227,7 +218,7 @@ def _load_worker(rank: int, world: int, port: int, variant: str, hf_dir: str, wo
     dist.barrier()
     gc.collect()
     base = _status()
-    reset = _reset_peak()
+    reset = reset_peak_rss()
     dist.barrier()
     res = {"rank": rank, "variant": variant, "baseline": base, "peak_reset": reset}
     try:

@@ -89,6 +89,16 @@ def status_kib(field: str) -> int:
     return 0
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM (the kernel's peak RSS) to the current RSS; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def print_closing(summary: list[str], warnings: list[str], started: float) -> None:
     """A benchmark's last lines: its summary, its warnings, the total wall time since ``started``."""
     print()

@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import machine_busy_s, status_kib  # noqa: E402
+from _harness import machine_busy_s, reset_peak_rss, status_kib  # noqa: E402
 
 BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
 LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522)
@@ -184,7 +184,7 @@ def _worker_bytes(opts: dict) -> dict:
     for zero in opts["zeros"]:
         gc.collect()
         _malloc_trim()
-        _reset_hwm()
+        reset_peak_rss()
         t0 = time.perf_counter()
         config, model, trainer = _build(opts, mesh, zero)
         del model  # the trainer holds it: nothing of this stage may outlive it (checked below)
@@ -210,15 +210,6 @@ def _worker_bytes(opts: dict) -> dict:
                   "peak RSS counts it", flush=True)
         dist.barrier()
     return dict(counts=counts, world=world)
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _gather(value):
@@ -318,7 +309,7 @@ def _worker_rss(opts: dict) -> dict:
     build_s = time.perf_counter() - t0
     build_hwm = status_kib("VmHWM") * 1024
     before = status_kib("VmRSS") * 1024
-    reset = _reset_hwm()
+    reset = reset_peak_rss()
     dist.barrier()
     step_s = []
     for batch in batches:
