@@ -263,104 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "shardlib verify ./bert-tp4 && echo intact")
     p.add_argument("directory", help="a shardlib checkpoint directory (with shardlib.json)")
 
-    _add_plan_parser(sub)
+    from .analysis.commands import add_calibrate_parser, add_plan_parser
+
+    add_plan_parser(sub)
+    add_calibrate_parser(sub)
     return parser
-
-
-# --------------------------------------------------------------------------------------------------- plan
-def _add_plan_parser(sub) -> None:
-    """The ``shardlib plan`` subcommand's arguments (``sub``: the CLI's subparsers)."""
-    description = ("Dry run of a layout, no ranks needed: every rewrite, bytes per rank of each pipeline stage\n"
-                   "(parameters, gradients, AdamW, ZeRO), stage boundaries, and the collectives of one training step\n"
-                   "per layer. Exit 2 when shard() refuses the layout, 1 on bad input.")
-    examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
-                "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json")
-    p = sub.add_parser("plan", help="dry run of a layout: bytes per rank, stages, collectives", description=description,
-                       epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="model directory (with config.json) or a config.json file")
-    for dim in ("tp", "pp", "dp"):
-        p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
-    p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
-                   help="sequence parallelism: 'megatron' (on the tp group) or 'all_to_all N' (N ranks per sequence)")
-    p.add_argument("--class", dest="cls", help="model class in transformers (default: the config's architectures[0])")
-    p.add_argument("--batch", type=int, default=8, help="examples per microbatch and dp rank (default 8)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128; image models: the config's)")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default float32)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--auto", action="store_true",
-                   help="print the plan inferred from the model's graph, with its evidence, instead of a dry run")
-    p.add_argument("--write-policy", metavar="FILE", help="with --auto: write the inferred plan as a policy module")
-
-
-def _sequence_args(values: list[str] | None) -> tuple[object, int]:
-    """``--sp`` as (sequence_parallel, sp size)."""
-    from .analysis.metarun import PlanInputError
-    from .sharding.sequence import ALL_TO_ALL, MEGATRON
-
-    if not values:
-        return False, 1
-    if values[0] == MEGATRON and len(values) == 1:
-        return True, 1
-    if values[0] == ALL_TO_ALL and len(values) == 2 and values[1].isdigit():
-        return ALL_TO_ALL, int(values[1])
-    raise PlanInputError(f"--sp {' '.join(values)}: expected '--sp {MEGATRON}' (on the tp group) or "
-                         f"'--sp {ALL_TO_ALL} N' (N ranks per sequence)")
-
-
-def _planning(run) -> tuple[int, object]:
-    """``(0, run())``, or the exit status of a refusal (2: a ``PlanError``) or of bad input (1), its message printed in
-    one line."""
-    from .analysis.metarun import PlanInputError
-    from .sharding.plan import PlanError
-
-    try:
-        return 0, run()
-    except PlanError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 2, None
-    except PlanInputError as exc:
-        print(f"shardlib plan: {exc}", file=sys.stderr)
-        return 1, None
-
-
-def plan_command(args: argparse.Namespace) -> int:
-    """``shardlib plan``: print the report (text or JSON); 2 when the layout is refused, 1 on bad input."""
-    import json
-
-    from .analysis.dryrun import plan
-
-    if args.auto or args.write_policy:
-        return _auto_plan_command(args)
-
-    def dry_run():
-        sequence_parallel, sp = _sequence_args(args.sp)
-        return plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
-                    cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype)
-
-    status, report = _planning(dry_run)
-    if not status:
-        print(json.dumps(report.to_dict(), indent=1) if args.json else report)
-    return status
-
-
-def _auto_plan_command(args: argparse.Namespace) -> int:
-    """``shardlib plan --auto``: the inferred plan and its evidence; ``--write-policy``: as a policy module."""
-    from pathlib import Path
-
-    from .analysis.metarun import meta_model
-    from .sharding.inference import infer
-    from .sharding.inference.policy_source import policy_source
-
-    status, model = _planning(lambda: meta_model(args.source, cls=args.cls))
-    status, inferred = _planning(lambda: infer(model)) if not status else (status, None)
-    if status:
-        return status
-    print(inferred.describe())
-    if args.write_policy:
-        Path(args.write_policy).write_text(policy_source(inferred, type(model)))
-        print(f"policy module written to {args.write_policy}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             message = " ".join(" ".join(lines).split())
             print(f"shardlib {args.command}: {message}", file=sys.stderr)
             return 1
-    if args.command == "plan":
-        return plan_command(args)
+    if args.command in ("plan", "calibrate"):
+        from .analysis.commands import calibrate_command, plan_command
+
+        return (plan_command if args.command == "plan" else calibrate_command)(args)
     if args.command == "run":
         if args.nproc < 1:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")

@@ -41,6 +41,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,9 @@ from ..parallel.mesh import fake_world, init_mesh
 from ..sharding.plan import PlanError
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
+from .counting import WorkRecorder, by_layer
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
-    Collective, LayerCollectives, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
+    Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
 )
 from .metarun import CollectiveRecorder, PlanInputError, example_batch, group_dims, meta_model, tensor_spec
 
@@ -69,13 +71,16 @@ def _objective(out) -> torch.Tensor:
     return out if out.dim() == 0 else out.float().sum()
 
 
-def _forward_backward(model: nn.Module, inputs: dict, received: tuple) -> tuple:
+def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_backward=lambda: None) -> tuple:
     """One microbatch through this rank's stage (the whole model when pp = 1), forward and backward as a training
     step runs it (:class:`~shardlib.pipeline.StageModule` with the runner's arguments; meta gradients for what the
-    stage sends). Returns the tensors the stage sends on (none from the last stage)."""
+    stage sends); ``before_backward()`` is called between them. Returns the tensors the stage sends on (none from
+    the last stage)."""
     split = shard_state(model).pipeline
     if split is None:
-        _objective(model(**inputs)).backward()
+        loss = _objective(model(**inputs))
+        before_backward()
+        loss.backward()
         return ()
     stage = split.stage_modules[0]
     if stage.index == 0:
@@ -83,24 +88,41 @@ def _forward_backward(model: nn.Module, inputs: dict, received: tuple) -> tuple:
         received = (inputs[stage.input_name],)
     out = stage(*received, **inputs)
     if stage.route.is_last:
-        _objective(out[0]).backward()
+        loss = _objective(out[0])
+        before_backward()
+        loss.backward()
         return ()
+    before_backward()
     needs = [t for t in out if t.requires_grad]
     torch.autograd.backward(needs, [torch.empty_like(t) for t in needs])
     return out
 
 
-def _adamw_state(params: list[nn.Parameter]) -> dict[int, tuple[int, int]]:
+def _checkpointing(model: nn.Module) -> None:
+    """The Trainer's activation checkpointing on this (meta, own) model, without transformers' notices about it."""
+    from ..train.trainer import rng_safe_checkpointing
+
+    model.config.use_cache = False  # what transformers would set, saying so
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecated name the Trainer calls
+        rng_safe_checkpointing(model)
+
+
+def _adamw_state(params: list[nn.Parameter]) -> tuple[dict[int, tuple[int, int]], WorkRecorder]:
     """id(parameter) -> bytes of its AdamW state after one step (only parameters with a gradient get state), as
-    (tensors shaped like the parameter: exp_avg and exp_avg_sq, the others: the step)."""
-    optimizer = torch.optim.AdamW(params, foreach=True)  # the same state as the default, in fewer (meta) ops
+    (tensors shaped like the parameter: exp_avg and exp_avg_sq, the others: the step); and the recorder of the
+    second step's work (its temporaries and memory traffic; the first also allocates the state)."""
+    optimizer = torch.optim.AdamW(params, foreach=True)  # the default on CPU and CUDA with every tensor alike
     optimizer.step()
+    recorder = WorkRecorder(nn.ParameterList(params), lambda: "")
+    with recorder:
+        optimizer.step()
     state = {}
     for p, s in optimizer.state.items():
         tensors = [t for t in s.values() if torch.is_tensor(t)]
         shaped = _nbytes(t for t in tensors if t.shape == p.shape)
         state[id(p)] = (shaped, _nbytes(tensors) - shaped)
-    return state
+    return state, recorder
 
 
 def _nbytes(tensors) -> int:
@@ -173,19 +195,26 @@ def _by_layer(records: list[Collective], layers: list[str]) -> list[LayerCollect
     return list(entries.values()) + ([outside] if outside.collectives else [])
 
 
-def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, inputs: dict, received: tuple):
+def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, inputs: dict, received: tuple,
+                activation_checkpointing: bool = False, keep: dict | None = None):
     """Shard ``model`` as the ranks of pipeline stage ``index`` do (fake rank (dp, pp, sp, tp) = (0, index, 0, 0)),
-    run one microbatch through it and the step's collectives. Returns (StageInfo, sent tensors, ShardReport)."""
+    run one microbatch through it (counting its work and memory) and the step's collectives. Returns (StageInfo,
+    sent tensors, ShardReport). ``keep``: a dict given the raw counts too (``work`` by module path, ``params``,
+    AdamW ``state`` by id, ``late`` ids), for :mod:`shardlib.analysis.layertable`."""
     dp, pp, sp, tp = (sizes[d] for d in ("dp", "pp", "sp", "tp"))
     with fake_world(dp * pp * sp * tp, rank=index * sp * tp):
         mesh = init_mesh(dp, pp, tp, sp=sp)
         shard(model, mesh, **shard_options)
         state = shard_state(model)
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())  # the Trainer's
+        if activation_checkpointing:
+            _checkpointing(model)
         recorder = CollectiveRecorder(model, group_dims(mesh))
+        work = WorkRecorder(model, recorder.module_now)
         with recorder:
             try:
-                sent = _forward_backward(model, inputs, received)
+                with work:
+                    sent = _forward_backward(model, inputs, received, lambda: setattr(work, "saving", False))
             except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
                 raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
                                      f"{str(exc).splitlines()[0]}") from None
@@ -197,15 +226,24 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
                 state.pipeline.sync_tied_grads()
             if dp > 1:  # the Trainer's reduce_gradients without ZeRO: flat all-reduces per dtype
                 all_reduce_flat([p.grad for p in params if p.grad is not None], mesh.group("dp"))
-        optimizer = _adamw_state(params)
-        zero = _zero(params, optimizer, mesh, late_gradients(model, state.pipeline))
+        optimizer, step = _adamw_state(params)
+        late = late_gradients(model, state.pipeline)
+        zero = _zero(params, optimizer, mesh, late)
     layers, modules = _stage_paths(model, index)
+    peak, peak_with_gradients = work.peaks([p.grad for p in params if p.grad is not None])
+    memory = MemoryCounts(work.saved_bytes(), peak, peak_with_gradients, step.peaks([])[0],
+                          sum(w.traffic for w in step.work.values()))
+    per_layer = [LayerWork(layer, sorted(w.gemms.items()), w.traffic, w.saved)
+                 for layer, w in by_layer(work.work, layers).items()]
     per_microbatch = [c for c in recorder.records if c.phase != "step"]
     info = StageInfo(index=index, layers=layers, modules=modules, parameter_bytes=state.report.local_bytes,
                      gradient_bytes=_nbytes(p for p in params if p.requires_grad),
                      optimizer_bytes=sum(a + b for a, b in optimizer.values()), zero=zero,
                      collectives=_by_layer(per_microbatch, layers),
-                     step=[c for c in recorder.records if c.phase == "step"], sends=[tensor_spec(t) for t in sent])
+                     step=[c for c in recorder.records if c.phase == "step"], sends=[tensor_spec(t) for t in sent],
+                     work=per_layer, memory=memory)
+    if keep is not None:
+        keep.update(work=work.work, params=params, state=optimizer, late=late)
     return info, sent, state.report
 
 
@@ -225,7 +263,8 @@ def _mode(sequence_parallel, sp: int):
 
 
 def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1, sequence_parallel=None, cls=None,
-         batch: int = 8, seq: int = 128, microbatches: int = 1, dtype=None, policy=None) -> PlanReport:
+         batch: int = 8, seq: int = 128, microbatches: int = 1, dtype=None, policy=None,
+         activation_checkpointing: bool = False) -> PlanReport:
     """Dry run of sharding ``model_or_config`` over dp x pp x sp x tp ranks, with no ranks: a :class:`PlanReport`
     of the rewrites, bytes per rank of every pipeline stage (parameters, gradients, AdamW state, ZeRO), what
     crosses each stage boundary, and every collective of a training step, per layer (module docstring).
@@ -260,13 +299,13 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
         for index in range(pp):
             model = base if pp == 1 else copy.deepcopy(base)
             info, sent, report = _plan_stage(model, index, sizes, dict(policy=policy, sequence_parallel=mode),
-                                             inputs, received)
+                                             inputs, received, activation_checkpointing)
             stages.append(info)
             sharding = sharding or report
             received = tuple(t.detach().requires_grad_(t.requires_grad) for t in sent)
     return PlanReport(model_class=type(base).__name__, policy=policy.name, mesh=sizes, sequence_parallel=mode_name,
                       microbatches=microbatches, inputs={k: tensor_spec(v) for k, v in inputs.items()},
-                      sharding=sharding, stages=stages)
+                      sharding=sharding, stages=stages, activation_checkpointing=activation_checkpointing)
 
 
 def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> PlanReport:

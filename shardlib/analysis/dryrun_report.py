@@ -62,6 +62,37 @@ class ZeroBytes:
 
 
 @dataclass
+class LayerWork:
+    """The compute of one trunk layer (``layer``: its path; "" for the rest of the stage) in one microbatch,
+    forward and backward: ``gemms`` (FLOPs of one matrix multiply or attention call, calls), ``traffic`` (bytes the
+    other ops read and write), ``saved`` (bytes saved for backward)."""
+
+    layer: str
+    gemms: list[tuple[int, int]]
+    traffic: int
+    saved: int
+
+    @property
+    def flops(self) -> int:
+        return sum(f * n for f, n in self.gemms)
+
+
+@dataclass
+class MemoryCounts:
+    """What one microbatch adds on one rank of a stage, counted on the dry run (:mod:`shardlib.analysis.counting`):
+    ``activation_bytes`` saved for backward at the end of its forward; ``peak_bytes``: the peak of the live bytes it
+    creates over forward and backward, gradients left out, and ``peak_with_gradients`` with them (the gradients
+    allocated so far); ``optimizer_peak_bytes`` / ``optimizer_traffic``: the temporaries and the memory traffic of
+    one AdamW step of the stage's parameters (no ZeRO)."""
+
+    activation_bytes: int
+    peak_bytes: int
+    peak_with_gradients: int
+    optimizer_peak_bytes: int
+    optimizer_traffic: int
+
+
+@dataclass
 class StageInfo:
     """One pipeline stage (the whole model when pp = 1) and the bytes each of its ranks holds."""
 
@@ -75,6 +106,8 @@ class StageInfo:
     collectives: list[LayerCollectives] = field(default_factory=list)  # per microbatch, layers then ""
     step: list[Collective] = field(default_factory=list)  # once per step, after the last backward
     sends: list[TensorSpec] = field(default_factory=list)  # to the next stage, per microbatch
+    work: list[LayerWork] = field(default_factory=list)  # per microbatch, layers then ""
+    memory: MemoryCounts | None = None  # per microbatch
 
     @property
     def send_bytes(self) -> tuple[int, int]:
@@ -106,6 +139,7 @@ class PlanReport:
     inputs: dict[str, TensorSpec]  # one microbatch of one dp rank
     sharding: ShardReport
     stages: list[StageInfo]
+    activation_checkpointing: bool = False
 
     @property
     def world_size(self) -> int:

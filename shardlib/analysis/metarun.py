@@ -58,6 +58,7 @@ class CollectiveRecorder(TorchDispatchMode):
         self.stack: list[tuple[str, int | None]] = [("", None)]  # (path, first sequence number) of running modules
         self.spans: list[tuple[int, int, str]] = []  # (first, last sequence number, path) of finished module calls
         self._probe = torch.empty(0, device="meta", requires_grad=True)
+        self._found: dict[int, str] = {}  # sequence number -> module path, in backward (spans are final by then)
 
     def __enter__(self):
         self._hooks = [register_module_forward_pre_hook(self._enter),
@@ -106,15 +107,25 @@ class CollectiveRecorder(TorchDispatchMode):
         module = self.stack[-1][0] if phase == "forward" or node is None else self._backward_module(node)
         return Collective(_SAME_AS.get(func._opname, func._opname), dim, size, nbytes, phase, module)
 
+    def module_now(self) -> str:
+        """The path of the module the op running now belongs to (forward: the innermost running; backward: the
+        one whose forward created the autograd node running)."""
+        node = torch._C._current_autograd_node()
+        return self.stack[-1][0] if node is None else self._backward_module(node)
+
     def _backward_module(self, node) -> str:
         variable = getattr(node, "variable", None)  # AccumulateGrad: a hook on a parameter's gradient
         if variable is not None:
             return self.owner.get(id(variable), "")
-        seq, best = node._sequence_nr(), (-1, "")
-        for first, last, path in self.spans:
-            if first <= seq <= last and first > best[0]:
-                best = (first, path)
-        return best[1]
+        seq = node._sequence_nr()
+        found = self._found.get(seq)
+        if found is None:
+            best = (-1, "")
+            for first, last, path in self.spans:
+                if first <= seq <= last and first > best[0]:
+                    best = (first, path)
+            found = self._found[seq] = best[1]
+        return found
 
 
 def group_dims(mesh) -> dict[str, tuple[str, int]]:

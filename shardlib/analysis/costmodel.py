@@ -1,0 +1,213 @@
+"""The cost model: from what a dry run counted (a :class:`~shardlib.analysis.dryrun_report.PlanReport`), a machine
+:class:`~shardlib.analysis.profile.Profile` and a :class:`~shardlib.analysis.layout.Layout`, the peak memory per rank
+and the step time, each with its breakdown. It counts nothing itself (the dry run does) and enumerates nothing (the
+search does); docs/planning.md explains every term.
+
+Memory, on the rank of each stage that holds the most (the worst dp rank), is the larger of two moments:
+
+* backward: parameters + optimizer state + the gradients that persist through backward (DDP's buckets; the
+  gradients of earlier microbatches; ZeRO-2's shards and its two buckets in flight) + the activations of the
+  microbatches the schedule keeps in flight, less one, + the peak the running microbatch adds (counted on the
+  dry run: its activations, transients like logits, and its gradients where none persisted before);
+* optimizer step: parameters + optimizer state + gradients + the optimizer's temporaries (counted on a meta AdamW
+  step; a 1/dp share under ZeRO).
+
+Time: a microbatch on a stage costs its GEMMs (each priced at its size by the profile), the memory traffic of its
+other ops, its tensor / sequence-parallel collectives and its pipeline sends; the schedule chains them (``m``
+microbatches on ``pp`` stages: ``sum(stage times) + (m - 1) * max(stage times)``, the bubble being the first term
+less one stage); then the data-parallel gradient sync (exposed: it overlaps backward only on GPUs, where compute
+does not share the cores that run the collective) and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..parallel.flat import DEFAULT_BUCKET_BYTES
+from .dryrun_report import PlanReport, StageInfo
+from .layout import Layout
+from .profile import Profile
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+FLAT_BUCKET_BYTES = 25 * 2**20  # shardlib.parallel.collectives.all_reduce_flat and DDP's bucket
+
+
+@dataclass
+class Prediction:
+    """What one layout costs: ``peak_bytes`` on the rank of stage ``peak_stage`` that holds the most, with its terms
+    (``memory``: name -> bytes, summing to it), and ``step_s`` with its terms (``time``: name -> seconds, summing to
+    it); ``bottleneck``: the largest time term."""
+
+    layout: Layout
+    peak_bytes: int
+    peak_stage: int
+    memory: dict[str, int]
+    step_s: float
+    time: dict[str, float]
+    bottleneck: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.layout.global_batch / self.step_s
+
+    @property
+    def dominant_memory(self) -> str:
+        return max(self.memory, key=self.memory.get)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"samples_per_s": self.samples_per_s, "layout_name": self.layout.name()}
+
+    def __str__(self) -> str:
+        from .dryrun_report import size_text
+
+        memory = " + ".join(f"{k} {size_text(v)}" for k, v in self.memory.items() if v)
+        time = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(self.time.items(), key=lambda kv: -kv[1]))
+        lines = [f"predicted for {self.layout.name()} (batch {self.layout.batch} per microbatch and dp rank):",
+                 f"  peak memory per rank: {size_text(self.peak_bytes)} (stage {self.peak_stage}) = {memory}",
+                 f"  step time: {self.step_s * 1e3:.1f} ms, {self.samples_per_s:.1f} samples/s; bottleneck: "
+                 f"{self.bottleneck} ({self.time[self.bottleneck] / self.step_s:.0%})",
+                 f"  time terms: {time}"]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+def _in_flight(layout: Layout, stage: int) -> int:
+    """Microbatches whose activations stage ``stage`` holds at its peak (1F1B: up to pp - stage; GPipe and looped
+    BFS: all of them; without a pipeline, one: accumulation runs them one after another)."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule in ("gpipe", "looped_bfs"):
+        return layout.microbatches
+    return min(layout.microbatches, layout.pp - stage)
+
+
+def _zero_bytes(stage: StageInfo, zero: int):
+    return next((z for z in stage.zero if z.zero == zero), None)
+
+
+def _largest_bucket(stage: StageInfo, dp: int) -> int:
+    return min(stage.gradient_bytes, DEFAULT_BUCKET_BYTES) if dp > 1 else 0
+
+
+def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[str, int]:
+    """The peak memory terms of one rank of ``stage`` (module docstring)."""
+    counts, zero, dp = stage.memory, layout.zero, layout.dp
+    z = _zero_bytes(stage, zero) if zero else None
+    params = max(z.parameters) if z else stage.parameter_bytes
+    optimizer = max(z.optimizer) if z else stage.optimizer_bytes
+    gradients = max(z.gradients) if z else stage.gradient_bytes
+    in_flight = _in_flight(layout, stage.index)
+    ddp = zero == 0 and dp > 1 and layout.pp == 1
+    fresh = zero in (0, 1) and not ddp and layout.pp == 1 and layout.microbatches == 1
+    terms = {"parameters": params, "optimizer state": optimizer}
+    if zero == 3:  # FSDP2 gathers a layer's parameters (and the next one's, prefetched) and its gradients
+        per_layer = stage.parameter_bytes // max(1, len(stage.layers))
+        terms["gathered parameters"] = 2 * per_layer
+        terms["gradients"] = gradients + per_layer
+    elif zero == 2:
+        terms["gradients"] = gradients + 2 * _largest_bucket(stage, dp)
+    elif not fresh:
+        terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 else 0)
+    terms["activations"] = (in_flight - 1) * counts.activation_bytes
+    running = counts.peak_with_gradients if fresh else counts.peak_bytes
+    terms["running microbatch"] = running
+    backward = sum(terms.values())
+    temporaries = counts.optimizer_peak_bytes // (dp if zero else 1)
+    step = params + optimizer + gradients + temporaries + (terms.get("gathered parameters", 0))
+    if step > backward:  # the optimizer step is the peak: say so in the terms
+        return {"parameters": params, "optimizer state": optimizer, "gradients": gradients,
+                "optimizer temporaries": temporaries + terms.get("gathered parameters", 0)}
+    return terms
+
+
+# -------------------------------------------------------------------------------------------------------- time
+def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dtype: str) -> dict[str, float]:
+    """Seconds of one microbatch (forward and backward) on a rank of ``stage``, by term."""
+    compute = sum(n * profile.gemm_seconds(f, dtype) for w in stage.work for f, n in w.gemms)
+    compute += profile.elementwise_seconds(sum(w.traffic for w in stage.work))
+    terms = {"compute": compute}
+    for entry in stage.collectives:
+        for c in entry.collectives:
+            key = f"{c.dim} {c.op}"
+            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes)
+    forward, backward = stage.send_bytes
+    if stage.sends:
+        terms["pipeline sends"] = (profile.collective_seconds("send_recv", 2, forward)
+                                   + profile.collective_seconds("send_recv", 2, backward))
+    return terms
+
+
+def _buckets(nbytes: int, limit: int) -> int:
+    return max(1, -(-nbytes // limit)) if nbytes else 0
+
+
+def _dp_sync(stage: StageInfo, layout: Layout, profile: Profile) -> dict[str, float]:
+    """Seconds of the data-parallel gradient sync (and ZeRO's parameter gathers) of one step on a rank of
+    ``stage``, and of the once-per-step collectives of other dims (tied-weight sums)."""
+    dp, zero, terms = layout.dp, layout.zero, {}
+    for c in stage.step:
+        if c.dim != "dp":  # the pipeline's tied-gradient sum
+            key = f"{c.dim} {c.op} (step)"
+            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes)
+    if dp == 1:
+        return terms
+    grads, params = stage.gradient_bytes, stage.parameter_bytes
+    if zero == 0:
+        n = _buckets(grads, FLAT_BUCKET_BYTES)
+        terms["dp gradient all_reduce"] = n * profile.collective_seconds("all_reduce", dp, grads / n)
+    elif zero in (1, 2):
+        n = _buckets(grads, DEFAULT_BUCKET_BYTES)
+        terms["dp gradient reduce_scatter"] = n * profile.collective_seconds("reduce_scatter", dp, grads / n)
+        terms["dp parameter all_gather"] = n * profile.collective_seconds("all_gather", dp, params / n / dp)
+    else:  # FSDP2: per microbatch, each layer's parameters gathered in forward and backward, gradients scattered
+        units = len(stage.layers) + 1
+        per = layout.microbatches * units
+        terms["dp parameter all_gather"] = 2 * per * profile.collective_seconds("all_gather", dp, params / units / dp)
+        terms["dp gradient reduce_scatter"] = per * profile.collective_seconds("reduce_scatter", dp, grads / units)
+    return terms
+
+
+def step_time(report: PlanReport, layout: Layout, profile: Profile) -> dict[str, float]:
+    """Seconds of one training step by term (module docstring); the slowest stage's dp sync and optimizer step."""
+    dtype = _DTYPES[layout.precision]
+    per_stage = [_microbatch_time(report, s, profile, dtype) for s in report.stages]
+    totals = [sum(t.values()) for t in per_stage]
+    slowest = max(range(len(totals)), key=totals.__getitem__)
+    m = layout.microbatches
+    terms = {k: v * m for k, v in per_stage[slowest].items()}
+    if len(totals) > 1:
+        terms["pipeline bubble"] = sum(totals) - totals[slowest]
+    tail = []
+    for s in report.stages:
+        sync = _dp_sync(s, layout, profile)
+        traffic = s.memory.optimizer_traffic / (layout.dp if layout.zero else 1)
+        tail.append(sync | {"optimizer step": profile.elementwise_seconds(traffic)})
+    worst = max(tail, key=lambda t: sum(t.values()))
+    for k, v in worst.items():
+        terms[k] = terms.get(k, 0.0) + v
+    return terms
+
+
+# ---------------------------------------------------------------------------------------------------- predict
+def check_matches(report: PlanReport, layout: Layout) -> None:
+    """The report must be the dry run of the layout's mesh and microbatch."""
+    mesh = {"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp}
+    if report.mesh != mesh or report.activation_checkpointing != layout.activation_checkpointing:
+        raise ValueError(f"the plan report is of mesh {report.mesh} (activation checkpointing "
+                         f"{report.activation_checkpointing}), the layout is {layout.name()}")
+    if any(s.memory is None for s in report.stages):
+        raise ValueError("the plan report has no memory counts (a report from an older shardlib?): plan again")
+
+
+def predict(report: PlanReport, profile: Profile, layout: Layout) -> Prediction:
+    """The peak memory per rank and the step time of ``layout``, from its dry run ``report`` and ``profile``."""
+    check_matches(report, layout)
+    memories = [stage_memory(report, layout, s) for s in report.stages]
+    peak_stage = max(range(len(memories)), key=lambda i: sum(memories[i].values()))
+    time = step_time(report, layout, profile)
+    notes = [] if profile.world_size in (None, layout.world) else [
+        f"profile measured on {profile.world_size} ranks, layout has {layout.world}"]
+    return Prediction(layout=layout, peak_bytes=sum(memories[peak_stage].values()), peak_stage=peak_stage,
+                      memory=memories[peak_stage], step_s=sum(time.values()), time=time,
+                      bottleneck=max(time, key=time.get), notes=notes)

@@ -1,0 +1,161 @@
+"""Counting the work and memory of one microbatch, exactly, on meta tensors or real ones: what the cost model
+(:mod:`shardlib.analysis.costmodel`) prices.
+
+:class:`WorkRecorder` is a dispatch mode that sees every op of a forward and backward. It records, per module path
+(the innermost module running the op, forward or backward, as :class:`~shardlib.analysis.metarun.CollectiveRecorder`
+attributes collectives):
+
+* the FLOPs of every matrix multiply and attention (torch's own formulas, ``torch.utils.flop_counter``), by size,
+  so a profile's GEMM throughput can be looked up at the sizes the model uses;
+* the memory traffic of every other op that computes something (bytes of its tensor inputs and outputs; views
+  move nothing);
+* the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``; each storage once, parameters and
+  buffers left out: they are counted as states). Under non-reentrant activation checkpointing a layer saves only
+  its inputs (the region's own hooks take the rest), which is what it keeps;
+* the live bytes of the storages the microbatch creates, as a timeline of allocations and frees (weak references
+  on the storages), from which :meth:`WorkRecorder.peaks` reads the peak with and without the gradients.
+
+Meta tensors have storages of their own size (and no data), so a dry run counts what a real run holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """One number per storage while it lives (its C++ object's address): views of a tensor share it."""
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@dataclass
+class ModuleWork:
+    """The work one module path did in one microbatch: ``gemms`` {FLOPs of one call: calls}, ``traffic`` bytes of
+    the other ops, ``saved`` bytes it saved for backward."""
+
+    gemms: dict[int, int] = field(default_factory=dict)
+    traffic: int = 0
+    saved: int = 0
+
+    @property
+    def flops(self) -> int:
+        return sum(f * n for f, n in self.gemms.items())
+
+    def add(self, other: "ModuleWork", times: int = 1) -> None:
+        for f, n in other.gemms.items():
+            self.gemms[f] = self.gemms.get(f, 0) + n * times
+        self.traffic += other.traffic * times
+        self.saved += other.saved * times
+
+
+class WorkRecorder(TorchDispatchMode):
+    """Records the work of the ops run inside the block (module docstring). ``model``: its parameters and buffers
+    are states, not activations. ``where``: a function giving the module path the current op belongs to."""
+
+    def __init__(self, model: nn.Module, where):
+        super().__init__()
+        self.where = where
+        self.work: dict[str, ModuleWork] = defaultdict(ModuleWork)
+        self.states = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+        self.saved: set[int] = set()
+        self.saving = True  # saved tensors are counted in forward only (a checkpointed recompute saves again)
+        self.events: list[tuple[int, int, int]] = []  # (tick, +/- bytes, serial number of the storage)
+        self.tick = 0
+        self._refs: dict[int, weakref.ref] = {}  # storage key -> weak reference, while it lives
+        self._serials: dict[int, int] = {}  # storage key -> serial number, while it lives (keys are reused)
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.saving and t.numel():
+            key = storage_key(t)
+            if key not in self.states and key not in self.saved:
+                self.saved.add(key)
+                self.work[self.where()].saved += storage_bytes(t)
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.tick += 1
+        inputs = {storage_key(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            self._track(out, inputs)
+            return out
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            gemms = self.work[self.where()].gemms
+            gemms[flops] = gemms.get(flops, 0) + 1
+        elif not func.is_view:
+            tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.work[self.where()].traffic += sum(t.numel() * t.element_size() for t in tensors)
+        self._track(out, inputs)
+        return out
+
+    def _track(self, out, inputs: set[int]) -> None:
+        """Start following the storages ``out`` creates (not those of the op's inputs: in-place ops, views)."""
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self._refs or key in self.states or key in inputs:
+                continue
+            nbytes, serial = storage.nbytes(), len(self.events)
+            self.events.append((self.tick, nbytes, serial))
+            self._refs[key] = weakref.ref(storage, self._freed(key, nbytes, serial))
+            self._serials[key] = serial
+
+    def _freed(self, key: int, nbytes: int, serial: int):
+        def callback(_ref):
+            self.events.append((self.tick, -nbytes, serial))
+            self._refs.pop(key, None)
+            self._serials.pop(key, None)
+
+        return callback
+
+    def peaks(self, gradients: list[torch.Tensor]) -> tuple[int, int]:
+        """(peak live bytes the microbatch created, gradients left out; the same with them) over the block."""
+        grads = {self._serials.get(storage_key(g)) for g in gradients}
+        live = [0, 0]  # (other, gradients)
+        peak = [0, 0]
+        for _, nbytes, serial in self.events:
+            live[serial in grads] += nbytes
+            peak[0] = max(peak[0], live[0])
+            peak[1] = max(peak[1], live[0] + live[1])
+        return peak[0], peak[1]
+
+    def saved_bytes(self) -> int:
+        return sum(w.saved for w in self.work.values())
+
+
+def by_layer(work: dict[str, ModuleWork], layers: list[str]) -> dict[str, ModuleWork]:
+    """Module work summed per trunk layer (the layer whose path prefixes the module's), the rest under ""."""
+    out: dict[str, ModuleWork] = {layer: ModuleWork() for layer in layers}
+    out[""] = ModuleWork()
+    for path, w in work.items():
+        layer = next((la for la in layers if path == la or path.startswith(la + ".")), "")
+        out[layer].add(w)
+    return out

@@ -1,0 +1,306 @@
+"""What each module of a model costs under one tensor / sequence-parallel layout, counted once on a shallow copy
+of the model, and the plan reports of every pipeline split and microbatch size assembled from it: the cache that
+lets the layout search (:mod:`shardlib.analysis.search`) price hundreds of layouts in seconds.
+
+A :class:`LayerTable` is built for one (tp, sp, sequence-parallel mode, activation checkpointing). It dry-runs
+(:func:`shardlib.analysis.dryrun._plan_stage`, the code :func:`shardlib.plan` runs) the model with at most two
+layers per stack, unpipelined, at microbatches of 1 and 2 examples, and keeps per *root* (a trunk layer, or a module
+outside the trunk as the pipeline splitter names them: embeddings, heads) its GEMMs, memory traffic, saved bytes,
+collectives, parameters and the tensors its forward takes. Every count is affine in the microbatch size (exact for
+these models: the position bias of T5 is the only term that does not scale, and it is the constant), so two sizes
+give all. Layer ``i`` of a stack costs what layer ``min(i, 1)`` of the shallow copy does: the first layer of a stack
+may differ (T5's holds the relative position bias), the others are alike.
+
+:meth:`LayerTable.report` assembles the :class:`PlanReport` of a layout from the table: the stages of the full
+model as the pipeline splitter cuts them, each the sum of its roots. Exact where nothing depends on the cut (the
+parameter, gradient, optimizer and ZeRO bytes, GEMMs, traffic, collectives and saved activations per stage);
+estimated where it does: a stage's transient peak (the last stage's is the shallow run's, which the head and loss
+make; another stage's, its largest layer's saved bytes), the tensors sent between stages (the next stage's first
+layer's inputs) and the tied-weight sums (one all-reduce of each weight shared across stages). tests/test_search.py
+compares both with :func:`shardlib.plan`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..pipeline.stages import _held, stage_plan
+from .dryrun import _plan_stage, _zero
+from .dryrun_report import (
+    Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec,
+)
+from .metarun import example_batch
+from .counting import ModuleWork
+
+DEPTH_FIELDS = ("num_hidden_layers", "num_layers", "num_decoder_layers", "n_layer", "n_layers", "encoder_layers",
+                "decoder_layers")
+SHALLOW = 2  # layers per stack in the shallow copy
+
+
+@dataclass
+class Root:
+    """One root of the shallow model at one microbatch size (module docstring)."""
+
+    work: ModuleWork = field(default_factory=ModuleWork)
+    collectives: list[Collective] = field(default_factory=list)
+    inputs: list[TensorSpec] = field(default_factory=list)
+
+
+@dataclass
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    late: bool
+    state: tuple[int, int] | None  # AdamW bytes (shaped like it, other), None: no gradient, no state
+    key: int  # the same for every alias of one tensor
+
+
+def shallow_config(config):
+    """A copy of ``config`` with at most :data:`SHALLOW` layers in every stack."""
+    config = copy.deepcopy(config)
+    for name in DEPTH_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > SHALLOW:
+            setattr(config, name, SHALLOW)
+    if getattr(config, "num_decoder_layers", 0) is None:  # T5: None means as many as num_layers
+        config.num_decoder_layers = config.num_layers
+    return config
+
+
+def _root_of(path: str, roots: list[str]) -> str:
+    """The root holding module ``path`` (the longest prefix), "" for none (the model's own forward: the loss)."""
+    best = ""
+    for root in roots:
+        if (path == root or path.startswith(root + ".")) and len(root) > len(best):
+            best = root
+    return best
+
+
+def _shallow_path(path: str, depth: dict[str, int]) -> str:
+    """A root of the full model as its root in the shallow copy (``stack.17`` -> ``stack.1``)."""
+    stack, _, index = path.rpartition(".")
+    if stack in depth and index.isdigit():
+        return f"{stack}.{min(int(index), depth[stack] - 1)}"
+    return path
+
+
+def _affine(v1: float, v2: float, b: int) -> int:
+    return int(round(v1 + (b - 1) * (v2 - v1)))
+
+
+def _gemms_at(g1: dict[int, int], g2: dict[int, int], b: int) -> list[tuple[int, int]]:
+    """The GEMM calls at microbatch ``b`` from those at 1 and 2, paired in order of size."""
+    calls1 = sorted(f for f, n in g1.items() for _ in range(n))
+    calls2 = sorted(f for f, n in g2.items() for _ in range(n))
+    if len(calls1) != len(calls2):  # not the same calls: scale the larger microbatch's
+        calls1, calls2 = [f // 2 for f in calls2], calls2
+    found: dict[int, int] = {}
+    for f1, f2 in zip(calls1, calls2):
+        f = _affine(f1, f2, b)
+        found[f] = found.get(f, 0) + 1
+    return sorted(found.items())
+
+
+def _collectives_at(c1: list[Collective], c2: list[Collective], b: int) -> list[Collective]:
+    if len(c1) != len(c2):
+        c1 = [Collective(c.op, c.dim, c.group_size, c.bytes // 2, c.phase, c.module) for c in c2]
+    return [Collective(y.op, y.dim, y.group_size, _affine(x.bytes, y.bytes, b), y.phase, y.module)
+            for x, y in zip(c1, c2)]
+
+
+def _tensor_specs(args, kwargs) -> list[TensorSpec]:
+    seen, specs = set(), []
+    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+            seen.add(t.untyped_storage()._cdata)
+            specs.append(TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."),
+                                    t.numel() * t.element_size(), t.requires_grad))
+    return specs
+
+
+class _Run:
+    """The shallow model dry-run at one microbatch size: its roots, parameters and memory counts."""
+
+    def __init__(self, base: nn.Module, policy, trunk, sizes: dict, mode, checkpointing: bool, batch: int,
+                 seq: int):
+        model = copy.deepcopy(base)
+        self.roots = list(stage_plan(model, trunk, 1).modules[0])
+        self.by_root: dict[str, Root] = {r: Root() for r in [*self.roots, ""]}
+        hooks = [model.get_submodule(r).register_forward_pre_hook(self._inputs(r), with_kwargs=True)
+                 for r in self.roots if r in dict(model.named_modules())]
+        keep: dict = {}
+        inputs = example_batch(model, batch, seq)
+        with torch.random.fork_rng(devices=[]):
+            info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
+                                                 inputs, (), checkpointing, keep)
+        for h in hooks:
+            h.remove()
+        self.inputs, self.memory = inputs, info.memory
+        self.parameter_bytes = info.parameter_bytes
+        for path, work in keep["work"].items():
+            self.by_root[_root_of(path, self.roots)].work.add(work)
+        for entry in info.collectives:
+            for c in entry.collectives:
+                self.by_root[_root_of(c.module, self.roots)].collectives.append(c)
+        late, state = keep["late"], keep["state"]
+        self.params = {root: [Param(name, tuple(t.shape), t.dtype, t.requires_grad, id(t) in late, state.get(id(t)),
+                                    id(t)) for name, t in _held(model, root) if isinstance(t, nn.Parameter)]
+                       for root in self.roots}
+
+    def _inputs(self, root: str):
+        def hook(module, args, kwargs):
+            if not self.by_root[root].inputs:  # the first call (activation checkpointing calls again in backward)
+                self.by_root[root].inputs = _tensor_specs(args, kwargs)
+
+        return hook
+
+
+class LayerTable:
+    """The costs of every root of ``full`` (the unsharded model on the meta device) under one tensor / sequence
+    parallel layout (module docstring). ``mode``: :func:`shardlib.shard`'s ``sequence_parallel``."""
+
+    def __init__(self, full: nn.Module, policy, *, tp: int, sp: int, mode, mode_name: str,
+                 activation_checkpointing: bool, seq: int):
+        from .metarun import meta_model
+
+        self.full, self.policy, self.tp, self.sp, self.mode_name = full, policy, tp, sp, mode_name
+        self.checkpointing, self.seq = activation_checkpointing, seq
+        self.trunk = policy.plan(full, tp).trunk
+        dtype = next(full.parameters()).dtype
+        base = meta_model(shallow_config(full.config), type(full), dtype)
+        shallow_trunk = policy.plan(base, tp).trunk
+        self.depth = {s.layers: len(base.get_submodule(s.layers)._modules) for s in shallow_trunk}
+        sizes = dict(dp=1, pp=1, sp=sp, tp=tp)
+        self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq)
+                     for b in (1, 2)]
+        self._plans: dict[int, object] = {}
+        self._states: dict[tuple, dict] = {}  # (pp, dp, stage) -> _stage_states
+        self._order = {name: i for i, (name, _) in enumerate(full.named_parameters())}  # registration order
+
+    def stage_plan(self, pp: int):
+        if pp not in self._plans:
+            self._plans[pp] = stage_plan(self.full, self.trunk, pp)
+        return self._plans[pp]
+
+    def report(self, layout) -> PlanReport:
+        """The plan report of ``layout`` (its tp, sp and mode must be the table's) from the table."""
+        plan = self.stage_plan(layout.pp)
+        owners: dict[tuple, set[int]] = {}
+        for i, roots in enumerate(plan.modules):
+            for root in roots:
+                for p in self._params(root):
+                    owners.setdefault(self._key(root, p), set()).add(i)
+        stages = [self._stage(i, plan, layout, owners) for i in range(layout.pp)]
+        first, second = self.runs
+        b = layout.batch
+        inputs = {k: TensorSpec((b, *t.shape[1:]), str(t.dtype).removeprefix("torch."),
+                                t.numel() * t.element_size() // t.shape[0] * b, False)
+                  for k, t in example_batch(self.full, b, self.seq).items()}
+        return PlanReport(model_class=type(self.full).__name__, policy=self.policy.name,
+                          mesh={"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp},
+                          sequence_parallel=self.mode_name, microbatches=layout.microbatches, inputs=inputs,
+                          sharding=second.sharding, stages=stages, activation_checkpointing=self.checkpointing)
+
+    def _params(self, root: str) -> list[Param]:
+        return self.runs[0].params.get(_shallow_path(root, self.depth), [])
+
+    def _key(self, root: str, p: Param) -> tuple:
+        """One key per tensor of the full model: layer ``i`` has tensors of its own, though it maps to a shallow
+        layer another maps to too."""
+        return (root if root.rpartition(".")[0] in self.depth else "", p.key)
+
+    def _root_at(self, root: str, b: int) -> tuple[LayerWork, list[Collective], list[TensorSpec]]:
+        """The work, collectives and forward inputs of a root of the full model at microbatch ``b``."""
+        one, two = (run.by_root[_shallow_path(root, self.depth)] for run in self.runs)
+        work = LayerWork(root, _gemms_at(one.work.gemms, two.work.gemms, b),
+                         _affine(one.work.traffic, two.work.traffic, b), _affine(one.work.saved, two.work.saved, b))
+        inputs = [TensorSpec(y.shape, y.dtype, _affine(x.bytes, y.bytes, b), y.requires_grad)
+                  for x, y in zip(one.inputs, two.inputs)]
+        return work, _collectives_at(one.collectives, two.collectives, b), inputs
+
+    def _stage(self, index: int, plan, layout, owners: dict[tuple, set[int]]) -> StageInfo:
+        b, last = layout.batch, index == layout.pp - 1
+        roots = list(plan.modules[index]) + ([""] if last else [])
+        layers = list(plan.layers[index])
+        outside = LayerWork("", [], 0, 0)
+        work, collectives = [], []
+        for root in roots:
+            w, c, _ = self._root_at(root, b)
+            if root in layers:
+                work.append(w)
+                collectives.append(LayerCollectives(root, c))
+            else:
+                outside.gemms += w.gemms
+                outside.traffic += w.traffic
+                outside.saved += w.saved
+                collectives.append(LayerCollectives("", c))
+        work.append(outside)
+        merged = [c for entry in collectives if not entry.layer for c in entry.collectives]
+        collectives = [e for e in collectives if e.layer] + ([LayerCollectives("", merged)] if merged else [])
+        key = (layout.pp, layout.dp, index)
+        if key not in self._states:  # what does not depend on the microbatch
+            params, step = self._stage_params(index, plan, owners)
+            self._states[key] = self._stage_states(layout, params, step)
+        return self._stage_info(index, plan, layout, layers, work, collectives, self._states[key])
+
+    def _stage_params(self, index: int, plan, owners) -> tuple[dict[tuple, Param], list[Collective]]:
+        """The stage's tensors (one per key, in order) and the sums of those tied to other stages."""
+        found: dict[tuple, tuple[int, Param]] = {}
+        for root in plan.modules[index]:
+            shallow = _shallow_path(root, self.depth)
+            for p in self._params(root):
+                full_name = root + p.name[len(shallow):]
+                order = self._order.get(full_name, len(self._order))
+                key = self._key(root, p)
+                if key not in found or order < found[key][0]:
+                    found[key] = (order, p)
+        params = {key: p for key, (_, p) in sorted(found.items(), key=lambda kv: kv[1][0])}  # the Trainer's order
+        step = []
+        for key, p in params.items():
+            if len(owners[key]) > 1 and p.requires_grad:
+                nbytes = torch.Size(p.shape).numel() * p.dtype.itemsize
+                step.append(Collective("all_reduce", "pp", len(owners[key]), nbytes, "step", p.name))
+        return params, step
+
+    def _stage_states(self, layout, params: dict[tuple, Param], step: list[Collective]) -> dict:
+        """The stage's parameter, gradient, AdamW and ZeRO bytes and its tied-weight sums."""
+        tied = {key for key in params if step and any(c.module == params[key].name for c in step)}
+        tensors, state, late = [], {}, set()
+        for key, p in params.items():
+            t = torch.empty(p.shape, dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
+            tensors.append(t)
+            if p.state is not None:
+                state[id(t)] = p.state
+            if p.late or key in tied:
+                late.add(id(t))
+        mesh = type("Mesh", (), {"dp": layout.dp, "pp": layout.pp})
+        return dict(parameter_bytes=sum(t.numel() * t.element_size() for t in tensors),
+                    gradient_bytes=sum(t.numel() * t.element_size() for t in tensors if t.requires_grad),
+                    optimizer_bytes=sum(a + c for a, c in state.values()), zero=_zero(tensors, state, mesh, late),
+                    step=step)
+
+    def _stage_info(self, index, plan, layout, layers, work, collectives, states: dict) -> StageInfo:
+        last = index == layout.pp - 1
+        nbytes = states["parameter_bytes"]
+        saved = sum(w.saved for w in work)
+        run = self.runs[0] if layout.batch == 1 else self.runs[1]
+        shallow = run.memory
+        if last:
+            peak = saved + _affine(*(r.memory.peak_bytes - r.memory.activation_bytes for r in self.runs),
+                                   layout.batch)
+        else:
+            peak = saved + max((w.saved for w in work if w.layer), default=0)
+        scale = nbytes / max(1, run.parameter_bytes)
+        memory = MemoryCounts(saved, peak, peak + (shallow.peak_with_gradients - shallow.peak_bytes) if last else peak,
+                              int(shallow.optimizer_peak_bytes * scale), int(shallow.optimizer_traffic * scale))
+        sends = []
+        if not last:
+            _, _, sends = self._root_at(plan.layers[index + 1][0], layout.batch)
+        return StageInfo(index=index, layers=layers, modules=list(plan.modules[index]), collectives=collectives,
+                         sends=sends, work=work, memory=memory, **states)

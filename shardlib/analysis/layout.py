@@ -1,0 +1,71 @@
+"""A training layout as one value: the mesh, sequence parallelism, ZeRO, the schedule, recomputation, precision
+and the batch. What the layout search enumerates (:mod:`shardlib.analysis.search`), the cost model prices
+(:mod:`shardlib.analysis.costmodel`) and ``--layout auto`` hands to the Trainer (:meth:`Layout.training_args`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SEQUENCE_MODES = ("off", "megatron", "all_to_all")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to train a model on ``world`` ranks. ``batch``: examples per microbatch on one dp rank (so the global
+    batch is ``batch * microbatches * dp``); ``sequence_parallel``: "off", "megatron" (on the tp group) or
+    "all_to_all" (over ``sp`` ranks)."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sp: int = 1
+    sequence_parallel: str = "off"
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+    precision: str = "fp32"
+    batch: int = 8
+    seq: int = 128
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.sp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.microbatches * self.dp
+
+    def shard_mode(self):
+        """:func:`shardlib.shard`'s ``sequence_parallel`` argument."""
+        return {"off": False, "megatron": "megatron", "all_to_all": "all_to_all"}[self.sequence_parallel]
+
+    def training_args(self) -> dict:
+        """The :class:`shardlib.train.TrainingArguments` fields this layout sets (``batch_size`` is global)."""
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp,
+                "sequence_parallel": None if self.sequence_parallel == "off" else self.sequence_parallel,
+                "zero": self.zero, "microbatches": self.microbatches, "schedule": self.schedule,
+                "activation_checkpointing": self.activation_checkpointing, "precision": self.precision,
+                "batch_size": self.global_batch}
+
+    def name(self) -> str:
+        """Short text: ``dp2 pp2 tp1 zero1 mb4 1f1b``, with ``sp`` / ``ckpt`` / precision where they are set."""
+        parts = [f"dp{self.dp}", f"pp{self.pp}", f"tp{self.tp}"]
+        if self.sequence_parallel == "megatron":
+            parts.append("sp-megatron")
+        elif self.sequence_parallel == "all_to_all":
+            parts.append(f"sp{self.sp}-a2a")
+        parts += [f"zero{self.zero}", f"mb{self.microbatches}"]
+        if self.pp > 1:
+            parts.append(self.schedule)
+        if self.activation_checkpointing:
+            parts.append("ckpt")
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,213 @@
+"""The layout search: every layout of a model on ``world`` ranks that the Trainer accepts, priced by the cost model
+(:mod:`shardlib.analysis.costmodel`) and ranked by predicted step time among those that fit a memory budget.
+
+Enumeration (:func:`candidate_layouts`): dp x pp x sp x tp = world; sequence parallelism off, Megatron (tp > 1) or
+all-to-all (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1; 3 not with a pipeline: the Trainer refuses it); microbatches
+dividing the global batch's share of a dp rank (1, 2, 4, 8 without a pipeline; pp, 2 pp, 4 pp with one); the 1F1B
+and GPipe schedules; activation checkpointing off and on. What ``shard()`` refuses (heads or a vocabulary that tp
+does not divide, a sequence all-to-all cannot split, more stages than layers) is dropped with its reason, as is
+every layout over the budget.
+
+Pricing is cached: one :class:`~shardlib.analysis.layertable.LayerTable` per (tp, sp, mode, checkpointing) (a
+dry run of a two-layers-per-stack copy of the model, at two microbatch sizes), one report per (table, pp, dp,
+microbatch size); ZeRO stage, schedule and microbatch count only change the arithmetic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from ..sharding.plan import PlanError
+from .costmodel import Prediction, predict
+from .dryrun_report import size_text
+from .layertable import LayerTable
+from .layout import Layout
+from .metarun import PlanInputError, meta_model
+from .profile import Profile, default_profile
+
+MODES = {"off": False, "megatron": "megatron", "all_to_all": "all_to_all"}
+
+
+@dataclass
+class SearchResult:
+    """``ranked``: the layouts that fit, fastest first; ``over_budget``: those that do not (smallest peak first);
+    ``refused``: (what, why) of what shard() or the Trainer refuses; ``dominated``: layouts left unpriced because
+    they are slower than one that fits (activation checkpointing where the layout fits without it);
+    ``seconds``: the search's own time."""
+
+    world: int
+    memory_bytes: int | None
+    profile: str
+    ranked: list[Prediction] = field(default_factory=list)
+    over_budget: list[Prediction] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    dominated: int = 0  # checkpointed layouts not priced: the same layout without checkpointing fits
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.ranked[0] if self.ranked else None
+
+    def to_dict(self) -> dict:
+        return {"world": self.world, "memory_bytes": self.memory_bytes, "profile": self.profile,
+                "seconds": self.seconds, "dominated": self.dominated, "ranked": [p.to_dict() for p in self.ranked],
+                "over_budget": [p.to_dict() for p in self.over_budget],
+                "refused": [{"what": w, "why": y} for w, y in self.refused]}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(world: int) -> list[tuple[int, int, int, int, str]]:
+    """(dp, pp, sp, tp, sequence-parallel mode) of every mesh of ``world`` ranks."""
+    shapes = []
+    for tp in _divisors(world):
+        for sp in _divisors(world // tp):
+            for pp in _divisors(world // (tp * sp)):
+                dp = world // (tp * sp * pp)
+                modes = ["all_to_all"] if sp > 1 else (["off", "megatron"] if tp > 1 else ["off"])
+                shapes += [(dp, pp, sp, tp, mode) for mode in modes]
+    return shapes
+
+
+def _microbatch_counts(per_dp: int, pp: int) -> list[int]:
+    wanted = [pp, 2 * pp, 4 * pp] if pp > 1 else [1, 2, 4, 8]
+    return [m for m in wanted if per_dp % m == 0]
+
+
+def candidate_layouts(world: int, global_batch: int, seq: int, *, checkpointing=(False, True),
+                      precision: str = "fp32") -> list[Layout]:
+    """Every layout of the enumeration (module docstring), before shard() and the budget have their say."""
+    layouts = []
+    for dp, pp, sp, tp, mode in mesh_shapes(world):
+        if global_batch % dp:
+            continue
+        for m in _microbatch_counts(global_batch // dp, pp):
+            for zero in ([0, 1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0]:
+                for schedule in ("1f1b", "gpipe") if pp > 1 else ("1f1b",):
+                    for ckpt in checkpointing:
+                        layouts.append(Layout(dp=dp, pp=pp, tp=tp, sp=sp, sequence_parallel=mode, zero=zero,
+                                              microbatches=m, schedule=schedule, activation_checkpointing=ckpt,
+                                              precision=precision, batch=global_batch // (dp * m), seq=seq))
+    return layouts
+
+
+class _Pricer:
+    """Layer tables and reports, cached (module docstring)."""
+
+    def __init__(self, full, policy):
+        self.full, self.policy = full, policy
+        self.tables: dict[tuple, LayerTable | str] = {}
+        self.reports: dict[tuple, object] = {}
+
+    def table(self, layout: Layout) -> LayerTable:
+        key = (layout.tp, layout.sp, layout.sequence_parallel, layout.activation_checkpointing, layout.seq)
+        if key not in self.tables:
+            try:
+                self.tables[key] = LayerTable(self.full, self.policy, tp=layout.tp, sp=layout.sp,
+                                              mode=MODES[layout.sequence_parallel], mode_name=layout.sequence_parallel,
+                                              activation_checkpointing=layout.activation_checkpointing,
+                                              seq=layout.seq)
+            except (PlanError, PlanInputError) as exc:
+                self.tables[key] = " ".join(str(exc).split())
+        found = self.tables[key]
+        if isinstance(found, str):
+            raise PlanError(found)
+        return found
+
+    def report(self, layout: Layout):
+        table = self.table(layout)
+        key = (id(table), layout.pp, layout.dp, layout.batch)
+        if key not in self.reports:
+            try:
+                self.reports[key] = table.report(layout)
+            except PlanError as exc:
+                self.reports[key] = " ".join(str(exc).split())
+        found = self.reports[key]
+        if isinstance(found, str):
+            raise PlanError(found)
+        return found
+
+
+def search(model_or_config, world: int, *, memory_bytes: int | None = None, profile: Profile | None = None,
+           global_batch: int = 32, seq: int = 128, cls=None, policy=None, checkpointing=(False, True),
+           precision: str = "fp32") -> SearchResult:
+    """Every layout of ``model_or_config`` on ``world`` ranks, priced (module docstring). ``memory_bytes``: the
+    budget per rank (None: no budget). ``profile``: the machine (default: the built-in nominal one). Raises
+    :class:`PlanInputError` for bad input and when no layout exists at all (saying which worlds would work)."""
+    from shardlib.policies import policy_for
+
+    for name, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanInputError(f"{name} must be a positive integer, got {value!r}")
+    started = time.perf_counter()
+    full = meta_model(model_or_config, cls)
+    try:
+        policy = policy or policy_for(full)
+    except PlanError as exc:
+        raise PlanInputError(str(exc)) from None
+    profile = profile or default_profile()
+    pricer = _Pricer(full, policy)
+    result = SearchResult(world=world, memory_bytes=memory_bytes, profile=profile.machine)
+    refused: dict[str, str] = {}
+    fitting: set[Layout] = set()  # without checkpointing: their checkpointed twins are slower, never priced
+    layouts = candidate_layouts(world, global_batch, seq, checkpointing=checkpointing, precision=precision)
+    for layout in sorted(layouts, key=lambda la: la.activation_checkpointing):
+        if layout.activation_checkpointing and replace(layout, activation_checkpointing=False) in fitting:
+            result.dominated += 1
+            continue
+        try:
+            prediction = predict(pricer.report(layout), profile, layout)
+        except PlanError as exc:
+            refused.setdefault(_mesh_name(layout), str(exc).splitlines()[0])
+            continue
+        fits = memory_bytes is None or prediction.peak_bytes <= memory_bytes
+        (result.ranked if fits else result.over_budget).append(prediction)
+        if fits and not layout.activation_checkpointing:
+            fitting.add(layout)
+    result.ranked.sort(key=lambda p: (p.step_s, p.peak_bytes))
+    result.over_budget.sort(key=lambda p: p.peak_bytes)
+    result.refused = sorted(refused.items())
+    result.seconds = time.perf_counter() - started
+    if not result.ranked and not result.over_budget:
+        raise PlanInputError(_no_layout(world, global_batch, refused))
+    return result
+
+
+def _mesh_name(layout: Layout) -> str:
+    return " ".join(layout.name().split()[:4 if layout.sequence_parallel != "off" else 3])
+
+
+def _no_layout(world: int, global_batch: int, refused: dict[str, str]) -> str:
+    """Why ``world`` has no layout, and the world sizes near it that have one."""
+    usable = [w for w in range(1, 2 * world + 1) if global_batch % w == 0]
+    reasons = "; ".join(f"{k}: {v}" for k, v in list(refused.items())[:3])
+    return (f"no layout of {world} ranks works (the global batch {global_batch} must split over dp"
+            + (f"; {reasons}" if reasons else "") + f"). World sizes where pure data parallelism works: "
+            + ", ".join(map(str, usable)))
+
+
+# ------------------------------------------------------------------------------------------------------- text
+def render(result: SearchResult, top: int = 15) -> str:
+    budget = size_text(result.memory_bytes) if result.memory_bytes else "none"
+    lines = [f"shardlib plan: {len(result.ranked)} layouts fit (budget {budget} per rank), "
+             f"{len(result.over_budget)} over budget, {len(result.refused)} meshes refused, {result.dominated} "
+             "dominated (checkpointing where the layout fits without it); "
+             f"profile: {result.profile}; searched in {result.seconds:.1f} s", ""]
+    header = f"  {'#':>3} {'layout':<44} {'peak/rank':>11} {'step':>9} {'samples/s':>10}  bottleneck"
+    lines.append(header)
+    for i, p in enumerate(result.ranked[:top], 1):
+        lines.append(f"  {i:>3} {p.layout.name():<44} {size_text(p.peak_bytes):>11} {p.step_s * 1e3:>7.1f}ms "
+                     f"{p.samples_per_s:>10.1f}  {p.bottleneck} ({p.time[p.bottleneck] / p.step_s:.0%})")
+    if not result.ranked and result.over_budget:
+        small = result.over_budget[0]
+        term = small.dominant_memory
+        lines.append(f"  no layout fits: the smallest peak is {size_text(small.peak_bytes)} ({small.layout.name()}), "
+                     f"mostly {term} ({size_text(small.memory[term])})")
+    if result.refused:
+        lines += ["", "refused:"] + [f"  {what}: {why}" for what, why in result.refused[:8]]
+        if len(result.refused) > 8:
+            lines.append(f"  ... and {len(result.refused) - 8} more")
+    return "\n".join(lines)
