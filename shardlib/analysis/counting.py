@@ -25,8 +25,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -62,6 +64,39 @@ class ModuleWork:
         self.saved += other.saved * times
 
 
+class SavedCounter:
+    """Counts the bytes autograd saves for backward inside the block (each storage once; the parameters and buffers
+    of ``model`` left out: they are states, not activations), by module path (``where()``). A context manager; the
+    count is ``total``. What :class:`WorkRecorder` counts as ``saved``, usable alone on a real run."""
+
+    def __init__(self, model: nn.Module, where=lambda: ""):
+        self.where = where
+        self.states = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+        self.saved: set[int] = set()
+        self.by_module: dict[str, int] = defaultdict(int)
+        self.counting = True  # off once backward starts: a checkpointed recompute saves again
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.counting and t.numel():
+            key = storage_key(t)
+            if key not in self.states and key not in self.saved:
+                self.saved.add(key)
+                self.by_module[self.where()] += storage_bytes(t)
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_module.values())
+
+
 class WorkRecorder(TorchDispatchMode):
     """Records the work of the ops run inside the block (module docstring). ``model``: its parameters and buffers
     are states, not activations. ``where``: a function giving the module path the current op belongs to."""
@@ -70,30 +105,22 @@ class WorkRecorder(TorchDispatchMode):
         super().__init__()
         self.where = where
         self.work: dict[str, ModuleWork] = defaultdict(ModuleWork)
-        self.states = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
-        self.saved: set[int] = set()
-        self.saving = True  # saved tensors are counted in forward only (a checkpointed recompute saves again)
+        self.saved = SavedCounter(model, where)
+        self.states = self.saved.states
         self.events: list[tuple[int, int, int]] = []  # (tick, +/- bytes, serial number of the storage)
         self.tick = 0
         self._refs: dict[int, weakref.ref] = {}  # storage key -> weak reference, while it lives
         self._serials: dict[int, int] = {}  # storage key -> serial number, while it lives (keys are reused)
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        self.saved.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.saving and t.numel():
-            key = storage_key(t)
-            if key not in self.states and key not in self.saved:
-                self.saved.add(key)
-                self.work[self.where()].saved += storage_bytes(t)
-        return t
+        self.saved.__exit__(*exc)
+        for path, nbytes in self.saved.by_module.items():
+            self.work[path].saved = nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,7 +175,7 @@ class WorkRecorder(TorchDispatchMode):
         return peak[0], peak[1]
 
     def saved_bytes(self) -> int:
-        return sum(w.saved for w in self.work.values())
+        return self.saved.total
 
 
 def by_layer(work: dict[str, ModuleWork], layers: list[str]) -> dict[str, ModuleWork]:
@@ -159,3 +186,43 @@ def by_layer(work: dict[str, ModuleWork], layers: list[str]) -> dict[str, Module
         layer = next((la for la in layers if path == la or path.startswith(la + ".")), "")
         out[layer].add(w)
     return out
+
+
+def _on_cpu(t):
+    """A CPU stand-in with ``t``'s shape and dtype and no memory (stride 0 but along the last dim)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    strides = (0,) * (t.dim() - 1) + (1,)
+    stand_in = torch.empty(t.shape[-1] if t.dim() else 1, dtype=t.dtype).as_strided(t.shape, strides)
+    return stand_in.requires_grad_(t.requires_grad)  # torch chooses by that too (a trainable bias: math)
+
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+_FLASH = 1  # torch's SDPBackend.flash_attention, what aten._fused_sdp_choice returns for it
+
+
+class AttentionAsOnCPU(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors as it runs on CPU tensors. On the meta device torch always
+    takes the math path (matmuls and a softmax, saving the attention probabilities); on CPU it takes the fused
+    flash kernel wherever torch's own choice (``aten._fused_sdp_choice``, asked with CPU stand-ins of the same
+    shapes) says so, which saves the inputs, output and log-sum-exp instead. Without this the dry run would count a
+    different backward than a real run keeps."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+        if query.device.type != "meta" or gqa:
+            return func(*args, **kwargs)
+        choice = torch.ops.aten._fused_sdp_choice(*map(_on_cpu, (query, key, value)), attn_mask=_on_cpu(mask),
+                                                  dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        if choice != _FLASH:
+            return func(*args, **kwargs)
+        if mask is not None and mask.dtype == torch.bool:  # as torch does first: a float mask, -inf where False
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]

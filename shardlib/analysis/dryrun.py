@@ -54,7 +54,7 @@ from ..parallel.mesh import fake_world, init_mesh
 from ..sharding.plan import PlanError
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
-from .counting import WorkRecorder, by_layer
+from .counting import AttentionAsOnCPU, WorkRecorder, by_layer
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
     Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
 )
@@ -100,7 +100,7 @@ def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_ba
 
 def _checkpointing(model: nn.Module) -> None:
     """The Trainer's activation checkpointing on this (meta, own) model, without transformers' notices about it."""
-    from ..train.trainer import rng_safe_checkpointing
+    from ..sharding.recompute import rng_safe_checkpointing
 
     model.config.use_cache = False  # what transformers would set, saying so
     with warnings.catch_warnings():
@@ -213,8 +213,8 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
         work = WorkRecorder(model, recorder.module_now)
         with recorder:
             try:
-                with work:
-                    sent = _forward_backward(model, inputs, received, lambda: setattr(work, "saving", False))
+                with work, AttentionAsOnCPU():
+                    sent = _forward_backward(model, inputs, received, lambda: setattr(work.saved, "counting", False))
             except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
                 raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
                                      f"{str(exc).splitlines()[0]}") from None

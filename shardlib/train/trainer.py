@@ -20,7 +20,6 @@ checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.loop`). Each layer can 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from typing import Callable
@@ -33,6 +32,7 @@ from ..analysis.compiling import compile_model
 from ..parallel.random import generator_disagreement
 from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
+from ..sharding.recompute import rng_safe_checkpointing
 from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
 from ..parallel.gradsync import late_gradients
@@ -41,29 +41,6 @@ from .fsdp import apply_fsdp
 from .gradients import StepGradients
 from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
-
-
-def rng_safe_checkpointing(model: nn.Module) -> None:
-    """HF activation checkpointing per layer (non-reentrant) whose recomputation replays the per-rank dropout
-    stream too: the tracker's state at the forward is restored for the recompute, then put back."""
-    tracker = shard_state(model).rng_tracker
-
-    def context_fn():
-        snapshot = tracker.get_states()
-
-        @contextlib.contextmanager
-        def recompute():
-            current = tracker.get_states()
-            tracker.set_states(snapshot)
-            try:
-                yield
-            finally:
-                tracker.set_states(current)
-
-        return contextlib.nullcontext(), recompute()
-
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                       "context_fn": context_fn})
 
 
 def as_loss(result, where: str) -> torch.Tensor:
