@@ -30,3 +30,15 @@ def saved_in_a_step(spec: dict) -> dict:
         trainer.train_step(batch)
     split = shard_state(model).pipeline
     return {"stage": 0 if split is None else split.stage_modules[0].index, "saved": counter.total}
+
+
+def step_layout(spec: dict) -> dict:
+    """Build the model at a layout the search returned (``spec["layout"]``, ``spec["shard"]``, Trainer options in
+    ``spec["trainer"]``) and take one training step of a generated global batch: its loss."""
+    mesh, model = build_sharded(spec)
+    options = spec["trainer"]
+    trainer = shardlib.Trainer(model, adamw, **options)
+    generator = torch.Generator().manual_seed(11)
+    batch = example_batch(model, spec["batch"] * options["microbatches"], spec["seq"], device="cpu",
+                          generator=generator)
+    return {"loss": float(trainer.train_step(batch))}

@@ -13,23 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from .calibrate import add_calibrate_parser, calibrate_command  # noqa: F401  (the CLI's calibrate command)
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
-
-
-def parse_bytes(text: str) -> int:
-    """``16GiB``, ``16G`` (binary), ``16GB`` (decimal), ``512MiB``, ``1.5T`` -> bytes; ValueError otherwise."""
-    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = found.group(2).lower() if found else None
-    if not found or unit not in _UNITS or float(found.group(1)) <= 0:
-        raise ValueError(f"--memory {text!r}: expected a positive size like 16GiB, 512MiB or 80GB")
-    return int(float(found.group(1)) * _UNITS[unit])
-
+from .layout import parse_bytes
 
 def add_plan_parser(sub) -> None:
     """The ``shardlib plan`` subcommand's arguments (``sub``: the CLI's subparsers)."""

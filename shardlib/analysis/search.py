@@ -202,12 +202,17 @@ def render(result: SearchResult, top: int = 15) -> str:
         lines.append(f"  {i:>3} {p.layout.name():<44} {size_text(p.peak_bytes):>11} {p.step_s * 1e3:>7.1f}ms "
                      f"{p.samples_per_s:>10.1f}  {p.bottleneck} ({p.time[p.bottleneck] / p.step_s:.0%})")
     if not result.ranked and result.over_budget:
-        small = result.over_budget[0]
-        term = small.dominant_memory
-        lines.append(f"  no layout fits: the smallest peak is {size_text(small.peak_bytes)} ({small.layout.name()}), "
-                     f"mostly {term} ({size_text(small.memory[term])})")
+        lines.append(f"  {no_fit_message(result)}")
     if result.refused:
         lines += ["", "refused:"] + [f"  {what}: {why}" for what, why in result.refused[:8]]
         if len(result.refused) > 8:
             lines.append(f"  ... and {len(result.refused) - 8} more")
     return "\n".join(lines)
+
+
+def no_fit_message(result: SearchResult) -> str:
+    """Why nothing fits: the smallest peak found, its layout, and the term that dominates it."""
+    small = result.over_budget[0]
+    term = small.dominant_memory
+    return (f"no layout fits {size_text(result.memory_bytes)} per rank: the smallest peak is "
+            f"{size_text(small.peak_bytes)} ({small.layout.name()}), mostly {term} ({size_text(small.memory[term])})")

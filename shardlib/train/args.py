@@ -84,6 +84,12 @@ class TrainingArguments:
     bucket_mb: float = field(default=25.0, metadata={"help": "zero=1/2: MiB per flat gradient bucket"})
     activation_checkpointing: bool = False
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (pipeline stages: their layers)"})
+    layout: Optional[Literal["auto"]] = field(default=None, metadata={
+        "help": "auto: search every layout of the world size and use the fastest that fits --memory (sets the "
+                "mesh, --zero, --microbatches, --schedule, --activation-checkpointing)"})
+    memory: Optional[str] = field(default=None, metadata={"help": "--layout auto: memory per rank, e.g. 16GiB"})
+    profile: Optional[str] = field(default=None, metadata={
+        "help": "--layout auto: machine profile JSON (shardlib calibrate); default: a nominal built-in one"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
 
     def __post_init__(self):
@@ -105,6 +111,9 @@ class TrainingArguments:
                              f"{self.max_grad_norm}")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
+        from .autolayout import check_auto
+
+        check_auto(self)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be one of 0, 1, 2, 3, got {self.zero}")
         if self.sp > 1 and self.sequence_parallel is None:
@@ -196,11 +205,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def parse_args(*extra, args: list[str] | None = None, defaults: dict | None = None, launch: bool = True):
+def parse_args(*extra, args: list[str] | None = None, defaults: dict | None = None, launch: bool = True,
+               model=None, seq: int = 128):
     """Parse the command line into a :class:`TrainingArguments` and the script's own dataclasses ``extra`` (with
     ``transformers.HfArgumentParser``; ``--help`` lists every field). ``defaults``: the script's own defaults for
     any field (``{"tp": 2, "epochs": 12}``; shown by ``--help``, overridden by the command line). With ``launch``
-    and ``--nproc``, start the ranks first (:func:`launch_if_requested`): the call returns only in the ranks."""
+    and ``--nproc``, start the ranks first (:func:`launch_if_requested`): the call returns only in the ranks.
+
+    ``--layout auto --memory 16GiB``: the layout search picks the mesh, ZeRO stage, microbatches, schedule and
+    activation checkpointing for ``model`` (a model, config or model directory; sequences of ``seq`` tokens) and
+    the global ``--batch-size`` (:mod:`shardlib.train.autolayout`), and says what it chose and why."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser((TrainingArguments, *extra))
@@ -211,9 +225,24 @@ def parse_args(*extra, args: list[str] | None = None, defaults: dict | None = No
             raise ValueError(f"parse_args(defaults=...) names no argument: {', '.join(unknown)}")
         parser.set_defaults(**defaults)  # --help shows them (HfArgumentParser prints defaults)
     parsed = parser.parse_args_into_dataclasses(args=args)
+    argv = None
+    if parsed[0].layout == "auto":
+        argv = _choose_layout(parsed[0], model, seq, list(sys.argv[1:] if args is None else args))
     if launch:
-        launch_if_requested(parsed[0])
+        launch_if_requested(parsed[0], argv)
     return parsed[0] if not extra else tuple(parsed)
+
+
+def _choose_layout(args: TrainingArguments, model, seq: int, argv: list[str]) -> list[str]:
+    """Run the layout search (:func:`shardlib.train.autolayout.choose_layout`), print the choice (once), and return
+    the command line the launched ranks get: the same, the choice given explicitly instead of ``--layout auto``."""
+    from .autolayout import choose_layout, explain, explicit_flags, without_auto, world_size
+
+    best, result = choose_layout(args, model, world_size(args), seq)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(explain(best, result), flush=True)
+    args.layout = args.memory = args.profile = None
+    return [sys.argv[0], *without_auto(argv), *explicit_flags(best.layout)]
 
 
 def mesh_from_args(args: TrainingArguments, **options):
