@@ -5,18 +5,24 @@ plan_tasks.py."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import replace
 
 import pytest
 
 import plan_tasks
 import shardlib
+from shardlib import cli
 from rank_tasks import cases
 from shardlib.analysis.layertable import LayerTable
 from shardlib.analysis.layout import Layout
 from shardlib.analysis.metarun import meta_model
-from shardlib.analysis.search import MODES
+from shardlib.analysis.dryrun_report import size_text
+from shardlib.analysis.profile import default_profile
+from shardlib.analysis.search import MODES, no_fit_message, search
 from shardlib.policies import policy_for
+from profiles import CI
 from test_train import BERT, T5
 
 EXACT = [
@@ -88,3 +94,112 @@ def test_layer_table_reports_equal_the_dry_run(family, layout):
                 e.memory.activation_bytes, rel=0.01 if layout.sequence_parallel == "all_to_all" else 0)
         assert a.memory.peak_bytes == pytest.approx(e.memory.peak_bytes, rel=0.35)
         assert sum(w.traffic for w in a.work) == pytest.approx(sum(w.traffic for w in e.work), rel=0.35)
+
+
+# ------------------------------------------------------------------------------------------------ the search
+def _sample(predictions, n: int):
+    """``n`` layouts spread over the ranked list, each mesh / ZeRO / checkpointing combination at most once."""
+    seen, out = set(), []
+    step = max(1, len(predictions) // (2 * n))
+    for p in predictions[::step] + predictions:
+        la = p.layout
+        key = (la.dp, la.pp, la.tp, la.sp, la.sequence_parallel, la.zero, la.activation_checkpointing)
+        if key not in seen:
+            seen.add(key)
+            out.append(la)
+    return out[:n]
+
+
+def test_searched_layouts_are_accepted_by_the_trainer(pool):
+    """Every layout the search returns for 4 ranks is one the Trainer builds and steps: a sample of them (6 here,
+    24 in CI), spread over meshes, ZeRO stages and checkpointing, each takes one step on 4 gloo ranks."""
+    spec = {**BERT, "seq": 8}
+    model = cases(spec).make_model(spec)
+    result = search(model, 4, global_batch=8, seq=8)
+    assert result.ranked and not result.over_budget
+    meshes = {(p.layout.dp, p.layout.pp, p.layout.tp, p.layout.sp) for p in result.ranked}
+    assert {(4, 1, 1, 1), (2, 2, 1, 1), (1, 1, 4, 1), (2, 1, 1, 2), (1, 2, 2, 1)} <= meshes
+    for layout in _sample(result.ranked, 24 if CI else 6):
+        trainer = {"microbatches": layout.microbatches, "schedule": layout.schedule, "zero": layout.zero,
+                   "activation_checkpointing": layout.activation_checkpointing}
+        mode = layout.shard_mode()
+        run = {**spec, "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "sp": layout.sp},
+               "shard": {"sequence_parallel": mode} if mode else {}, "trainer": trainer, "batch": layout.batch}
+        for rank in pool.run(plan_tasks.step_layout, run):
+            assert math.isfinite(rank["loss"]), layout
+
+
+def test_search_takes_a_budget_and_says_what_nothing_fits():
+    """Under a budget every ranked layout fits and the rest are over it; a budget nothing meets names the
+    smallest peak and its largest term."""
+    spec = {**BERT, "seq": 8}
+    model = cases(spec).make_model(spec)
+    free = search(model, 4, global_batch=8, seq=8, checkpointing=(False,))
+    peaks = sorted(p.peak_bytes for p in free.ranked)
+    budget = peaks[len(peaks) // 2]
+    tight = search(model, 4, global_batch=8, seq=8, memory_bytes=budget, checkpointing=(False,))
+    assert tight.ranked and tight.over_budget
+    assert all(p.peak_bytes <= budget for p in tight.ranked) and all(p.peak_bytes > budget for p in tight.over_budget)
+    assert [p.step_s for p in tight.ranked] == sorted(p.step_s for p in tight.ranked)
+    none = search(model, 4, global_batch=8, seq=8, memory_bytes=1024, checkpointing=(False,))
+    assert not none.ranked
+    message = no_fit_message(none)
+    assert f"smallest peak is {size_text(peaks[0])}" in message and "mostly" in message, message
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    """``shardlib ...`` in this process: (exit status, stdout, stderr)."""
+    status = cli.main([*argv, "--class", BERT["cls"]])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_plan_cli_search_and_its_bad_input(tmp_path, capsys):
+    """`shardlib plan --world` prints the ranked table (exit 0), or exit 3 with the smallest peak when nothing
+    fits; a world no layout can use lists those that work; a bad profile is one line naming the field."""
+    spec = {**BERT, "seq": 8}
+    cases(spec).make_model(spec).config.save_pretrained(tmp_path)
+    search_args = ("plan", str(tmp_path), "--world", "4", "--global-batch", "8", "--seq", "8")
+    status, out, err = _cli(capsys, *search_args, "--memory", "1GiB")
+    assert status == 0 and "dp4 pp1 tp1" in out, err
+    status, out, err = _cli(capsys, *search_args, "--memory", "1KiB")
+    assert status == 3 and "no layout fits 1.00 KiB per rank: the smallest peak is" in out, out
+    status, out, err = _cli(capsys, "plan", str(tmp_path), "--world", "7", "--global-batch", "8", "--seq", "8")
+    assert status == 1 and "no layout of 7 ranks" in err and "1, 2, 4, 8" in err, err
+    bad = tmp_path / "profile.json"
+    bad.write_text(json.dumps({**default_profile().to_dict(), "world_size": 4, "memory_bytes_per_s": -1}))
+    status, out, err = _cli(capsys, *search_args, "--profile", str(bad))
+    assert status == 1 and len(err.strip().splitlines()) == 1 and "memory_bytes_per_s" in err, err
+    status, out, err = _cli(capsys, *search_args, "--memory", "lots")
+    assert status == 1 and "expected a positive size" in err, err
+
+
+def test_layout_auto_sets_the_training_arguments(tmp_path, capsys):
+    """`--layout auto --memory M --nproc 4`: parse_args takes the search's best layout (the mesh fills the 4
+    ranks, the global batch stays), says what it chose, and hands the ranks explicit flags instead; without
+    --memory, with --memory alone, or without the model, it refuses in one line."""
+    from shardlib.train import parse_args
+    from shardlib.train.args import _choose_layout
+
+    spec = {**BERT, "seq": 8}
+    model = cases(spec).make_model(spec)
+    argv = ["--layout", "auto", "--memory", "1GiB", "--nproc", "4", "--batch_size", "8"]
+    args = parse_args(args=argv, launch=False, model=model, seq=8)
+    best = search(model, 4, global_batch=8, seq=8, memory_bytes=2**30).best.layout
+    assert (args.dp, args.pp, args.tp, args.sp, args.zero, args.microbatches) == (
+        best.dp, best.pp, best.tp, best.sp, best.zero, best.microbatches)
+    assert args.batch_size == 8 and args.layout is None
+    assert f"--layout auto chose {best.name()}" in capsys.readouterr().out
+    fresh = parse_args(args=["--nproc", "4", "--batch_size", "8"], launch=False)
+    fresh.layout, fresh.memory = "auto", "1GiB"
+    ranks_argv = _choose_layout(fresh, model, 8, argv)
+    assert "--layout" not in ranks_argv and "--memory" not in ranks_argv
+    again = parse_args(args=ranks_argv[1:], launch=False)  # what a rank parses: the choice, no search
+    fields = ("dp", "pp", "tp", "sp", "sequence_parallel", "zero", "microbatches", "schedule",
+              "activation_checkpointing", "batch_size")
+    assert [getattr(again, f) for f in fields] == [getattr(fresh, f) for f in fields]
+    for bad, message in [(["--layout", "auto"], "needs --memory"), (["--memory", "1G"], "are for --layout auto")]:
+        with pytest.raises(ValueError, match=message):
+            parse_args(args=bad, launch=False, model=model)
+    with pytest.raises(ValueError, match="needs the model"):
+        parse_args(args=argv, launch=False)

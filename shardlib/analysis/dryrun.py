@@ -105,7 +105,7 @@ def _checkpointing(model: nn.Module) -> None:
     model.config.use_cache = False  # what transformers would set, saying so
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the deprecated name the Trainer calls
-        rng_safe_checkpointing(model)
+        rng_safe_checkpointing(model, AttentionAsOnCPU)  # the recompute too takes the CPU's attention
 
 
 def _adamw_state(params: list[nn.Parameter]) -> tuple[dict[int, tuple[int, int]], WorkRecorder]:

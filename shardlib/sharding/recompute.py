@@ -10,9 +10,11 @@ from torch import nn
 from .sharded import shard_state
 
 
-def rng_safe_checkpointing(model: nn.Module) -> None:
+def rng_safe_checkpointing(model: nn.Module, recompute_context=contextlib.nullcontext) -> None:
     """HF activation checkpointing per layer (non-reentrant) whose recomputation replays the per-rank dropout
-    stream too: the tracker's state at the forward is restored for the recompute, then put back."""
+    stream too: the tracker's state at the forward is restored for the recompute, then put back.
+    ``recompute_context()``: entered around each recomputation too (the dry run's: backward may run on another
+    thread, outside the modes of the forward)."""
     tracker = shard_state(model).rng_tracker
 
     def context_fn():
@@ -23,7 +25,8 @@ def rng_safe_checkpointing(model: nn.Module) -> None:
             current = tracker.get_states()
             tracker.set_states(snapshot)
             try:
-                yield
+                with recompute_context():
+                    yield
             finally:
                 tracker.set_states(current)
 
