@@ -168,10 +168,17 @@ def _dp_sync(stage: StageInfo, layout: Layout, profile: Profile) -> dict[str, fl
     return terms
 
 
-def step_time(report: PlanReport, layout: Layout, profile: Profile) -> dict[str, float]:
-    """Seconds of one training step by term (module docstring); the slowest stage's dp sync and optimizer step."""
+def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict | None = None) -> dict[str, float]:
+    """Seconds of one training step by term (module docstring); the slowest stage's dp sync and optimizer step.
+    ``cache``: a dict kept across calls for the same profile (the search's), holding each stage's microbatch time."""
     dtype = _DTYPES[layout.precision]
-    per_stage = [_microbatch_time(report, s, profile, dtype) for s in report.stages]
+    cache = {} if cache is None else cache
+    per_stage = []
+    for s in report.stages:
+        key = (id(s), dtype)
+        if key not in cache:
+            cache[key] = (s, _microbatch_time(report, s, profile, dtype))  # (s: keeps its id unique while cached)
+        per_stage.append(cache[key][1])
     totals = [sum(t.values()) for t in per_stage]
     slowest = max(range(len(totals)), key=totals.__getitem__)
     m = layout.microbatches
@@ -200,12 +207,13 @@ def check_matches(report: PlanReport, layout: Layout) -> None:
         raise ValueError("the plan report has no memory counts (a report from an older shardlib?): plan again")
 
 
-def predict(report: PlanReport, profile: Profile, layout: Layout) -> Prediction:
-    """The peak memory per rank and the step time of ``layout``, from its dry run ``report`` and ``profile``."""
+def predict(report: PlanReport, profile: Profile, layout: Layout, cache: dict | None = None) -> Prediction:
+    """The peak memory per rank and the step time of ``layout``, from its dry run ``report`` and ``profile``
+    (``cache``: see :func:`step_time`)."""
     check_matches(report, layout)
     memories = [stage_memory(report, layout, s) for s in report.stages]
     peak_stage = max(range(len(memories)), key=lambda i: sum(memories[i].values()))
-    time = step_time(report, layout, profile)
+    time = step_time(report, layout, profile, cache)
     notes = [] if profile.world_size in (None, layout.world) else [
         f"profile measured on {profile.world_size} ranks, layout has {layout.world}"]
     return Prediction(layout=layout, peak_bytes=sum(memories[peak_stage].values()), peak_stage=peak_stage,

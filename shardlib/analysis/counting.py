@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -126,26 +125,26 @@ class WorkRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.tick += 1
-        inputs = {storage_key(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        if func.namespace in _COLLECTIVE_NAMESPACES:
-            self._track(out, inputs)
-            return out
-        packet = func._overloadpacket
-        if packet in flop_registry:
-            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        given = _tensors(args) + _tensors(kwargs.values())
+        inputs = {storage_key(t) for t in given}
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = ("collective" if func.namespace in _COLLECTIVE_NAMESPACES else
+                                   "gemm" if func._overloadpacket in flop_registry else
+                                   "view" if func.is_view else "other")
+        if kind == "gemm":
+            flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
             gemms = self.work[self.where()].gemms
             gemms[flops] = gemms.get(flops, 0) + 1
-        elif not func.is_view:
-            tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        elif kind == "other":
+            tensors = given + _tensors((out,))
             self.work[self.where()].traffic += sum(t.numel() * t.element_size() for t in tensors)
         self._track(out, inputs)
         return out
 
     def _track(self, out, inputs: set[int]) -> None:
         """Start following the storages ``out`` creates (not those of the op's inputs: in-place ops, views)."""
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors((out,)):
             storage = t.untyped_storage()
             key = storage._cdata
             if key in self._refs or key in self.states or key in inputs:
@@ -176,6 +175,21 @@ class WorkRecorder(TorchDispatchMode):
 
     def saved_bytes(self) -> int:
         return self.saved.total
+
+
+_KINDS: dict = {}  # op overload -> "collective", "gemm", "view" or "other" (looked up once per op)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among ``values`` and in the lists / tuples among them (an op's arguments or results; faster than
+    a pytree walk, which this runs for every op of a dry run)."""
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += [t for t in v if isinstance(t, torch.Tensor)]
+    return found
 
 
 def by_layer(work: dict[str, ModuleWork], layers: list[str]) -> dict[str, ModuleWork]:

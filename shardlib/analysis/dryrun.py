@@ -196,11 +196,12 @@ def _by_layer(records: list[Collective], layers: list[str]) -> list[LayerCollect
 
 
 def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, inputs: dict, received: tuple,
-                activation_checkpointing: bool = False, keep: dict | None = None):
+                activation_checkpointing: bool = False, keep: dict | None = None, optimizer: bool = True):
     """Shard ``model`` as the ranks of pipeline stage ``index`` do (fake rank (dp, pp, sp, tp) = (0, index, 0, 0)),
     run one microbatch through it (counting its work and memory) and the step's collectives. Returns (StageInfo,
     sent tensors, ShardReport). ``keep``: a dict given the raw counts too (``work`` by module path, ``params``,
-    AdamW ``state`` by id, ``late`` ids), for :mod:`shardlib.analysis.layertable`."""
+    AdamW ``state`` by id, ``late`` ids), for :mod:`shardlib.analysis.layertable`; ``optimizer=False``: leave the
+    AdamW step out (its counts are zeros; the layer table counts it once)."""
     dp, pp, sp, tp = (sizes[d] for d in ("dp", "pp", "sp", "tp"))
     with fake_world(dp * pp * sp * tp, rank=index * sp * tp):
         mesh = init_mesh(dp, pp, tp, sp=sp)
@@ -226,7 +227,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
                 state.pipeline.sync_tied_grads()
             if dp > 1:  # the Trainer's reduce_gradients without ZeRO: flat all-reduces per dtype
                 all_reduce_flat([p.grad for p in params if p.grad is not None], mesh.group("dp"))
-        optimizer, step = _adamw_state(params)
+        optimizer, step = _adamw_state(params) if optimizer else ({}, WorkRecorder(model, str))
         late = late_gradients(model, state.pipeline)
         zero = _zero(params, optimizer, mesh, late)
     layers, modules = _stage_paths(model, index)

@@ -138,7 +138,7 @@ class _Run:
         inputs = example_batch(model, batch, seq)
         with torch.random.fork_rng(devices=[]):
             info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
-                                                 inputs, (), checkpointing, keep)
+                                                 inputs, (), checkpointing, keep, optimizer=batch == 1)
         for h in hooks:
             h.remove()
         self.inputs, self.memory = inputs, info.memory
@@ -289,7 +289,7 @@ class LayerTable:
         last = index == layout.pp - 1
         nbytes = states["parameter_bytes"]
         saved = sum(w.saved for w in work)
-        run = self.runs[0] if layout.batch == 1 else self.runs[1]
+        run = self.runs[0]  # (the one that stepped AdamW)
         shallow = run.memory
         if last:
             peak = saved + _affine(*(r.memory.peak_bytes - r.memory.activation_bytes for r in self.runs),
@@ -297,7 +297,8 @@ class LayerTable:
         else:
             peak = saved + max((w.saved for w in work if w.layer), default=0)
         scale = nbytes / max(1, run.parameter_bytes)
-        memory = MemoryCounts(saved, peak, peak + (shallow.peak_with_gradients - shallow.peak_bytes) if last else peak,
+        with_gradients = _affine(*(r.memory.peak_with_gradients - r.memory.peak_bytes for r in self.runs), layout.batch)
+        memory = MemoryCounts(saved, peak, peak + with_gradients if last else peak,
                               int(shallow.optimizer_peak_bytes * scale), int(shallow.optimizer_traffic * scale))
         sends = []
         if not last:

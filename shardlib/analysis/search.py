@@ -101,6 +101,7 @@ class _Pricer:
         self.full, self.policy = full, policy
         self.tables: dict[tuple, LayerTable | str] = {}
         self.reports: dict[tuple, object] = {}
+        self.times: dict = {}  # the cost model's cache of microbatch times per stage
 
     def table(self, layout: Layout) -> LayerTable:
         key = (layout.tp, layout.sp, layout.sequence_parallel, layout.activation_checkpointing, layout.seq)
@@ -159,7 +160,7 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
             result.dominated += 1
             continue
         try:
-            prediction = predict(pricer.report(layout), profile, layout)
+            prediction = predict(pricer.report(layout), profile, layout, pricer.times)
         except PlanError as exc:
             refused.setdefault(_mesh_name(layout), str(exc).splitlines()[0])
             continue
