@@ -9,9 +9,10 @@ elastic launcher (torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER
 traceback (:mod:`shardlib.train.launch`). On one node the rendezvous store listens on 127.0.0.1 only. Multi-node: pass
 ``--nnodes`` / ``--node-rank`` / ``--rdzv-endpoint``; anything else before the script goes to torchrun unchanged.
 
-``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--json]``: a dry run of a layout with no ranks
-(``--auto [--write-policy FILE]``: the plan inferred from the model's graph, with its evidence)
-(:mod:`shardlib.analysis.dryrun`).
+``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--json]``: a dry run of a layout with no ranks and its
+predicted peak memory and step time; ``--world N --memory M``: the layout search; ``--auto [--write-policy FILE]``:
+the plan inferred from the model's graph, with its evidence. ``shardlib calibrate``: measure this machine's profile
+for the cost model (:mod:`shardlib.analysis.commands`, docs/planning.md).
 
 ``shardlib --version``: the installed version.
 

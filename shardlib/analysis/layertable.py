@@ -169,7 +169,7 @@ class LayerTable:
                  activation_checkpointing: bool, seq: int):
         from .metarun import meta_model
 
-        self.full, self.policy, self.tp, self.sp, self.mode_name = full, policy, tp, sp, mode_name
+        self.full, self.policy, self.mode_name = full, policy, mode_name
         self.checkpointing, self.seq = activation_checkpointing, seq
         self.trunk = policy.plan(full, tp).trunk
         dtype = next(full.parameters()).dtype
@@ -197,7 +197,6 @@ class LayerTable:
                 for p in self._params(root):
                     owners.setdefault(self._key(root, p), set()).add(i)
         stages = [self._stage(i, plan, layout, owners) for i in range(layout.pp)]
-        first, second = self.runs
         b = layout.batch
         inputs = {k: TensorSpec((b, *t.shape[1:]), str(t.dtype).removeprefix("torch."),
                                 t.numel() * t.element_size() // t.shape[0] * b, False)
@@ -205,7 +204,7 @@ class LayerTable:
         return PlanReport(model_class=type(self.full).__name__, policy=self.policy.name,
                           mesh={"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp},
                           sequence_parallel=self.mode_name, microbatches=layout.microbatches, inputs=inputs,
-                          sharding=second.sharding, stages=stages, activation_checkpointing=self.checkpointing)
+                          sharding=self.runs[1].sharding, stages=stages, activation_checkpointing=self.checkpointing)
 
     def _params(self, root: str) -> list[Param]:
         return self.runs[0].params.get(_shallow_path(root, self.depth), [])
@@ -289,17 +288,16 @@ class LayerTable:
         last = index == layout.pp - 1
         nbytes = states["parameter_bytes"]
         saved = sum(w.saved for w in work)
-        run = self.runs[0]  # (the one that stepped AdamW)
-        shallow = run.memory
-        if last:
-            peak = saved + _affine(*(r.memory.peak_bytes - r.memory.activation_bytes for r in self.runs),
-                                   layout.batch)
-        else:
-            peak = saved + max((w.saved for w in work if w.layer), default=0)
-        scale = nbytes / max(1, run.parameter_bytes)
-        with_gradients = _affine(*(r.memory.peak_with_gradients - r.memory.peak_bytes for r in self.runs), layout.batch)
-        memory = MemoryCounts(saved, peak, peak + with_gradients if last else peak,
-                              int(shallow.optimizer_peak_bytes * scale), int(shallow.optimizer_traffic * scale))
+        if last:  # the transient of the head and the loss, as the shallow copy has it
+            peak = saved + _affine(*(r.memory.peak_bytes - r.memory.activation_bytes for r in self.runs), layout.batch)
+            with_gradients = peak + _affine(*(r.memory.peak_with_gradients - r.memory.peak_bytes for r in self.runs),
+                                            layout.batch)
+        else:  # a layer's backward: about its saved bytes again, as activation gradients
+            peak = with_gradients = saved + max((w.saved for w in work if w.layer), default=0)
+        stepped = self.runs[0]  # the run that stepped AdamW: its temporaries and traffic scale with the parameters
+        scale = nbytes / max(1, stepped.parameter_bytes)
+        memory = MemoryCounts(saved, peak, with_gradients, int(stepped.memory.optimizer_peak_bytes * scale),
+                              int(stepped.memory.optimizer_traffic * scale))
         sends = []
         if not last:
             _, _, sends = self._root_at(plan.layers[index + 1][0], layout.batch)

@@ -177,6 +177,23 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
     return result
 
 
+def price(model_or_config, layouts: list[Layout], profile: Profile | None = None, *, cls=None,
+          policy=None) -> list[Prediction | str]:
+    """The search's prediction of each of ``layouts`` (the same tables and reports), or why it is refused."""
+    from shardlib.policies import policy_for
+
+    full = meta_model(model_or_config, cls)
+    pricer = _Pricer(full, policy or policy_for(full))
+    profile = profile or default_profile()
+    out: list[Prediction | str] = []
+    for layout in layouts:
+        try:
+            out.append(predict(pricer.report(layout), profile, layout, pricer.times))
+        except PlanError as exc:
+            out.append(str(exc).splitlines()[0])
+    return out
+
+
 def _mesh_name(layout: Layout) -> str:
     return " ".join(layout.name().split()[:4 if layout.sequence_parallel != "off" else 3])
 
