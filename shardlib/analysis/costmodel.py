@@ -6,7 +6,7 @@ search does); docs/planning.md explains every term.
 Memory, on the rank of each stage that holds the most (the worst dp rank), is the larger of two moments:
 
 * backward: parameters + optimizer state + the gradients that persist through backward (DDP's buckets; the
-  gradients of earlier microbatches; ZeRO-2's shards and its two buckets in flight) + the activations of the
+  gradients of earlier microbatches; ZeRO-2's shards and its bucket in flight) + the activations of the
   microbatches the schedule keeps in flight, less one, + the peak the running microbatch adds (counted on the
   dry run: its activations, transients like logits, and its gradients where none persisted before);
 * optimizer step: parameters + optimizer state + gradients + the optimizer's temporaries (counted on a meta AdamW
@@ -99,21 +99,25 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     gradients = max(z.gradients) if z else stage.gradient_bytes
     in_flight = _in_flight(layout, stage.index)
     ddp = zero == 0 and dp > 1 and layout.pp == 1
-    fresh = zero in (0, 1) and not ddp and layout.pp == 1 and layout.microbatches == 1
+    fresh = zero == 0 and not ddp and layout.pp == 1 and layout.microbatches == 1
+    # ZeRO-1 reduce-scatters in the last backward of the step: with one microbatch per stage, that is ZeRO-2
+    scatters_in_backward = zero == 2 or (zero == 1 and layout.microbatches == 1)
     terms = {"parameters": params, "optimizer state": optimizer}
     if zero == 3:  # FSDP2 gathers a layer's parameters (and the next one's, prefetched) and its gradients
         per_layer = stage.parameter_bytes // max(1, len(stage.layers))
         terms["gathered parameters"] = 2 * per_layer
         terms["gradients"] = gradients + per_layer
-    elif zero == 2:
-        terms["gradients"] = gradients + 2 * _largest_bucket(stage, dp)
-    elif not fresh:
+    elif scatters_in_backward:  # the shards, and the flat bucket in flight
+        terms["gradients"] = max(_zero_bytes(stage, 2).gradients) + _largest_bucket(stage, dp)
+    elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket at its end)
         terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 else 0)
     terms["activations"] = (in_flight - 1) * counts.activation_bytes
     running = counts.peak_with_gradients if fresh else counts.peak_bytes
     terms["running microbatch"] = running
     backward = sum(terms.values())
     temporaries = counts.optimizer_peak_bytes // (dp if zero else 1)
+    if scatters_in_backward:
+        gradients = max(_zero_bytes(stage, 2).gradients)
     step = params + optimizer + gradients + temporaries + (terms.get("gathered parameters", 0))
     if step > backward:  # the optimizer step is the peak: say so in the terms
         return {"parameters": params, "optimizer state": optimizer, "gradients": gradients,

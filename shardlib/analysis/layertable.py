@@ -4,7 +4,7 @@ lets the layout search (:mod:`shardlib.analysis.search`) price hundreds of layou
 
 A :class:`LayerTable` is built for one (tp, sp, sequence-parallel mode, activation checkpointing). It dry-runs
 (:func:`shardlib.analysis.dryrun._plan_stage`, the code :func:`shardlib.plan` runs) the model with at most two
-layers per stack, unpipelined, at microbatches of 1 and 2 examples, and keeps per *root* (a trunk layer, or a module
+layers per stack, unpipelined, at two microbatch sizes, and keeps per *root* (a trunk layer, or a module
 outside the trunk as the pipeline splitter names them: embeddings, heads) its GEMMs, memory traffic, saved bytes,
 collectives, parameters and the tensors its forward takes. Every count is affine in the microbatch size (exact for
 these models: the position bias of T5 is the only term that does not scale, and it is the constant), so two sizes
@@ -39,6 +39,11 @@ from .counting import ModuleWork
 DEPTH_FIELDS = ("num_hidden_layers", "num_layers", "num_decoder_layers", "n_layer", "n_layers", "encoder_layers",
                 "decoder_layers")
 SHALLOW = 2  # layers per stack in the shallow copy
+#: the microbatch sizes the shallow copy runs at. Sums (bytes saved, FLOPs, traffic, collectives) are affine in the
+#: microbatch, so any two sizes give them exactly; the transient peak is a maximum of such terms, which a constant
+#: one (a position bias, a mask) can lead at tiny sizes: sizes of the order a run uses keep the per-token terms
+#: (logits, the loss) in the lead, as in the run. Meta tensors cost the same at any size.
+BATCHES = (4, 16)
 
 
 @dataclass
@@ -91,15 +96,17 @@ def _shallow_path(path: str, depth: dict[str, int]) -> str:
 
 
 def _affine(v1: float, v2: float, b: int) -> int:
-    return int(round(v1 + (b - 1) * (v2 - v1)))
+    """The value at microbatch ``b`` of a count that is ``v1`` and ``v2`` at the table's two sizes."""
+    (b1, b2) = BATCHES
+    return max(0, int(round(v1 + (b - b1) * (v2 - v1) / (b2 - b1))))
 
 
 def _gemms_at(g1: dict[int, int], g2: dict[int, int], b: int) -> list[tuple[int, int]]:
-    """The GEMM calls at microbatch ``b`` from those at 1 and 2, paired in order of size."""
+    """The GEMM calls at microbatch ``b`` from those at the two sizes, paired in order of size."""
     calls1 = sorted(f for f, n in g1.items() for _ in range(n))
     calls2 = sorted(f for f, n in g2.items() for _ in range(n))
     if len(calls1) != len(calls2):  # not the same calls: scale the larger microbatch's
-        calls1, calls2 = [f // 2 for f in calls2], calls2
+        calls1, calls2 = [f * BATCHES[0] // BATCHES[1] for f in calls2], calls2
     found: dict[int, int] = {}
     for f1, f2 in zip(calls1, calls2):
         f = _affine(f1, f2, b)
@@ -109,7 +116,8 @@ def _gemms_at(g1: dict[int, int], g2: dict[int, int], b: int) -> list[tuple[int,
 
 def _collectives_at(c1: list[Collective], c2: list[Collective], b: int) -> list[Collective]:
     if len(c1) != len(c2):
-        c1 = [Collective(c.op, c.dim, c.group_size, c.bytes // 2, c.phase, c.module) for c in c2]
+        c1 = [Collective(c.op, c.dim, c.group_size, c.bytes * BATCHES[0] // BATCHES[1], c.phase, c.module)
+              for c in c2]
     return [Collective(y.op, y.dim, y.group_size, _affine(x.bytes, y.bytes, b), y.phase, y.module)
             for x, y in zip(c1, c2)]
 
@@ -138,7 +146,7 @@ class _Run:
         inputs = example_batch(model, batch, seq)
         with torch.random.fork_rng(devices=[]):
             info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
-                                                 inputs, (), checkpointing, keep, optimizer=batch == 1)
+                                                 inputs, (), checkpointing, keep, optimizer=batch == BATCHES[0])
         for h in hooks:
             h.remove()
         self.inputs, self.memory = inputs, info.memory
@@ -178,7 +186,7 @@ class LayerTable:
         self.depth = {s.layers: len(base.get_submodule(s.layers)._modules) for s in shallow_trunk}
         sizes = dict(dp=1, pp=1, sp=sp, tp=tp)
         self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq)
-                     for b in (1, 2)]
+                     for b in BATCHES]
         self._plans: dict[int, object] = {}
         self._states: dict[tuple, dict] = {}  # (pp, dp, stage) -> _stage_states
         self._order = {name: i for i, (name, _) in enumerate(full.named_parameters())}  # registration order
