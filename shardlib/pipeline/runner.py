@@ -78,7 +78,13 @@ class PipelineRunner:
         self._clear_outputs()
         # return_outputs=False: torch would merge the last stage's outputs over microbatches, and a loss is a 0-dim
         # tensor that cannot be concatenated; the outputs come from the stage module's record instead
-        schedule.eval(*self._first_stage_args(batch), return_outputs=False, **self._stage_kwargs(batch))
+        if last is not None:
+            last.record_outputs = True
+        try:
+            schedule.eval(*self._first_stage_args(batch), return_outputs=False, **self._stage_kwargs(batch))
+        finally:
+            if last is not None:
+                last.record_outputs = False
         if last is None:
             return []
         # the schedule's first run on a new input shape adds one metadata-inference forward: keep the real ones

@@ -261,8 +261,10 @@ class PipelineSplit:
 
 class StageModule(nn.Module):
     """What a ``PipelineStage`` runs for one stage: ``forward(*received, **batch)`` returns the boundary tensors,
-    or on the last stage ``(loss,)`` when the model computed one, else its first output. The last stage keeps
-    every microbatch's full model output in ``outputs`` (detached) for the caller.
+    or on the last stage ``(loss,)`` when the model computed one, else its first output. With ``record_outputs``
+    (the runner's eval), the last stage keeps every microbatch's full model output in ``outputs`` (detached) for
+    the caller; a training step does not (it would hold every microbatch's logits until the step ends: measured
+    +71 MB on the last of 4 stages of a 4-microbatch BERT step, docs/planning.md).
 
     ``forward_step(model, batch)``, when set, runs instead of ``model(**batch)`` on every stage: it must call the
     model with every entry of ``batch`` (a later stage's batch carries what crossed the cut, T5's
@@ -279,6 +281,7 @@ class StageModule(nn.Module):
         self.autocast_dtype: torch.dtype | None = None
         self.forward_step = None
         self.outputs: list = []
+        self.record_outputs = False
         # torch's schedules run one extra forward of the first microbatch when they meet a new input signature, to
         # infer the boundary shapes; the runner marks it so that it draws no dropout mask (a resumed run, whose
         # first step is such a step, then draws the masks the uninterrupted run drew)
@@ -306,7 +309,8 @@ class StageModule(nn.Module):
             raise RuntimeError(f"pipeline stage {self.index} ran to the end of the model without reaching its cut")
         if torch.is_tensor(out):
             out = {"loss": out}
-        self.outputs.append({k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()})
+        if self.record_outputs:
+            self.outputs.append({k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()})
         loss = out.get("loss")
         return (loss,) if loss is not None else (out[next(iter(out.keys()))],)
 
