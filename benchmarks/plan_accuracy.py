@@ -77,11 +77,12 @@ def summarize(name: str, chosen, predicted, measured) -> dict:
         if isinstance(p, str) or not ok:
             rows.append([layout.name(), "refused" if isinstance(p, str) else "-", "failed" if not ok else "-"])
             continue
-        peak = statistics.median(m["peak_growth_bytes"] for m in ok)
+        peak = statistics.median(m["peak_growth_anon_bytes"] for m in ok)  # library code pages left out
         step = statistics.median(m["step_s_median"] for m in ok)
         steps = [m["step_s_median"] for m in ok]
         points.append(dict(layout=layout.name(), predicted_peak=p.peak_bytes, measured_peak=peak,
                            predicted_step=p.step_s, measured_step=step, step_spread=[min(steps), max(steps)],
+                           round_steps=steps,
                            bottleneck=p.bottleneck, memory_terms=p.memory, time_terms=p.time))
         rows.append([layout.name(), f"{p.peak_bytes / MIB:.0f}", f"{peak / MIB:.0f}",
                      f"{(p.peak_bytes - peak) / peak:+.1%}", f"{p.step_s:.3f}",
@@ -101,6 +102,28 @@ def summarize(name: str, chosen, predicted, measured) -> dict:
           f"(target <= {TARGET_BEST:.0%})\n", flush=True)
     return dict(model=name, points=points, memory_error_max=max(errors), memory_error_median=statistics.median(errors),
                 memory_within=within, rho=rho, picked=picked["layout"], fastest=fastest["layout"], best_gap=best)
+
+
+def reprice(path: str, profile, layers) -> list[dict]:
+    """The measurements of an earlier run (its JSON), priced again by the current cost model and ``profile``."""
+    import json
+
+    earlier = json.loads(open(path).read())["results"]
+    results = []
+    for res in earlier:
+        name = res["model"]
+        by_name = {la.name(): la for la in layouts(name, layers=layers)}
+        chosen = [by_name[pt["layout"]] for pt in res["points"]]
+        predicted = predictions(name, chosen, profile, layers)
+        measured = [[{"error": None, "peak_growth_anon_bytes": pt["measured_peak"], "step_s_median": step}
+                     for step in _round_steps(pt)] for pt in res["points"]]
+        results.append(summarize(name, chosen, predicted, measured))
+    return results
+
+
+def _round_steps(point: dict) -> list[float]:
+    """The per-round step medians of a stored point (3 rounds: exactly its minimum, median and maximum)."""
+    return point.get("round_steps") or [point["step_spread"][0], point["measured_step"], point["step_spread"][1]]
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -138,11 +161,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="bert-256,bert-768,t5-small")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per measurement (after 2 warm-up)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after the warm-up and "
+                                                             "memory steps)")
     parser.add_argument("--layers", type=int, default=None, help="layers per stack (default: each model's)")
     parser.add_argument("--profile", help="a profile JSON (default: calibrate this machine first)")
     parser.add_argument("--out", default="benchmarks/results/plan_accuracy.json")
     parser.add_argument("--plot", default="docs/img/plan_accuracy.png")
+    parser.add_argument("--reprice", metavar="JSON", help="price the measurements of an earlier run's JSON again "
+                                                           "(with --profile), measuring nothing")
     args = parser.parse_args()
     from shardlib.analysis.calibrate import calibrate
     from shardlib.analysis.profile import load_profile
@@ -155,6 +181,11 @@ def main() -> int:
         profile = calibrate(4)
         profile.save(os.path.splitext(args.out)[0] + "_profile.json")
     print(profile.summary(), flush=True)
+    if args.reprice:
+        results = reprice(args.reprice, profile, args.layers)
+        write_json(args.out, dict(profile=profile.to_dict(), results=results, repriced=args.reprice))
+        plot(results, args.plot)
+        return 0
     results = []
     for name in args.models.split(","):
         chosen = layouts(name, layers=args.layers)

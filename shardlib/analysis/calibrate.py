@@ -201,7 +201,8 @@ def _rank_main(rank: int, config: dict) -> None:
         clock = _Clock(device, settings)
         data = {"shardlib_profile": 1, "machine": _machine_name(device, settings.threads), "backend": backend,
                 "device": device.type, "world_size": world_size, "gemm": _gemm_rates(clock, settings.shapes),
-                "memory_bytes_per_s": _bandwidth(clock), "collectives": _collective_fits(clock, settings)}
+                "memory_bytes_per_s": _bandwidth(clock), "collectives": _collective_fits(clock, settings),
+                "op_seconds": _op_seconds(clock), "cores": os.cpu_count() if device.type == "cpu" else None}
         if rank == 0:
             Profile.from_dict(data, source="calibration").save(config["out"])
         dist.barrier()
@@ -283,6 +284,38 @@ def _bandwidth(clock: _Clock, nbytes: int = 32 << 20) -> float:
     a = clock.torch.ones(nbytes // 4, device=clock.device)
     b = clock.torch.ones(nbytes // 4, device=clock.device)
     return 3 * nbytes / clock.seconds(lambda: a.add_(b))
+
+
+def _op_seconds(clock: _Clock, steps: int = 200) -> float:
+    """Seconds of one op of a training step beyond its work (dispatch, autograd, module calls, Python), with every
+    rank busy: forward and backward of a stack of tiny layers (16 features: the arithmetic is nothing), timed,
+    divided by the ops one step dispatches (counted once)."""
+    torch = clock.torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                                       torch.nn.GELU(), torch.nn.Dropout(0.1)) for _ in range(4)])
+    layers.to(clock.device)
+    x = torch.ones(2, 16, device=clock.device)
+
+    def step():
+        layers(x).sum().backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+
+    def run():
+        for _ in range(steps):
+            step()
+
+    return clock.seconds(run) / (steps * Count.ops)
 
 
 def _collective_fits(clock: _Clock, settings: _Settings) -> dict[str, dict[str, dict[str, float]]]:

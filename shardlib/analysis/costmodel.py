@@ -130,6 +130,7 @@ def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dty
     """Seconds of one microbatch (forward and backward) on a rank of ``stage``, by term."""
     compute = sum(n * profile.gemm_seconds(f, dtype) for w in stage.work for f, n in w.gemms)
     compute += profile.elementwise_seconds(sum(w.traffic for w in stage.work))
+    compute += profile.op_seconds * sum(w.ops for w in stage.work)
     terms = {"compute": compute}
     for entry in stage.collectives:
         for c in entry.collectives:
@@ -172,6 +173,15 @@ def _dp_sync(stage: StageInfo, layout: Layout, profile: Profile) -> dict[str, fl
     return terms
 
 
+def _bubble_share(layout: Layout, profile: Profile) -> float:
+    """The share of the pipeline bubble that costs time: all of it, except where more ranks share a CPU's cores than
+    it has (a profile with ``cores``): there a rank waiting in the bubble leaves its share of the cores to the
+    ranks that work, which the profile measured at their all-busy speed, so only cores / ranks of it is lost."""
+    if profile.device != "cpu" or not profile.cores or layout.world <= profile.cores:
+        return 1.0
+    return profile.cores / layout.world
+
+
 def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict | None = None) -> dict[str, float]:
     """Seconds of one training step by term (module docstring); the slowest stage's dp sync and optimizer step.
     ``cache``: a dict kept across calls for the same profile (the search's), holding each stage's microbatch time."""
@@ -188,7 +198,7 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
     m = layout.microbatches
     terms = {k: v * m for k, v in per_stage[slowest].items()}
     if len(totals) > 1:
-        terms["pipeline bubble"] = sum(totals) - totals[slowest]
+        terms["pipeline bubble"] = (sum(totals) - totals[slowest]) * _bubble_share(layout, profile)
     tail = []
     for s in report.stages:
         sync = _dp_sync(s, layout, profile)

@@ -51,6 +51,7 @@ class ModuleWork:
     gemms: dict[int, int] = field(default_factory=dict)
     traffic: int = 0
     saved: int = 0
+    ops: int = 0  # every op dispatched (each has a fixed cost in eager mode)
 
     @property
     def flops(self) -> int:
@@ -61,6 +62,7 @@ class ModuleWork:
             self.gemms[f] = self.gemms.get(f, 0) + n * times
         self.traffic += other.traffic * times
         self.saved += other.saved * times
+        self.ops += other.ops * times
 
 
 class SavedCounter:
@@ -132,6 +134,7 @@ class WorkRecorder(TorchDispatchMode):
             kind = _KINDS[func] = ("collective" if func.namespace in _COLLECTIVE_NAMESPACES else
                                    "gemm" if func._overloadpacket in flop_registry else
                                    "view" if func.is_view else "other")
+        self.work[self.where()].ops += 1
         if kind == "gemm":
             flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
             gemms = self.work[self.where()].gemms

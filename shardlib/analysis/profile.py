@@ -43,6 +43,7 @@ COLLECTIVES = {
 _OP_NAMES = {alias: op for op, aliases in COLLECTIVES.items() for alias in aliases}
 _FIELDS = ("shardlib_profile", "machine", "backend", "device", "world_size", "gemm", "memory_bytes_per_s",
            "collectives")
+_OPTIONAL = ("op_seconds", "cores")  # older profiles lack them: 0 s per op, cores unknown
 _MAX_FILE_BYTES = 16 << 20  # a profile is a few KiB; anything this large is not one
 
 
@@ -92,6 +93,8 @@ class Profile:
     gemm: dict[str, tuple[tuple[float, float], ...]]
     memory_bytes_per_s: float
     collectives: dict[str, dict[int, LinkFit]]
+    op_seconds: float = 0.0  # optional: the fixed cost of one eager op (dispatch, Python), all ranks busy
+    cores: int | None = None  # optional: the CPU cores the ranks shared (CPU profiles): idle ranks free them
 
     # ---------------------------------------------------------------------------------------------- lookups
     def gemm_seconds(self, flops: float, dtype: str = "float32") -> float:
@@ -140,6 +143,9 @@ class Profile:
             lines.append(f"  gemm {dtype:<9} {min(rates):7.1f} - {max(rates):.1f} GFLOP/s per rank "
                          f"({points[0][0] / 1e6:.0f} - {points[-1][0] / 1e6:.0f} MFLOP GEMMs)")
         lines.append(f"  elementwise    {self.memory_bytes_per_s / 1e9:7.2f} GB/s per rank")
+        if self.op_seconds:
+            lines.append(f"  eager op       {self.op_seconds * 1e6:7.1f} us each" +
+                         (f" ({self.cores} cores shared)" if self.cores else ""))
         for op, fits in self.collectives.items():
             parts = [f"n={n}: {fit.latency_s * 1e6:6.0f} us + {fit.bytes_per_s / 1e9:5.2f} GB/s"
                      for n, fit in sorted(fits.items())]
@@ -156,6 +162,7 @@ class Profile:
             "memory_bytes_per_s": self.memory_bytes_per_s,
             "collectives": {op: {str(n): fit._asdict() for n, fit in sorted(fits.items())}
                             for op, fits in self.collectives.items()},
+            "op_seconds": self.op_seconds, "cores": self.cores,
         }
 
     @classmethod
@@ -236,7 +243,7 @@ class _Reader:
         if version != VERSION:
             self.fail(f"unknown profile version {_shown(version)} in field 'shardlib_profile' (this shardlib reads "
                       f"version {VERSION})")
-        unknown = sorted(set(data) - set(_FIELDS))
+        unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL))
         if unknown:
             self.fail(f"unknown field '{unknown[0]}' (a profile has {', '.join(_FIELDS)})")
         values = {key: self.field(data, key, key) for key in _FIELDS}
@@ -245,7 +252,14 @@ class _Reader:
         world = values["world_size"]
         if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
             self.fail(f"field 'world_size' must be a positive integer or null, got {_shown(world)}")
-        return Profile(machine=values["machine"], backend=self.choice(values["backend"], "backend", BACKENDS),
+        op_seconds = data.get("op_seconds", 0.0)
+        if op_seconds != 0:
+            op_seconds = self.positive(op_seconds, "op_seconds")
+        cores = data.get("cores")
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+            self.fail(f"field 'cores' must be a positive integer or null, got {_shown(cores)}")
+        return Profile(op_seconds=float(op_seconds), cores=cores,
+                       machine=values["machine"], backend=self.choice(values["backend"], "backend", BACKENDS),
                        device=self.choice(values["device"], "device", DEVICES), world_size=world,
                        gemm=self.gemm(values["gemm"]),
                        memory_bytes_per_s=self.positive(values["memory_bytes_per_s"], "memory_bytes_per_s"),
@@ -317,7 +331,7 @@ def default_profile() -> Profile:
         machine="built-in nominal (uncalibrated)", backend="gloo", device="cpu", world_size=None,
         gemm={"float32": ((3.4e7, 3.0e10), (5.4e8, 4.0e10), (8.6e9, 4.0e10)),
               "bfloat16": ((3.4e7, 1.5e10), (5.4e8, 2.0e10), (8.6e9, 2.0e10))},
-        memory_bytes_per_s=4.0e9,
+        memory_bytes_per_s=4.0e9, op_seconds=2e-5,
         collectives={op: {n: _ring(op, n, step_s=4e-4, link_bytes_per_s=5e8) for n in (2, 4, 8, 16)}
                      for op in COLLECTIVES if op != "send_recv"} | {"send_recv": {2: LinkFit(4e-4, 5e8)}},
     )

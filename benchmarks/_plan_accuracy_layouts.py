@@ -1,0 +1,140 @@
+"""The models, generated batches and layouts that ``benchmarks/plan_accuracy.py`` measures (the ranks and the
+measurements are ``benchmarks/_plan_accuracy_workload.py``).
+
+Every layout of a model does the same global work: ``GLOBAL_BATCH`` sequences of ``SEQ`` tokens per optimizer step,
+split into ``dp`` shares of ``microbatches`` microbatches (``Layout.batch = global / (dp * microbatches)``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from shardlib.analysis.layout import Layout  # noqa: E402  (no torch import)
+
+GLOBAL_BATCH = 16  # sequences per optimizer step, every layout alike
+SEQ = 128  # encoder tokens per sequence
+MLM_PROB = 0.15  # share of the MLM positions that carry a label (the rest are -100)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One measured model: its transformers class and config (``config_kwargs``; ``layers_key`` names the layer
+    counts that ``layers`` overrides), its task (``"mlm"``: BertForMaskedLM, ``"seq2seq"``: T5 with labels of
+    ``dec_seq`` tokens), its head count (the tp x sp divisibility) and its default layer count."""
+
+    cls: str
+    config_cls: str
+    config_kwargs: dict
+    task: str
+    heads: int
+    layers: int
+    layers_keys: tuple[str, ...] = ("num_hidden_layers",)
+    dec_seq: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def config(self, layers: int | None = None):
+        """The transformers config, with ``layers`` layers per stack (default: ``self.layers``)."""
+        import transformers
+
+        n = self.layers if layers is None else layers
+        kwargs = dict(self.config_kwargs, **{k: n for k in self.layers_keys})
+        return getattr(transformers, self.config_cls)(**kwargs)
+
+    @property
+    def vocab(self) -> int:
+        return self.config_kwargs["vocab_size"]
+
+
+_BERT = dict(max_position_embeddings=512, type_vocab_size=2)
+MODELS: dict[str, ModelSpec] = {
+    # BERT at hidden 256 (the project's "small" BERT, tp_throughput.py), MLM head over an 8192-token vocabulary
+    "bert-256": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=256, num_attention_heads=4,
+                          intermediate_size=1024, vocab_size=8192), "mlm", heads=4, layers=4),
+    # BERT-base widths (hidden 768, 12 heads, the 30522 vocabulary), 4 layers
+    "bert-768": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=768, num_attention_heads=12,
+                          intermediate_size=3072, vocab_size=30522), "mlm", heads=12, layers=4),
+    # T5-small widths (d_model 512, d_ff 2048, 8 heads of 64), 4 encoder + 4 decoder layers, 8192 vocabulary
+    "t5-small": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(
+        d_model=512, d_kv=64, d_ff=2048, num_heads=8, vocab_size=8192, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1), "seq2seq", heads=8, layers=2, layers_keys=("num_layers", "num_decoder_layers"),
+        dec_seq=SEQ),
+}
+
+
+def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
+    """A generated global batch of ``n`` examples for ``spec``'s task, the same on every rank for one ``seed``:
+    random token ids, a full attention mask, and MLM labels at ``MLM_PROB`` of the positions (-100 elsewhere) or
+    T5 labels of ``spec.dec_seq`` tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + seed)
+    ids = torch.randint(2, spec.vocab, (n, seq), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(n, seq, dtype=torch.long)}
+    if spec.task == "mlm":
+        labelled = torch.rand(n, seq, generator=g) < MLM_PROB
+        labelled[:, 0] = True  # every example carries at least one label
+        batch["labels"] = torch.where(labelled, ids, torch.full_like(ids, -100))
+    else:
+        batch["labels"] = torch.randint(2, spec.vocab, (n, spec.dec_seq), generator=g)
+    return batch
+
+
+def _layout(dp=1, pp=1, tp=1, sp=1, mode="off", zero=0, mb=1, schedule="1f1b", ckpt=False) -> Layout:
+    return Layout(dp=dp, pp=pp, tp=tp, sp=sp, sequence_parallel=mode, zero=zero, microbatches=mb,
+                  schedule=schedule, activation_checkpointing=ckpt, batch=GLOBAL_BATCH // (dp * mb), seq=SEQ)
+
+
+# Every mesh of 4 ranks, each dimension alone and in pairs; ZeRO 0-3 where dp > 1 (3 only without pp, which the
+# Trainer refuses), microbatches 4 under pp (both schedules; 1 under GPipe: 1F1B needs at least one microbatch per
+# stage), activation checkpointing on a few.
+_CANDIDATES = [
+    _layout(dp=4), _layout(dp=4, zero=1), _layout(dp=4, zero=2), _layout(dp=4, zero=3), _layout(dp=4, ckpt=True),
+    _layout(tp=4), _layout(tp=4, mode="megatron"),
+    _layout(dp=2, tp=2), _layout(dp=2, tp=2, mode="megatron", zero=1), _layout(dp=2, tp=2, zero=3),
+    _layout(pp=4, mb=4), _layout(pp=4, mb=4, schedule="gpipe"),
+    _layout(dp=2, pp=2, schedule="gpipe"), _layout(dp=2, pp=2, mb=4, zero=1),
+    _layout(dp=2, pp=2, mb=4, schedule="gpipe", zero=2, ckpt=True),
+    _layout(pp=2, tp=2, mb=4, mode="megatron"),
+    _layout(sp=4, mode="all_to_all"), _layout(dp=2, sp=2, mode="all_to_all", zero=1),
+    _layout(tp=2, sp=2, mode="all_to_all"), _layout(pp=2, sp=2, mode="all_to_all", mb=4, ckpt=True),
+]
+
+
+def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str | None:
+    """Why ``layout`` cannot run ``spec`` at ``layers`` layers per stack on ``world`` ranks, else None. The checks
+    of shardlib and torch that depend on the layout alone: heads divisible by tp x sp (docs/sequence-parallel.md),
+    ``check_zero`` (zero needs dp > 1; zero=3 no pp), a layer per pipeline stage (``pipeline/stages.py``; T5's
+    trunk is encoder + decoder), torch's 1F1B refusing fewer microbatches than stages (only at the first step:
+    the Trainer accepts it; measured), the global batch split; and what this module's layouts mean (sp > 1 is
+    all_to_all, megatron needs tp > 1). Every candidate below ran under the Trainer for every model of MODELS at
+    its default layers (and T5 at 2 + 2)."""
+    if layout.world != world:
+        return f"{layout.world} ranks, not {world}"
+    if spec.heads % (layout.tp * layout.sp):
+        return f"{spec.heads} heads % (tp {layout.tp} x sp {layout.sp})"
+    if (layout.sp > 1) != (layout.sequence_parallel == "all_to_all"):
+        return "sp > 1 is all_to_all sequence parallelism, and all_to_all needs sp > 1"
+    if layout.sequence_parallel == "megatron" and layout.tp == 1:
+        return "megatron sequence parallelism runs on the tp group"
+    if layout.zero and layout.dp == 1:
+        return "zero needs dp > 1"
+    if layout.zero == 3 and layout.pp > 1:
+        return "zero=3 (FSDP2) does not compose with pp"
+    if layout.pp > 1 and layout.pp > layers * (2 if spec.task == "seq2seq" else 1):
+        return f"{layout.pp} stages from {layers} layers"
+    if layout.pp > 1 and layout.schedule != "gpipe" and layout.microbatches < layout.pp:
+        return f"{layout.schedule} needs microbatches >= stages (torch's schedule, at the first step)"
+    if GLOBAL_BATCH % (layout.dp * layout.microbatches):
+        return f"global batch {GLOBAL_BATCH} % (dp x microbatches)"
+    return None
+
+
+def layouts(model_name: str, world: int = 4, layers: int | None = None) -> list[Layout]:
+    """The measured layouts of ``model_name`` on ``world`` ranks: the candidates above that shardlib accepts for
+    this model (20 for each of MODELS at 4 layers)."""
+    spec = MODELS[model_name]
+    n = spec.layers if layers is None else layers
+    return [lay for lay in _CANDIDATES if refusal(lay, spec, n, world) is None]
