@@ -56,7 +56,8 @@ MODELS: dict[str, ModelSpec] = {
     # BERT-base widths (hidden 768, 12 heads, the 30522 vocabulary), 4 layers
     "bert-768": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=768, num_attention_heads=12,
                           intermediate_size=3072, vocab_size=30522), "mlm", heads=12, layers=4),
-    # T5-small widths (d_model 512, d_ff 2048, 8 heads of 64), 4 encoder + 4 decoder layers, 8192 vocabulary
+    # T5-small widths (d_model 512, d_ff 2048, 8 heads of 64), 2 encoder + 2 decoder layers (4 + 4 takes too long
+    # on 2 cores), 8192 vocabulary, decoder as long as the encoder (the dry run's T5 batch: labels of --seq tokens)
     "t5-small": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(
         d_model=512, d_kv=64, d_ff=2048, num_heads=8, vocab_size=8192, decoder_start_token_id=0, pad_token_id=0,
         eos_token_id=1), "seq2seq", heads=8, layers=2, layers_keys=("num_layers", "num_decoder_layers"),
@@ -134,7 +135,7 @@ def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str
 
 def layouts(model_name: str, world: int = 4, layers: int | None = None) -> list[Layout]:
     """The measured layouts of ``model_name`` on ``world`` ranks: the candidates above that shardlib accepts for
-    this model (20 for each of MODELS at 4 layers)."""
+    this model (20 for each of MODELS at its default layers)."""
     spec = MODELS[model_name]
     n = spec.layers if layers is None else layers
     return [lay for lay in _CANDIDATES if refusal(lay, spec, n, world) is None]
