@@ -135,17 +135,16 @@ def test_search_takes_a_budget_and_says_what_nothing_fits():
     smallest peak and its largest term."""
     spec = {**BERT, "seq": 8}
     model = cases(spec).make_model(spec)
-    free = search(model, 4, global_batch=8, seq=8, checkpointing=(False,))
-    peaks = sorted(p.peak_bytes for p in free.ranked)
+    none = search(model, 2, global_batch=8, seq=8, memory_bytes=1024, checkpointing=(False,))
+    assert not none.ranked and none.over_budget
+    peaks = sorted(p.peak_bytes for p in none.over_budget)
+    message = no_fit_message(none)
+    assert f"smallest peak is {size_text(peaks[0])}" in message and "mostly" in message, message
     budget = peaks[len(peaks) // 2]
-    tight = search(model, 4, global_batch=8, seq=8, memory_bytes=budget, checkpointing=(False,))
+    tight = search(model, 2, global_batch=8, seq=8, memory_bytes=budget, checkpointing=(False,))
     assert tight.ranked and tight.over_budget
     assert all(p.peak_bytes <= budget for p in tight.ranked) and all(p.peak_bytes > budget for p in tight.over_budget)
     assert [p.step_s for p in tight.ranked] == sorted(p.step_s for p in tight.ranked)
-    none = search(model, 4, global_batch=8, seq=8, memory_bytes=1024, checkpointing=(False,))
-    assert not none.ranked
-    message = no_fit_message(none)
-    assert f"smallest peak is {size_text(peaks[0])}" in message and "mostly" in message, message
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:
@@ -160,15 +159,15 @@ def test_plan_cli_search_and_its_bad_input(tmp_path, capsys):
     fits; a world no layout can use lists those that work; a bad profile is one line naming the field."""
     spec = {**BERT, "seq": 8}
     cases(spec).make_model(spec).config.save_pretrained(tmp_path)
-    search_args = ("plan", str(tmp_path), "--world", "4", "--global-batch", "8", "--seq", "8")
+    search_args = ("plan", str(tmp_path), "--world", "2", "--global-batch", "8", "--seq", "8")
     status, out, err = _cli(capsys, *search_args, "--memory", "1GiB")
-    assert status == 0 and "dp4 pp1 tp1" in out, err
+    assert status == 0 and "dp2 pp1 tp1" in out, err
     status, out, err = _cli(capsys, *search_args, "--memory", "1KiB")
     assert status == 3 and "no layout fits 1.00 KiB per rank: the smallest peak is" in out, out
     status, out, err = _cli(capsys, "plan", str(tmp_path), "--world", "7", "--global-batch", "8", "--seq", "8")
     assert status == 1 and "no layout of 7 ranks" in err and "1, 2, 4, 8" in err, err
     bad = tmp_path / "profile.json"
-    bad.write_text(json.dumps({**default_profile().to_dict(), "world_size": 4, "memory_bytes_per_s": -1}))
+    bad.write_text(json.dumps({**default_profile().to_dict(), "world_size": 2, "memory_bytes_per_s": -1}))
     status, out, err = _cli(capsys, *search_args, "--profile", str(bad))
     assert status == 1 and len(err.strip().splitlines()) == 1 and "memory_bytes_per_s" in err, err
     status, out, err = _cli(capsys, *search_args, "--memory", "lots")
@@ -176,7 +175,7 @@ def test_plan_cli_search_and_its_bad_input(tmp_path, capsys):
 
 
 def test_layout_auto_sets_the_training_arguments(tmp_path, capsys):
-    """`--layout auto --memory M --nproc 4`: parse_args takes the search's best layout (the mesh fills the 4
+    """`--layout auto --memory M --nproc 2`: parse_args takes the search's best layout (the mesh fills the 2
     ranks, the global batch stays), says what it chose, and hands the ranks explicit flags instead; without
     --memory, with --memory alone, or without the model, it refuses in one line."""
     from shardlib.train import parse_args
@@ -184,14 +183,14 @@ def test_layout_auto_sets_the_training_arguments(tmp_path, capsys):
 
     spec = {**BERT, "seq": 8}
     model = cases(spec).make_model(spec)
-    argv = ["--layout", "auto", "--memory", "1GiB", "--nproc", "4", "--batch_size", "8"]
+    argv = ["--layout", "auto", "--memory", "1GiB", "--nproc", "2", "--batch_size", "8"]
     args = parse_args(args=argv, launch=False, model=model, seq=8)
-    assert args.dp * args.pp * args.tp * args.sp == 4 and args.batch_size == 8 and args.layout is None
+    assert args.dp * args.pp * args.tp * args.sp == 2 and args.batch_size == 8 and args.layout is None
     chose = Layout(dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp, sequence_parallel=args.sequence_parallel or "off",
                    zero=args.zero, microbatches=args.microbatches, schedule=args.schedule,
                    activation_checkpointing=args.activation_checkpointing)
     assert f"--layout auto chose {chose.name()}: predicted peak" in capsys.readouterr().out
-    fresh = parse_args(args=["--nproc", "4", "--batch_size", "8"], launch=False)
+    fresh = parse_args(args=["--nproc", "2", "--batch_size", "8"], launch=False)
     fresh.layout, fresh.memory = "auto", "1GiB"
     ranks_argv = _choose_layout(fresh, model, 8, argv)  # what parse_args hands the ranks it launches
     assert "--layout" not in ranks_argv and "--memory" not in ranks_argv
