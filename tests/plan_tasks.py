@@ -37,8 +37,8 @@ def step_layout(spec: dict) -> dict:
     ``spec["trainer"]``) and take one training step of a generated global batch: its loss."""
     mesh, model = build_sharded(spec)
     options = spec["trainer"]
-    trainer = shardlib.Trainer(model, adamw, **options)
-    generator = torch.Generator().manual_seed(11)
+    generator = torch.Generator().manual_seed(11)  # (the batch first: zero=3 swaps the model's class for FSDP's)
     batch = example_batch(model, spec["batch"] * options["microbatches"], spec["seq"], device="cpu",
                           generator=generator)
+    trainer = shardlib.Trainer(model, adamw, **options)
     return {"loss": float(trainer.train_step(batch))}
