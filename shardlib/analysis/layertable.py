@@ -23,6 +23,7 @@ compares both with :func:`shardlib.plan`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +137,7 @@ class _Run:
     """The shallow model dry-run at one microbatch size: its roots, parameters and memory counts."""
 
     def __init__(self, base: nn.Module, policy, trunk, sizes: dict, mode, checkpointing: bool, batch: int,
-                 seq: int):
+                 seq: int, stepped: "_Run | None" = None):
         model = copy.deepcopy(base)
         self.roots = list(stage_plan(model, trunk, 1).modules[0])
         self.by_root: dict[str, Root] = {r: Root() for r in [*self.roots, ""]}
@@ -146,7 +147,8 @@ class _Run:
         inputs = example_batch(model, batch, seq)
         with torch.random.fork_rng(devices=[]):
             info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
-                                                 inputs, (), checkpointing, keep, optimizer=batch == BATCHES[0])
+                                                 inputs, (), checkpointing, keep,
+                                                 optimizer=batch == BATCHES[0] and stepped is None)
         for h in hooks:
             h.remove()
         self.inputs, self.memory = inputs, info.memory
@@ -160,6 +162,10 @@ class _Run:
         self.params = {root: [Param(name, tuple(t.shape), t.dtype, t.requires_grad, id(t) in late, state.get(id(t)),
                                     id(t)) for name, t in _held(model, root) if isinstance(t, nn.Parameter)]
                        for root in self.roots}
+        if stepped is not None:  # the AdamW step of the same parameters, counted by another table's run
+            self.params = stepped.params
+            self.memory = dataclasses.replace(self.memory, optimizer_peak_bytes=stepped.memory.optimizer_peak_bytes,
+                                              optimizer_traffic=stepped.memory.optimizer_traffic)
 
     def _inputs(self, root: str):
         def hook(module, args, kwargs):
@@ -171,10 +177,12 @@ class _Run:
 
 class LayerTable:
     """The costs of every root of ``full`` (the unsharded model on the meta device) under one tensor / sequence
-    parallel layout (module docstring). ``mode``: :func:`shardlib.shard`'s ``sequence_parallel``."""
+    parallel layout (module docstring). ``mode``: :func:`shardlib.shard`'s ``sequence_parallel``. ``like``: a
+    table of the same model and tp, sp and mode (another checkpointing): its AdamW counts and pipeline cuts are
+    reused, not counted again."""
 
     def __init__(self, full: nn.Module, policy, *, tp: int, sp: int, mode, mode_name: str,
-                 activation_checkpointing: bool, seq: int):
+                 activation_checkpointing: bool, seq: int, like: "LayerTable | None" = None):
         from .metarun import meta_model
 
         self.full, self.policy, self.mode_name = full, policy, mode_name
@@ -185,9 +193,10 @@ class LayerTable:
         shallow_trunk = policy.plan(base, tp).trunk
         self.depth = {s.layers: len(base.get_submodule(s.layers)._modules) for s in shallow_trunk}
         sizes = dict(dp=1, pp=1, sp=sp, tp=tp)
-        self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq)
-                     for b in BATCHES]
-        self._plans: dict[int, object] = {}
+        stepped = like.runs[0] if like is not None else None
+        self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq,
+                          stepped if b == BATCHES[0] else None) for b in BATCHES]
+        self._plans: dict[int, object] = like._plans if like is not None else {}  # pipeline cuts: by pp only
         self._states: dict[tuple, dict] = {}  # (pp, dp, stage) -> _stage_states
         self._order = {name: i for i, (name, _) in enumerate(full.named_parameters())}  # registration order
 

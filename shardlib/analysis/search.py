@@ -105,12 +105,16 @@ class _Pricer:
 
     def table(self, layout: Layout) -> LayerTable:
         key = (layout.tp, layout.sp, layout.sequence_parallel, layout.activation_checkpointing, layout.seq)
+        plain = self.tables.get(key[:3] + (False,) + key[4:])
+        if isinstance(plain, str):  # shard() refused the mesh: checkpointing does not change that
+            self.tables[key] = plain
         if key not in self.tables:
+            like = next((t for k, t in self.tables.items() if k[:3] == key[:3] and isinstance(t, LayerTable)), None)
             try:
                 self.tables[key] = LayerTable(self.full, self.policy, tp=layout.tp, sp=layout.sp,
                                               mode=MODES[layout.sequence_parallel], mode_name=layout.sequence_parallel,
                                               activation_checkpointing=layout.activation_checkpointing,
-                                              seq=layout.seq)
+                                              seq=layout.seq, like=like)
             except (PlanError, PlanInputError) as exc:
                 self.tables[key] = " ".join(str(exc).split())
         found = self.tables[key]
