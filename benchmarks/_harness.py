@@ -180,17 +180,19 @@ def write_json(path: str | Path, data) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- ranks
-def spawn_ranks(fn, nprocs: int, args: tuple, deadline_s: float) -> str | None:
+def spawn_ranks(fn, nprocs: int, args: tuple, deadline_s: float, start_method: str = "spawn",
+                poll_s: float = 1.0) -> str | None:
     """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` fresh (spawned) processes that rendezvous on a free
     loopback ``port``; None when all finished, else why not (a rank failed, exited, or missed the deadline and was
-    killed with the others). Results go where ``fn`` writes them (files)."""
+    killed with the others). Results go where ``fn`` writes them (files). ``start_method``: "forkserver" forks the
+    ranks from a server (its preload set by the caller)."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(run_rank, args=(fn, nprocs, free_port(), *args), nprocs=nprocs, join=False,
-                             start_method="spawn")
+                             start_method=start_method)
     end = time.perf_counter() + deadline_s
     try:
-        while not ctx.join(timeout=1.0):
+        while not ctx.join(timeout=poll_s):
             if time.perf_counter() > end:
                 for p in ctx.processes:
                     if p.is_alive():

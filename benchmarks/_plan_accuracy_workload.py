@@ -59,7 +59,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import free_port, loopback_ifname, median_spread, reset_peak_rss, run_rank, spawn_ranks  # noqa: E402
+from _harness import loopback_ifname, median_spread, reset_peak_rss, spawn_ranks  # noqa: E402
 from _harness import machine_busy_s, status_kib  # noqa: E402
 from _plan_accuracy_layouts import GLOBAL_BATCH, MODELS, SEQ, Layout, layouts, make_batch  # noqa: E402
 
@@ -159,24 +159,8 @@ def forkserver_ranks(fn, nprocs: int, args: tuple, deadline_s: float) -> str | N
     ``fn(rank, nprocs, port, *args)``, None when all finished, else why not (the others killed)."""
     import multiprocessing
 
-    import torch.multiprocessing as mp
-
     multiprocessing.set_forkserver_preload(PRELOAD + [__name__])
-    ctx = mp.start_processes(run_rank, args=(fn, nprocs, free_port(), *args), nprocs=nprocs, join=False,
-                             start_method="forkserver")
-    end = time.perf_counter() + deadline_s
-    try:
-        while not ctx.join(timeout=0.2):
-            if time.perf_counter() > end:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                return f"workers did not finish within {deadline_s:.0f} s (killed)"
-    except mp.ProcessRaisedException as exc:
-        return f"worker failed: {str(exc).strip().splitlines()[-1]}"
-    except mp.ProcessExitedException as exc:
-        return f"worker exited: {exc}"
-    return None
+    return spawn_ranks(fn, nprocs, args, deadline_s, start_method="forkserver", poll_s=0.2)
 
 
 def _read(path: Path) -> dict | None:

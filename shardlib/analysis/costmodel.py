@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..parallel.collectives import FLAT_BUCKET_BYTES  # all_reduce_flat's bucket, DDP's too
 from ..parallel.flat import DEFAULT_BUCKET_BYTES
 from .dryrun_report import PlanReport, StageInfo
 from .layout import Layout
 from .profile import Profile
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-FLAT_BUCKET_BYTES = 25 * 2**20  # shardlib.parallel.collectives.all_reduce_flat and DDP's bucket
 
 
 @dataclass

@@ -68,7 +68,6 @@ class PipelineRunner:
         losses: list = []
         schedule.step(*self._first_stage_args(batch), target=target, losses=losses, return_outputs=False,
                       **self._stage_kwargs(batch))
-        self._clear_outputs()
         return float(sum(float(loss.detach()) for loss in losses)) if losses else 0.0
 
     def eval(self, batch: dict, microbatches: int) -> list:
