@@ -9,6 +9,11 @@ within its timeout kills the pool (a hung collective cannot be recovered) and fa
 answer; the next task starts a fresh pool. After any failure the pool is restarted too, since ranks may have
 left collectives unmatched.
 
+A rank that dies of a *native* crash (SIGABRT, SIGSEGV, SIGBUS: glibc's heap checks or a fault inside torch or
+gloo, never a Python assertion, which comes back as a failure) reruns the task once on a fresh pool, with a
+warning that carries the crash's stacks; a second crash fails the test. CI once saw gloo's all-gather abort with
+"double free or corruption" in a rank that had run hundreds of tasks; a Python-level failure is never retried.
+
 Inside a task, :func:`mesh` returns a cached mesh of the requested shape (building process groups is slow).
 """
 
@@ -18,17 +23,26 @@ import datetime
 import importlib
 import os
 import queue
+import signal
 import socket
 import tempfile
 import sys
 import time
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
 
 
 class RankFailure(AssertionError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class NativeCrash(RankFailure):
+    """Every dead rank was killed by a native-crash signal (see the module docstring)."""
+
+
+_NATIVE_CRASHES = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS}
 
 
 class RankTimeout(AssertionError):
@@ -139,6 +153,17 @@ class RankPool:
 
     def run(self, fn, *args, timeout_s: float = 120.0, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        try:
+            return self._run_once(fn, args, kwargs, timeout_s)
+        except NativeCrash as crash:
+            warnings.warn(f"rerunning {fn.__qualname__} once on a fresh pool after a native crash: {crash}",
+                          stacklevel=2)
+        try:
+            return self._run_once(fn, args, kwargs, timeout_s)
+        except NativeCrash as crash:
+            raise RankFailure(f"{crash} (crashed twice: not a one-off)") from None
+
+    def _run_once(self, fn, args: tuple, kwargs: dict, timeout_s: float) -> list:
         if not self._procs:
             self.start()
         self._task_id += 1
@@ -152,8 +177,9 @@ class RankPool:
             if dead:
                 codes = [self._procs[r].exitcode for r in dead]  # before stop() forgets the processes
                 self.stop(graceful=False)
-                raise RankFailure(f"{fn.__qualname__}: rank(s) {dead} died (exit codes {codes}; negative: the "
-                                  "signal that killed it)" + self._faults(dead))
+                error = NativeCrash if set(codes) <= _NATIVE_CRASHES else RankFailure
+                raise error(f"{fn.__qualname__}: rank(s) {dead} died (exit codes {codes}; negative: the "
+                            "signal that killed it)" + self._faults(dead))
             try:
                 task_id, rank, ok, value = self._results.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
