@@ -9,7 +9,8 @@ The sharded format (:mod:`.format`, ``docs/checkpoint-format.md``) is a director
 
 * ``shardlib.json``: format version, model class, model config, and for every tensor its global shape, dtype,
   layout, aliases (tied names) and *pieces*: which file holds which rows ``[start, stop)`` of which dim;
-  plus every file's size and checksum, and a checksum of the document itself;
+  plus every file's size and checksum, and a checksum of the document itself (each data file also records the
+  pieces it holds in its own header, checked on load);
 * ``model-tp{r}-of-{n}.safetensors``: rank r's rows of every sharded tensor (padding is not stored);
 * ``model-replicated.safetensors``: every replicated tensor, written once.
 
@@ -19,7 +20,8 @@ rank finished and fsynced its files and ``shardlib.json`` is complete. A crash m
 checkpoint untouched, and the next save or load finishes or removes what it left.
 
 Modules: :mod:`.format`, :mod:`.atomic`, :mod:`.tensors` (the model side), :mod:`.reader`, :mod:`.saving`,
-:mod:`.loading`, :mod:`.conversion`, :mod:`.hf_save`, :mod:`.adapter` (LoRA adapters in peft's format).
+:mod:`.loading`, :mod:`.conversion`, :mod:`.hf_save`, :mod:`.outcome` (every rank learns every rank's outcome of a
+load), :mod:`.adapter` (LoRA adapters in peft's format).
 """
 
 from ..safetensors_io import CheckpointError, SafetensorsFile, SafetensorsFiles, checksum_of, file_checksum

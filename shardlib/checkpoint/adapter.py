@@ -18,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.layout import layout_of
+from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError, SafetensorsFile
 from ..sharding.adapters import peft_inner_model
 from ..sharding.sharded import shard_state
 from ..sharding.state import gather_full, tp_group_of
 from .atomic import AtomicDirectory
+from .outcome import timeout_of
 from .saving import _broadcast_str
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -59,7 +61,14 @@ def save_adapter(model: nn.Module, directory: str | Path, *, overwrite: bool = T
     ``PeftModel.save_pretrained`` does. Every rank calls it; rank 0 writes. An existing ``directory`` is replaced
     atomically (``overwrite=False`` refuses it)."""
     _check_supported(model, "save_adapter")
-    directory, group = Path(directory), tp_group_of(model)
+    directory = Path(directory)
+    with stalled_ranks_named(f"saving the adapter to {directory}", timeout_of(shard_state(model).mesh)):
+        return _save_adapter(model, directory, overwrite)
+
+
+def _save_adapter(model: nn.Module, directory: Path, overwrite: bool) -> Path:
+    """:func:`save_adapter` after its checks: the gather over tp, then rank 0 writes."""
+    group = tp_group_of(model)
     full: dict[str, torch.Tensor] = {}
     for adapter in model.peft_config:
         for name in _saved_names(model, adapter).values():

@@ -21,8 +21,8 @@ from ..safetensors_io import (
 )
 from .atomic import AtomicDirectory
 from .format import (
-    FORMAT, METADATA, OPTIMIZER_PREFIX, hf_config, piece_shape, pieces, rank_file, read_hf_config, replicated_file,
-    tensor_entry, write_document,
+    FORMAT, METADATA, OPTIMIZER_PREFIX, header_metadata, hf_config, piece_shape, pieces, rank_file, read_hf_config,
+    replicated_file, tensor_entry, write_document,
 )
 from .reader import ShardedCheckpoint
 from .tensors import tensors_to_load
@@ -225,14 +225,15 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
 
 def _write_stage(writer: Writer, src, mine: list[tuple], stage: int | None, tp: int, progress) -> None:
     """Every file of one pipeline stage, open at once, each written front to back: its tensors are walked in
-    safetensors' data order (dtype, name)."""
+    safetensors' data order (dtype, name). Each file's header records the pieces it holds."""
     mine = sorted(mine, key=lambda e: safetensors_order(e[0][0], e[2]))
     contents: dict[str, list] = {}
     for names, layout, dtype, _, _ in mine:
         for p in pieces(layout, stage):
             contents.setdefault(p.file, []).append(
                 (names[0], dtype, piece_shape(layout.global_shape, p.dim, p.start, p.stop, p.blocks)))
-    files = {name: writer.open(name, tensors, {"format": "pt", "writer": FORMAT}) for name, tensors in contents.items()}
+    entries = {names[0]: tensor_entry(layout, dtype, names[1:], stage) for names, layout, dtype, _, _ in mine}
+    files = {name: writer.open(name, tensors, header_metadata(entries, name)) for name, tensors in contents.items()}
     for names, layout, dtype, _, key in mine:
         outs = {None: files.get(replicated_file(stage))} | {r: files.get(rank_file(r, tp, stage)) for r in range(tp)}
         nbytes = _copy_layout(writer, src, key, layout, dtype, outs)

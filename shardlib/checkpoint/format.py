@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ FORMAT = "shardlib-sharded-v3"
 # v1: SHA-256 file checksums; v2: xxh3-128 file checksums; v3: v2 plus the checksum of shardlib.json itself
 READABLE_FORMATS = ("shardlib-sharded-v1", "shardlib-sharded-v2", FORMAT)
 METADATA = "shardlib.json"
+HEADER_PIECES = "pieces"  # the data file's own record of the pieces it holds, in its safetensors __metadata__
 REPLICATED_FILE = "model-replicated.safetensors"
 OPTIMIZER_PREFIX = "optimizer."
 HEX_DIGITS = {"xxh3_128": 32, "sha256": 64}
@@ -177,8 +179,9 @@ def read_document(path: Path) -> dict:
     if not isinstance(document, dict):
         raise CheckpointError(f"{path}: a JSON {type(document).__name__}, expected an object")
     if document.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{path}: format {document.get('format')!r}, expected one of "
-                              f"{', '.join(READABLE_FORMATS)}")
+        newer = newer_format(document.get("format"), FORMAT)
+        raise CheckpointError(f"{path}: {newer}" if newer else f"{path}: format {document.get('format')!r}, expected "
+                              f"one of {', '.join(READABLE_FORMATS)}")
     if document["format"] == FORMAT:
         stored = document.get("metadata_checksum")
         if not isinstance(stored, dict) or stored.get("algorithm") != "xxh3_128":
@@ -190,6 +193,71 @@ def read_document(path: Path) -> dict:
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
     return document
+
+
+def newer_format(found, newest: str) -> str | None:
+    """Why ``found`` cannot be read when it is a later version of ``newest``'s format (``<name>-v<N>``: the same
+    name, a larger N), naming both; else None."""
+    name, _, version = newest.rpartition("-v")
+    match = re.fullmatch(re.escape(name) + r"-v(\d+)", found) if isinstance(found, str) else None
+    if match is None or int(match[1]) <= int(version):
+        return None
+    return (f"format {found!r} was written by a newer shardlib; this one reads {name} up to {newest!r} (upgrade "
+            "shardlib to read it)")
+
+
+# ------------------------------------------------------------------------ the pieces a data file says it holds
+def header_metadata(entries: dict[str, dict], file: str) -> dict[str, str]:
+    """The safetensors ``__metadata__`` of data file ``file``: safetensors' ``format``, the writer's format, and
+    ``pieces``: for each tensor ``entries`` (name -> its ``shardlib.json`` entry) places in ``file``, the global
+    shape and the piece (``dim``, ``start``, ``stop``, ``blocks`` as in ``shardlib.json``), as one JSON string. A
+    file that says what it holds is checked against ``shardlib.json`` on load (:func:`header_problem`)."""
+    held = {name: {"shape": entry["shape"], **{k: v for k, v in p.items() if k != "file"}}
+            for name, entry in entries.items() for p in entry["pieces"] if p["file"] == file}
+    return {"format": "pt", "writer": FORMAT,
+            HEADER_PIECES: json.dumps(held, sort_keys=True, separators=(",", ":"))}
+
+
+def header_pieces(metadata: dict[str, str], where: str) -> dict | None:
+    """The ``pieces`` a data file's ``__metadata__`` records (name -> piece with ``shape``), None for a file written
+    before files recorded them (nothing to check: such files still load)."""
+    raw = metadata.get(HEADER_PIECES)
+    if raw is None:
+        return None
+    held = strict_json(raw.encode(), f"{where}: header field __metadata__.{HEADER_PIECES}")
+    if not isinstance(held, dict) or not all(isinstance(v, dict) for v in held.values()):
+        raise CheckpointError(f"{where}: header field __metadata__.{HEADER_PIECES} is not an object of tensor name "
+                              "-> piece")
+    return held
+
+
+def _piece_key(piece: dict) -> tuple:
+    return (piece.get("shape"), piece.get("dim"), piece.get("start"), piece.get("stop"), piece.get("blocks", 1))
+
+
+def describe_piece(piece: dict) -> str:
+    """``rows [a, b) of dim d`` (of each of k blocks) ``of shape [..]``, or ``all of shape [..]``."""
+    shape = piece.get("shape")
+    if piece.get("dim") is None:
+        return f"all of shape {shape}"
+    blocks = f" of each of {piece['blocks']} blocks" if piece.get("blocks", 1) != 1 else ""
+    return f"rows [{piece.get('start')}, {piece.get('stop')}){blocks} of dim {piece['dim']} of shape {shape}"
+
+
+def header_problem(held: dict | None, name: str, entry: dict, piece: dict) -> str | None:
+    """What is wrong with a data file whose header records ``held`` (:func:`header_pieces`) as the holder of
+    ``piece`` of tensor ``name`` (``entry``: its ``shardlib.json`` entry): it records no piece of that tensor, or
+    another one (files swapped or renamed); None when it agrees or records nothing."""
+    if held is None:
+        return None
+    expected = {"shape": entry["shape"], **{k: v for k, v in piece.items() if k != "file"}}
+    if name not in held:
+        return (f"its header records no piece of tensor {name!r}; {METADATA} places {describe_piece(expected)} of "
+                "it in this file (files swapped or renamed?)")
+    if _piece_key(held[name]) != _piece_key(expected):
+        return (f"holds {describe_piece(held[name])} of tensor {name!r} (its header), but {METADATA} places "
+                f"{describe_piece(expected)} of it in this file (files swapped or renamed?)")
+    return None
 
 
 def _is_int(value, low: int = 0) -> bool:

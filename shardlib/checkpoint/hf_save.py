@@ -17,10 +17,13 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError
+from ..sharding.sharded import shard_state
 from .adapter import is_peft_model, save_adapter
 from .atomic import AtomicDirectory, scratch_dir
 from .conversion import write_hf
+from .outcome import timeout_of
 from .reader import ShardedCheckpoint
 from .saving import _broadcast_str, claim, commit, stage
 
@@ -39,6 +42,12 @@ def save_pretrained(model: nn.Module, directory: str | Path, *, overwrite: bool 
     if is_peft_model(model):
         return save_adapter(model, directory, overwrite=overwrite)
     directory = Path(directory)
+    with stalled_ranks_named(f"saving {directory}", timeout_of(shard_state(model).mesh)):
+        return _save_pretrained(model, directory, overwrite, max_shard_bytes)
+
+
+def _save_pretrained(model: nn.Module, directory: Path, overwrite: bool, max_shard_bytes: int) -> Path:
+    """:func:`save_pretrained` of a model without adapters."""
     leader = not dist.is_initialized() or dist.get_rank() == 0
     claim(directory, overwrite)
     status = ""

@@ -15,12 +15,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..parallel.layout import Layout, layout_of
+from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError, SafetensorsFiles
 from ..sharding.sharded import shard_state
 from ..sharding.state import materialize
 from ..train.fsdp import like, local
 from ..train.optim import holds_state, set_param_state
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
+from .outcome import all_ranks, timeout_of
 from .reader import ShardedCheckpoint
 from .tensors import fill_local, local_tensors, model_tensor_names, tp_rank
 
@@ -74,7 +76,24 @@ def _hub_keys(model: nn.Module, files: SafetensorsFiles, model_names: set[str]):
 def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool = True) -> list[str]:
     """Fill a sharded model (materialized) with its slices of an HF checkpoint, read straight into the parameters;
     return the names loaded. ``strict``: refuse a checkpoint with missing or extra tensors (else warn, naming
-    them). Every refusal comes before the first read."""
+    them). Every refusal comes before the first read. Every rank calls it: a failure on one rank is raised on every
+    rank, naming it (:func:`.outcome.all_ranks`)."""
+    mesh = _mesh_of(model)
+    with all_ranks(f"loading {files.directory}", mesh):
+        found, initialized = _read_hf_weights(model, files, strict)
+    with stalled_ranks_named(f"loading {files.directory} (the tensors it lacks, made identical on every replica)",
+                             timeout_of(mesh)):
+        _agree_across_replicas(model, initialized)
+    return found
+
+
+def _mesh_of(model: nn.Module):
+    state = shard_state(model, required=False)
+    return state.mesh if state is not None else None
+
+
+def _read_hf_weights(model: nn.Module, files: SafetensorsFiles, strict: bool) -> tuple[list[str], list]:
+    """:func:`load_hf_weights` on this rank: the names loaded, and the tensors the checkpoint lacks."""
     model_names = model_tensor_names(model)
     to_hub = _hub_keys(model, files, model_names)
     found, missing, initialized = [], [], []
@@ -95,8 +114,7 @@ def load_hf_weights(model: nn.Module, files: SafetensorsFiles, *, strict: bool =
     rank = tp_rank(model)
     for tensor, name, key, layout in found:
         fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
-    _agree_across_replicas(model, initialized)
-    return [name for _, name, _, _ in found]
+    return [name for _, name, _, _ in found], initialized
 
 
 def _agree_across_replicas(model: nn.Module, tensors: list[tuple[torch.Tensor, Layout]]) -> None:
@@ -212,7 +230,16 @@ def load(model: nn.Module, directory: str | Path, *, optimizer=None, strict: boo
     each rank reads only the overlapping rows of the stored pieces, straight into its parameters); with
     ``optimizer`` (built over this model's parameters), restore its state and hyperparameters too. ``strict``:
     refuse a checkpoint that lacks a tensor of the model or holds one the model does not have (else warn, naming
-    them). Optimizer state and carried tensors (:mod:`.conversion`) are never counted as extra."""
+    them). Optimizer state and carried tensors (:mod:`.conversion`) are never counted as extra. Every rank calls
+    it: a failure on one rank (a file only its rows lie in is damaged) is raised on every rank, naming it
+    (:func:`.outcome.all_ranks`), and a rank that stalls makes the others raise ``CollectiveFailure`` naming it."""
+    with all_ranks(f"loading {directory}", _mesh_of(model)):
+        _load(model, directory, optimizer, strict)
+    return model
+
+
+def _load(model: nn.Module, directory: str | Path, optimizer, strict: bool) -> None:
+    """:func:`load` on this rank."""
     with ShardedCheckpoint(directory) as ckpt:
         expected = hf_class_name(model)
         if ckpt.meta["model_class"] != expected:
@@ -237,7 +264,6 @@ def load(model: nn.Module, directory: str | Path, *, optimizer=None, strict: boo
                 local(tensor).copy_(local(like(target, tensor)))
         if optimizer is not None:
             _load_optimizer(model, ckpt, optimizer, rank)
-    return model
 
 
 def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: int) -> None:

@@ -10,7 +10,7 @@ from ..safetensors_io import (
     DTYPES, CheckpointError, ReaderPool, SafetensorsFile, checksum_of, dtype_name, file_checksum, inside,
 )
 from .atomic import recover
-from .format import METADATA, piece_shape, piece_spans, read_document
+from .format import METADATA, header_pieces, header_problem, piece_shape, piece_spans, read_document
 
 
 class ShardedCheckpoint(ReaderPool):
@@ -27,6 +27,7 @@ class ShardedCheckpoint(ReaderPool):
         self.meta = read_document(meta_path)
         self.tensors = self.meta["tensors"]
         self._verified: dict[str, Path] = {}  # file name -> checked path
+        self._held: dict[str, dict | None] = {}  # file name -> the pieces its header records (None: none recorded)
         self._verify = verify
         for file in {p["file"] for t in self.tensors.values() for p in t["pieces"]}:
             inside(self.directory, file)
@@ -81,13 +82,19 @@ class ShardedCheckpoint(ReaderPool):
 
     def _piece_reader(self, name: str, piece: dict) -> SafetensorsFile:
         """The reader of ``piece``'s file, once the file is known to store that piece of ``name``: the dtype and
-        the rows that the metadata records (a file that disagrees is refused, never read as something else)."""
+        the rows that the metadata records, and, where the file's header records the pieces it holds, that very
+        piece (a file that disagrees is refused, never read as something else: two same-size pieces swapped)."""
         reader = self._reader(piece["file"])
         entry, meta = reader.entry(name), self.tensors[name]
         shape = list(piece_shape(meta["shape"], piece["dim"], piece["start"], piece["stop"], piece.get("blocks", 1)))
         if entry.dtype != self.dtype(name) or list(entry.shape) != shape:
             raise CheckpointError(f"{reader.path}: tensor {name!r} is {dtype_name(entry.dtype)} {list(entry.shape)}, "
                                   f"{METADATA} records {meta['dtype']} {shape} for this piece")
+        if piece["file"] not in self._held:
+            self._held[piece["file"]] = header_pieces(reader.metadata, str(reader.path))
+        problem = header_problem(self._held[piece["file"]], name, meta, piece)
+        if problem:
+            raise CheckpointError(f"{reader.path}: {problem}")
         return reader
 
     def shape(self, name: str) -> tuple[int, ...]:

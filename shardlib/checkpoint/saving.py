@@ -18,7 +18,9 @@ from ..safetensors_io import CheckpointError, Writer
 from ..sharding.sharded import shard_state
 from ..sharding.state import _pipeline
 from .atomic import publish, recover, staging_dir
-from .format import FORMAT, hf_class_name, parameter_names, rank_file, replicated_file, tensor_entry, write_document
+from .format import (
+    FORMAT, hf_class_name, header_metadata, parameter_names, rank_file, replicated_file, tensor_entry, write_document,
+)
 from .tensors import saved_tensors
 
 
@@ -145,9 +147,10 @@ def commit(staged: StagedSave, directory: str | Path, *, overwrite: bool = False
     mesh's timeout (rank 0 then removes the staging directory)."""
     directory = Path(directory)
     leader = not dist.is_initialized() or dist.get_rank(group) == 0
-    tmp = staging_dir(directory, claim(directory, overwrite, group))
+    with stalled_ranks_named(f"saving {directory}", staged.timeout_s):
+        tmp = staging_dir(directory, claim(directory, overwrite, group))
     try:  # fsynced before rank 0 writes the metadata
-        outcome = (_write_files(tmp, staged.files) if staged.files else {}, staged.meta, None)
+        outcome = (_write_files(tmp, staged.files, staged.meta) if staged.files else {}, staged.meta, None)
     except Exception as exc:  # noqa: BLE001  (every rank learns of it below, then raises)
         outcome = ({}, {}, f"{type(exc).__name__}: {exc}")
     gathered = [outcome]
@@ -194,13 +197,15 @@ def save(model: nn.Module, directory: str | Path, *, optimizer=None, overwrite: 
     return commit(stage(model, optimizer=optimizer), directory, overwrite=overwrite)
 
 
-def _write_files(directory: Path, files: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """Stream ``{file: {key: tensor}}`` into safetensors files (tensors may be strided views); the files' sizes and
-    checksums. Every file is fsynced when this returns."""
+def _write_files(directory: Path, files: dict[str, dict[str, torch.Tensor]], meta: dict | None = None) -> dict:
+    """Stream ``{file: {key: tensor}}`` into safetensors files (tensors may be strided views), each file's header
+    recording the pieces ``meta`` (the tensors' ``shardlib.json`` entries) places in it (None: no record, as files
+    were written before v3 recorded them); the files' sizes and checksums. Every file is fsynced when this
+    returns."""
     with Writer(directory) as writer:
         for name, tensors in files.items():
-            out = writer.open(name, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
-                              {"format": "pt", "writer": FORMAT})
+            header = header_metadata(meta, name) if meta is not None else {"format": "pt", "writer": FORMAT}
+            out = writer.open(name, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], header)
             for key in out.order:
                 writer.tensor(out, key, tensors[key])
         return writer.finish()

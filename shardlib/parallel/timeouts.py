@@ -12,6 +12,15 @@ turns that into a :class:`CollectiveFailure` naming the ranks that never reached
 * a rank whose peer closed its connection (the peer exited, crashed, or gave up waiting for this rank) says so
   with its rank and the step it was in.
 
+Which error is which (:func:`failure_kind`): by type where torch has a public one that tells it (the store's
+``DistStoreError`` and ``DistNetworkError``), by gloo's and NCCL's own phrases where it has none (gloo raises a plain
+``RuntimeError`` for a timeout and for a lost peer alike); an error raised from a collective's (a ``PlanError`` from
+a failed proof of an inferred plan) is looked through.
+
+Where: the Trainer's steps, ``evaluate``'s all-reduce, ``shard()``'s proof of an inferred plan, and every collective
+of :mod:`shardlib.checkpoint` (saving, loading, ``from_pretrained`` / ``from_sharded``, ``save_pretrained``,
+adapters).
+
 Why not ``dist.monitored_barrier``, torch's facility that names ranks missing from a barrier: it needs a working
 gloo group, and after a timeout gloo has closed the group's pairs ("Application timeout caused pair closure"), so it
 would need a second gloo group kept open on every run for the error path; and it names the missing ranks on rank 0
@@ -34,9 +43,20 @@ import torch.distributed as dist
 
 #: The longest a timed-out rank waits for the others to time out too before naming those that did not.
 GRACE_S = 5.0
-_BACKEND_MARKS = ("gloo", "nccl", "c10d")  # a collective's error, not any RuntimeError that mentions a timeout
-_TIMEOUT_MARKS = ("timed out", "timeout")
+# What gloo (torch 2.13) raises, measured with two processes: a plain RuntimeError, not a dist.DistError, for a
+# timed-out collective ("[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to
+# complete"; the same for send, barrier, object collectives, functional collectives and async work's wait()), for any
+# later collective on that group ("Application timeout caused pair closure"), for a group that could not connect
+# ("Gloo connectFullMesh failed with ... Connect timeout") and for a lost peer ("[.../pair.cc:553] Connection closed by
+# peer [127.0.0.1]:port. This is typically caused by a remote worker crashing ..."). No public type tells these apart,
+# so for a plain RuntimeError (and for DistBackendError, NCCL's one type for timeouts, aborts and other failures) the
+# message is all there is: these phrases are gloo's and NCCL's own, specific enough that a DataLoader's "timed out"
+# or a user's RuntimeError is not taken for a collective's. The c10d store's errors have types that say it:
+# DistStoreError is its wait timing out (a rank never set its key), DistNetworkError a lost connection (its host died).
+_TIMEOUT_MARKS = ("timed out waiting", "connect timeout", "collective operation timeout", "watchdog timeout")
+_CLOSED_MARKS = ("application timeout caused pair closure",)  # an earlier timeout closed the group
 _PEER_GONE_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+_CAUSES = 4  # how far down an exception's cause chain a collective's error is looked for
 _depth = threading.local()
 _incidents = 0
 
@@ -50,14 +70,28 @@ class CollectiveFailure(RuntimeError):
         self.stalled = stalled
 
 
-def _kind(exc: BaseException) -> str | None:
-    text = str(exc).lower()
-    if not (isinstance(exc, dist.DistError) or any(m in text for m in _BACKEND_MARKS)):
-        return None
-    if any(m in text for m in _PEER_GONE_MARKS):
-        return "peer"
-    if any(m in text for m in _TIMEOUT_MARKS):
-        return "timeout"
+def failure_kind(exc: BaseException) -> str | None:
+    """What a collective's error says: ``"timeout"``, ``"peer"`` (a peer closed its connection), ``"closed"`` (the
+    group was closed by an earlier timeout on this rank), or None for any other error. By type where torch's public
+    types tell it (the store's), else by gloo's / NCCL's message (see the constants above). An error raised *from* a
+    collective's (``raise PlanError(...) from exc``) is looked through."""
+    for _ in range(_CAUSES):
+        if exc is None:
+            return None
+        if isinstance(exc, CollectiveFailure):
+            return None  # already reported
+        if isinstance(exc, dist.DistStoreError):
+            return "timeout"
+        if isinstance(exc, dist.DistNetworkError):
+            return "peer"
+        if isinstance(exc, RuntimeError):
+            text = str(exc).lower()
+            for kind, marks in (("peer", _PEER_GONE_MARKS), ("closed", _CLOSED_MARKS), ("timeout", _TIMEOUT_MARKS)):
+                if any(m in text for m in marks):
+                    return kind
+            if isinstance(exc, dist.DistBackendError) and ("timed out" in text or "timeout" in text):
+                return "timeout"
+        exc = exc.__cause__
     return None
 
 
@@ -70,10 +104,9 @@ def stalled_ranks_named(what: str, timeout_s: float):
     _depth.value = depth + 1
     try:
         yield
-    except RuntimeError as exc:
-        kind = _kind(exc)
-        if depth or isinstance(exc, CollectiveFailure) or kind is None or not dist.is_initialized() \
-                or dist.get_world_size() == 1:
+    except Exception as exc:
+        kind = failure_kind(exc)
+        if depth or kind is None or not dist.is_initialized() or dist.get_world_size() == 1:
             raise
         raise _failure(kind, what, timeout_s, exc) from exc
     finally:
@@ -96,7 +129,14 @@ def names_stalled_ranks(method):
 
 def _failure(kind: str, what: str, timeout_s: float, exc: BaseException) -> CollectiveFailure:
     rank = dist.get_rank()
-    cause = re.sub(r"^\[[^\]]*\] ", "", (str(exc).strip().splitlines() or [type(exc).__name__])[0])[:200]
+    root = exc
+    while failure_kind(root) is not None and root.__cause__ is not None and failure_kind(root.__cause__):
+        root = root.__cause__  # the collective's own error, under whatever was raised from it
+    cause = re.sub(r"^\[[^\]]*\] ", "", (str(root).strip().splitlines() or [type(root).__name__])[0])[:200]
+    if kind == "closed":
+        return CollectiveFailure(
+            f"rank {rank}: a collective in {what} failed: this rank's process group was closed by an earlier timeout "
+            f"(whose error named the stalled ranks); start a new process group to go on [{cause}]")
     if kind == "peer":
         return CollectiveFailure(
             f"rank {rank}: a collective in {what} failed: a peer rank closed its connection (it exited, crashed, or "
@@ -142,4 +182,4 @@ def _stalled_ranks(rank: int, world: int, grace_s: float) -> list[int] | None:
         return None
 
 
-__all__ = ["CollectiveFailure", "stalled_ranks_named", "names_stalled_ranks", "GRACE_S"]
+__all__ = ["CollectiveFailure", "stalled_ranks_named", "names_stalled_ranks", "failure_kind", "GRACE_S"]
