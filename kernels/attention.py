@@ -10,6 +10,19 @@ which transformers makes SDPA unless ``attn_implementation`` said otherwise):
   dropout only in training. Under tensor parallelism each rank runs it on its local heads.
 * ``"eager"``: the model's own ``eager_attention_forward`` (matmul, softmax, dropout, matmul): the reference.
 
+A model may also come with any other function registered in transformers' ``AttentionInterface`` (a custom function,
+one from a kernels package): shardlib keeps it and wraps it like the two above. HF builds each implementation's
+mask with the function registered under the same name in ``AttentionMaskInterface``, and gives an implementation
+with none registered no mask at all; a wrapper's name gets exactly the inner implementation's mask entry (or none),
+so the wrapped function receives the mask it would receive unsharded.
+
+Global registries: HF dispatches by name through the config, so a wrapper must be registered under a name
+(``shardlib_local_rng_<inner>``, ``shardlib_all_to_all_<inner>``). Those names are the one change a successful
+``shard()`` makes outside the model: only shardlib's own prefixes, added and never overwriting a name someone else
+registered, each name's function a pure function of the name (it reads its state from the module it is called
+for), so one registration serves every model and no other model's behaviour changes; a failed ``shard()`` removes
+what it added (:func:`registries`, :mod:`shardlib.sharding.transaction`).
+
 All-to-all sequence parallelism (``sequence_parallel="all_to_all"``, DeepSpeed-Ulysses): inside the layer stacks
 every activation is sharded along the sequence over the mesh's ``sp`` dimension (n ranks): q, k, v arrive as
 [b, h, L/n, d] for this rank's L/n positions and all h local heads. One all-to-all (q, k and v in one message,
@@ -53,6 +66,34 @@ def attention_problems(implementation: str | None) -> list[str]:
     return []
 
 
+def registered_problems(where: str, implementation: str | None) -> list[str]:
+    """Why the attention implementation a model runs (``where`` names the model) cannot be wrapped: it must be
+    "eager" or a name registered in transformers' ``AttentionInterface``."""
+    if implementation is None or implementation == "eager" or implementation in ALL_ATTENTION_FUNCTIONS:
+        return []
+    return [f"{where}: attention implementation {implementation!r} is not registered in transformers' "
+            "AttentionInterface (AttentionInterface.register(name, function) before shard())"]
+
+
+def registries() -> tuple[dict, ...]:
+    """The global name -> function mappings that wrapping an implementation may add shardlib's names to (the
+    attention functions and the mask functions, class-wide and of the shared instances)."""
+    return (AttentionInterface._global_mapping, AttentionMaskInterface._global_mapping,
+            ALL_ATTENTION_FUNCTIONS._local_mapping, ALL_MASK_ATTENTION_FUNCTIONS._local_mapping)
+
+
+def _register_wrapper(name: str, function, implementation: str) -> str:
+    """Register ``function`` as attention implementation ``name`` wrapping ``implementation`` (once: the function is
+    a pure function of the name), its mask entry mirroring the inner one's: the same mask function, or none where
+    the inner implementation has none (HF then passes no mask, to the inner function and to the wrapper alike)."""
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, function)
+    mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(implementation)
+    if mask is not None and ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name) is not mask:
+        AttentionMaskInterface.register(name, mask)
+    return name
+
+
 def own_configs(model: nn.Module) -> None:
     """Give ``model`` its own copy of every config object its modules hold. Switching the attention implementation
     writes to the config (``set_attn_implementation``), and a config is often shared: two models built from one
@@ -84,9 +125,12 @@ def call_attention(module: nn.Module, implementation: str, query, key, value, at
     """``implementation``'s attention for ``module``. One case differs: compiled training with attention dropout on
     a module whose heads are sharded (``LocalRNG`` left its stream on it): the probabilities are computed
     explicitly and dropped with this rank's mask (:func:`_stream_dropout_attention`), since compiled code cannot
-    swap in the per-rank generator as eager mode does around the fused kernel."""
+    swap in the per-rank generator as eager mode does around the fused kernel. A custom registered function is
+    called as it is (its math is its own): compiled, its dropout draws from the default generator, the same on every
+    TP rank."""
     stream = module.__dict__.get(LOCAL_STREAM_ATTR)
-    if kwargs.get("dropout") and stream is not None and torch.compiler.is_compiling():
+    if kwargs.get("dropout") and stream is not None and implementation in IMPLEMENTATIONS \
+            and torch.compiler.is_compiling():
         tracker, name = stream
         return _stream_dropout_attention(module, implementation, query, key, value, attention_mask,
                                          ranks=tracker.ranks[name], **kwargs)
@@ -115,15 +159,12 @@ def _stream_dropout_attention(module, implementation, query, key, value, attenti
 
 
 def local_rng_name(implementation: str) -> str:
-    """Register (once) and return the attention-interface name of ``implementation`` run through
-    :func:`call_attention` (masks built as the implementation builds them)."""
+    """Register (once) and return the attention-interface name of ``implementation`` (sdpa, eager or any registered
+    function) run through :func:`call_attention` (masks built as HF builds them for the implementation)."""
     if implementation.startswith(LOCAL_RNG_PREFIX):
         return implementation
-    name = LOCAL_RNG_PREFIX + implementation
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, functools.partial(_local_rng_attention, implementation=implementation))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
-    return name
+    return _register_wrapper(LOCAL_RNG_PREFIX + implementation,
+                             functools.partial(_local_rng_attention, implementation=implementation), implementation)
 
 
 def _local_rng_attention(module, query, key, value, attention_mask, *, implementation: str, **kwargs):
@@ -205,12 +246,9 @@ def whole_sequence_bias(compute_bias, stream):
 def all_to_all_name(implementation: str) -> str:
     """Register (once) and return the attention-interface name of all-to-all attention around
     ``implementation``; its mask function is the inner implementation's, so masks are built as HF builds them."""
-    name = ALL_TO_ALL_PREFIX + implementation
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, all_to_all_attention)
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[implementation])
-    return name
+    return _register_wrapper(ALL_TO_ALL_PREFIX + implementation, all_to_all_attention, implementation)
 
 
 __all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
-           "attention_problems", "whole_sequence_bias", "call_attention", "local_rng_name"]
+           "attention_problems", "registered_problems", "registries", "whole_sequence_bias", "call_attention",
+           "local_rng_name"]

@@ -2,8 +2,8 @@
 against one model and mesh and applied by a sequence of passes (:mod:`.passes`) behind :func:`~.sharder.shard`.
 
 * :mod:`.plan`: the plan's data types and pattern matching; :mod:`.shard_report`: what ``shard()`` did;
-* :mod:`.passes`, :mod:`.sharder`: check everything, then rewrite; :mod:`.sharded`: the state a sharded model
-  carries;
+* :mod:`.passes`, :mod:`.sharder`: check everything, then rewrite; :mod:`.transaction`: a failed rewrite restores
+  the model; :mod:`.sharded`: the state a sharded model carries;
 * :mod:`.sequence` (Megatron) and :mod:`.all_to_all` (Ulysses): sequence parallelism;
 * :mod:`.losses`: vocab-parallel losses; :mod:`.state`: full state dicts to and from the shards.
 

@@ -41,6 +41,9 @@ def _all_to_all_problems(r) -> list[str]:
             module = r.modules[path]
             if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
                 problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
+            if site.bias_method is not None and not callable(getattr(module, site.bias_method, None)):
+                problems.append(f"{path}: {type(module).__name__} has no method {site.bias_method!r} "
+                                "(AttentionSite.bias_method)")
             heads = getattr(module, site.heads)
             if heads % (tp * sp):
                 problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}:"

@@ -5,7 +5,13 @@ through one check that reports a pattern matching no module. Each feature is a p
 
 * ``problems(r) -> list[str]``: everything that stops it, found before anything changes (``shard`` reports the
   problems of all passes together in one PlanError and leaves the model untouched);
-* ``install(r)``: the rewrite, in pass order, recording what it did in ``r.report``.
+* ``install(r)``: the rewrite, in pass order, recording what it did in ``r.report`` (and ``prepare(r)``, optional:
+  state that any install may read, run for every pass before the first install).
+
+``shard`` runs every pass's ``problems`` before the first ``prepare`` / ``install``, and the installs inside a
+transaction that restores the model if one raises (:mod:`shardlib.sharding.transaction`). So a pass's checks must
+not change the model, and an install may replace anything a module holds (children, parameters, attributes, hooks,
+its class) and write its config, but must not write tensor data in place (that could not be undone).
 
 Adding a feature (context parallelism, say) is adding a pass to :func:`passes_for`; no other pass changes. The
 passes: tensor-parallel styles with ties and attributes (:class:`TensorParallel`), fused kernels
@@ -24,7 +30,7 @@ from torch import nn
 
 from .. import pipeline
 from ..kernels import Kernels
-from ..kernels.attention import local_rng_name, own_configs, set_attention
+from ..kernels.attention import local_rng_name, own_configs, registered_problems, set_attention
 from ..parallel.collectives import all_reduce
 from ..parallel.layout import LAYOUTS_ATTR, layout_of, set_layout
 from ..parallel.random import LOCAL_STREAM_ATTR
@@ -221,7 +227,9 @@ class KernelsPass:
         self.kernels = kernels
 
     def problems(self, r: Resolved) -> list[str]:
-        return self.kernels.problems(kernel_sites(self.kernels, r.plan, r.modules))
+        implementation = self.kernels.attention or getattr(r.model.config, "_attn_implementation", None)
+        return (self.kernels.problems(kernel_sites(self.kernels, r.plan, r.modules))
+                + registered_problems(r.name, implementation))
 
     def prepare(self, r: Resolved) -> None:
         own_configs(r.model)  # the attention switches below and later write to the config: not to a shared one

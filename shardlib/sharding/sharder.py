@@ -3,6 +3,11 @@
 Everything is checked before anything changes: a pattern that matches no module, a style on the wrong module
 type, a width or head count that tp does not divide, tied parameters that would get different layouts. All
 problems are reported together in one :class:`PlanError`, and the model is left untouched.
+
+A failed ``shard()`` changes nothing, by construction: every pass's checks run before the first install
+(:func:`_check`), and the whole call runs inside :func:`shardlib.sharding.transaction.restoring`, so an exception
+raised anyway (by an install, or an interrupt) restores the model (parameters, modules, attributes, hooks, classes,
+configs) and the attention registries before it propagates.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from .plan import PlanError
 from .sequence import sequence_mode
 from .shard_report import ShardReport
 from .sharded import ShardState, shard_state
+from .transaction import restoring
 
 log = logging.getLogger("shardlib")
 
@@ -71,45 +77,38 @@ def shard(
 
     The report of every rewrite is ``shard_state(model).report`` (also ``shardlib.report(model)``).
     """
-    from shardlib.policies import has_policy, policy_for
-
     if shard_state(model, required=False) is not None:
         raise PlanError(f"{type(model).__name__} is already sharded")
-    wrapper, model = model, peft_inner_model(model) or model  # a peft model: its transformers model is sharded
+    with restoring(model, type(model).__name__):
+        return _shard(model, mesh, policy, verify_plan, dict(
+            gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
+            stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
+            sequence_parallel=sequence_parallel, rng_tracker=rng_tracker))
+
+
+def _shard(wrapper: nn.Module, mesh: Mesh, policy, verify_plan: bool, options: dict) -> nn.Module:
+    """:func:`shard`'s body: resolve, check everything, then install (inside the caller's transaction)."""
+    from shardlib.policies import has_policy, policy_for
+
+    model = peft_inner_model(wrapper) or wrapper  # a peft model: its transformers model is sharded
     inferred = policy == "auto" or (policy is None and not has_policy(model))
     policy = _inferred_policy(model, asked=policy == "auto") if inferred else policy or policy_for(model)
-    options = dict(gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
-                   stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
-                   sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
     if inferred:
         from .inference import infer
 
         report.unplaced = [(u.module, u.why) for u in infer(model).unplaced]
     r = Resolved(model, mesh, policy.plan(model, mesh.tp), options, report)
-    options["sequence_mode"] = sequence_mode(sequence_parallel, r.problems)
+    options["sequence_mode"] = sequence_mode(options["sequence_parallel"], r.problems)
     passes = passes_for(r)
-    problems = [problem for p in passes for problem in p.problems(r)]
-    if inferred:
-        problems += _inferred_problems(model, mesh)
-    if r.problems or problems:
-        sp = getattr(mesh, "sp", 1)
-        raise PlanError(
-            f"cannot shard {type(model).__name__} with policy '{policy.name}' at tp={mesh.tp}, "
-            f"pp={getattr(mesh, 'pp', 1)}" + (f", sp={sp}" if sp > 1 else "") + ":\n  "
-            + "\n  ".join(r.problems + problems)
-        )
+    _check(r, passes, policy, _inferred_problems(model, mesh) if inferred else [])
 
     if inferred and verify_plan:
-        report.verified_s = _verify_inferred(model, policy, r.plan, mesh, sequence_parallel)
-    if rng_tracker is None:
+        report.verified_s = _verify_inferred(model, policy, r.plan, mesh, options["sequence_parallel"])
+    if options["rng_tracker"] is None:
         options["rng_tracker"] = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
     report.unsharded_bytes = _param_bytes(model.parameters())
-    for p in passes:
-        if hasattr(p, "prepare"):
-            p.prepare(r)
-    for p in passes:
-        p.install(r)
+    _install(r, passes)
     report.local_bytes = _param_bytes(r.split.local_parameters() if r.split else model.parameters())
     state = ShardState(mesh=mesh, policy=policy, plan=r.plan, report=report, rng_tracker=options["rng_tracker"],
                        pipeline=r.split)
@@ -117,6 +116,28 @@ def shard(
         state.attach(holder)
     log.info("%s", report)
     return wrapper
+
+
+def _check(r: Resolved, passes: list, policy, extra: list[str]) -> None:
+    """Every pass's problems, and those found resolving the plan (``extra``: more of the caller's), in one
+    PlanError. Checks read the model and change nothing; they all run before the first install."""
+    problems = [problem for p in passes for problem in p.problems(r)] + extra
+    if r.problems or problems:
+        mesh, sp = r.mesh, getattr(r.mesh, "sp", 1)
+        raise PlanError(
+            f"cannot shard {r.name} with policy '{policy.name}' at tp={mesh.tp}, "
+            f"pp={getattr(mesh, 'pp', 1)}" + (f", sp={sp}" if sp > 1 else "") + ":\n  "
+            + "\n  ".join(r.problems + problems)
+        )
+
+
+def _install(r: Resolved, passes: list) -> None:
+    """The rewrite: every pass's ``prepare`` (state later installs read), then every ``install``, in pass order."""
+    for p in passes:
+        if hasattr(p, "prepare"):
+            p.prepare(r)
+    for p in passes:
+        p.install(r)
 
 
 def _inferred_problems(model: nn.Module, mesh) -> list[str]:
@@ -131,12 +152,16 @@ def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel) ->
     """Prove an inferred plan before use (:mod:`.inference.verify`) on the mesh's tp group, and its pipeline cuts
     (:mod:`.inference.cuts`) when the model is pipelined; the seconds it took, None when there was nothing to
     prove (tp=1, no pipeline)."""
+    from ..parallel.mesh import DEFAULT_TIMEOUT_S
+    from ..parallel.timeouts import stalled_ranks_named
     from .inference.cuts import verify_cuts
     from .inference.verify import verify
 
     seconds = None
     if mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
-        seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
+        with stalled_ranks_named("shard() (proving the inferred plan on the tensor-parallel group)",
+                                 getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S)):
+            seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
     if getattr(mesh, "pp", 1) > 1:
         seconds = (seconds or 0.0) + verify_cuts(model, plan)
     return seconds
