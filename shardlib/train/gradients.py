@@ -1,7 +1,8 @@
 """The gradients of a training step once summed (:class:`StepGradients`, one per
-:class:`~shardlib.train.trainer.Trainer`): their global norm over the whole mesh, clipping, and the names of
-non-finite ones. Split from the Trainer, which owns the step's order and delegates to this; the sums over pipeline
-stages and dp are :mod:`shardlib.train.dataparallel`'s."""
+:class:`~shardlib.train.trainer.Trainer`): their global norm over the whole mesh, clipping, whether any is not
+finite anywhere on the mesh, and the names of the non-finite ones (this rank's, or every rank's when a run stops on
+them). Split from the Trainer, which owns the step's order and delegates to this; the sums over pipeline stages and
+dp are :mod:`shardlib.train.dataparallel`'s."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.nn.utils import get_total_norm
 from ..parallel.layout import named_layouts
 from .fsdp import local
 from .optim import param_pairs
+from .precision import found_non_finite
 
 
 class StepGradients:
@@ -70,7 +72,7 @@ class StepGradients:
                 dist.all_reduce(total, group=self.mesh.group(dim))
         return total.sqrt()[0]
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float, *, raise_non_finite: bool = True) -> float:
         """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``
         rule: by ``max_norm / (norm + 1e-6)`` when that is below 1, applied here to local tensors, which FSDP2's
         DTensor gradients need); returns the norm before.
@@ -78,11 +80,14 @@ class StepGradients:
         A non-finite norm is an error, on every rank alike (the norm is global), naming the parameters whose
         gradients hold inf/nan on this rank: clipping cannot bound it, and scaling by ``max_norm / nan`` would write
         nan into every parameter. Nothing is stepped. (Skipping the step instead is the fp16 loss scaler's answer
-        to an overflow that its scale caused; in fp32 / bf16 a non-finite gradient is a diverged run, which
-        Megatron also stops on.)"""
+        to an overflow that its scale caused, and ``Trainer(skip_nonfinite=True)``'s, which passes
+        ``raise_non_finite=False``: the non-finite norm is returned and nothing is scaled. In fp32 / bf16 a
+        non-finite gradient is otherwise a diverged run, which Megatron also stops on.)"""
         norm = self.norm()
         value = float(norm)
         if not math.isfinite(value):
+            if not raise_non_finite:
+                return value
             raise FloatingPointError(f"the gradient norm is {value} (max_grad_norm={max_norm}); the optimizer did "
                                      f"not step. Non-finite gradients on this rank: {self.non_finite()}. "
                                      "Lower the learning rate, or look for an overflowing loss or input")
@@ -92,11 +97,44 @@ class StepGradients:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return value
 
+    def any_non_finite(self) -> bool:
+        """Whether any gradient the optimizer step would read, on any rank of the whole mesh, holds an inf or nan:
+        the loss scaler's check (:func:`shardlib.train.precision.found_non_finite`: one fused pass over this
+        rank's gradients, one all-reduce of one flag over the world). The same answer on every rank."""
+        return found_non_finite(self.stepped())
+
+    def non_finite_names(self) -> list[str]:
+        """This rank's parameters whose (stepped) gradient holds an inf or nan, in model order."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return [names.get(id(p), "?") for p, t in self.pairs()
+                if t.grad is not None and not bool(torch.isfinite(local(t.grad)).all())]
+
     def non_finite(self) -> str:
         """The names of this rank's parameters whose (stepped) gradient holds an inf or nan, for error messages."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        bad = [names.get(id(p), "?") for p, t in self.pairs()
-               if t.grad is not None and not bool(torch.isfinite(local(t.grad)).all())]
+        bad = self.non_finite_names()
         if not bad:
             return "none (they are on another rank)"
         return ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+
+    def non_finite_everywhere(self, limit: int = 8) -> str:
+        """The parameters whose gradient holds an inf or nan on any rank, each with the ranks (and their mesh
+        coordinates) where it does: one ``all_gather_object`` of every rank's :meth:`non_finite_names` over the
+        world. A collective: for the failure path only, called by every rank (the skip decision is global)."""
+        mine = (dist.get_rank() if dist.is_initialized() else 0, self._coordinates(), self.non_finite_names())
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        where: dict[str, list[str]] = {}
+        for rank, coordinates, names in everyone:
+            for name in names:
+                where.setdefault(name, []).append(f"rank {rank}" + (f" ({coordinates})" if coordinates else ""))
+        if not where:
+            return "none: every gradient is finite; their norm is not (a square overflowed)"
+        parts = [f"{name} on {', '.join(ranks)}" for name, ranks in where.items()]
+        return "; ".join(parts[:limit]) + (f"; and {len(parts) - limit} more" if len(parts) > limit else "")
+
+    def _coordinates(self) -> str:
+        """This rank's place on the mesh's dimensions of more than one rank (``"dp=1, tp=0"``)."""
+        return ", ".join(f"{dim}={self.mesh.local_rank(dim)}" for dim in ("dp", "pp", "sp", "tp")
+                         if self.mesh.size(dim) > 1)

@@ -3,7 +3,9 @@
 * ``bf16`` / ``fp16``: every forward runs under ``torch.autocast`` with that dtype (the weights keep their dtype).
 * ``fp16`` adds :class:`DynamicLossScaler`: the loss is multiplied by the scale before backward, the gradients are
   divided by it (and checked for inf/nan) before clipping, and a step with an inf/nan gradient on *any* rank of
-  the mesh is skipped on *every* rank: one all-reduce of one flag over the whole world per step.
+  the mesh is skipped on *every* rank: one all-reduce of one flag over the whole world per step
+  (:func:`found_non_finite`, which ``Trainer(skip_nonfinite=True)`` runs in the other precisions,
+  :mod:`shardlib.train.nonfinite`).
 * ``master_weights=True`` (for weights already in fp16/bf16): the optimizer steps fp32 copies of the parameters
   (:class:`shardlib.train.optim.MasterWeightsOptimizer`), as Megatron's and ColossalAI's mixed-precision
   optimizers do; the model's low-precision weights are refreshed from them after every step.
@@ -70,19 +72,8 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, grads: list[torch.Tensor], group=None) -> bool:
         """Divide ``grads`` by the scale in place; True when any gradient on any rank of ``group`` (default: the
-        whole world) is inf or nan. One all-reduce of one flag."""
-        found = torch.zeros(1, dtype=torch.float32, device=_flag_device())
-        by_kind: dict = {}
-        for g in grads:
-            by_kind.setdefault((g.device, g.dtype), []).append(g)
-        for (device, _), same in by_kind.items():
-            here = torch.zeros(1, dtype=torch.float32, device=device)
-            inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(same, here, inverse)
-            found += here.to(found.device)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
+        whole world) is inf or nan. One all-reduce of one flag (:func:`found_non_finite`)."""
+        return found_non_finite(grads, inverse_scale=1.0 / self.scale, group=group)
 
     def update(self, overflow: bool) -> None:
         if overflow:
@@ -107,6 +98,26 @@ class DynamicLossScaler:
         for key in ("good_steps", "overflows", "skipped"):
             setattr(restored, key, int(state[key]))
         self.__dict__.update(restored.__dict__)
+
+
+def found_non_finite(grads: list[torch.Tensor], *, inverse_scale: float = 1.0, group=None) -> bool:
+    """True when any of ``grads`` on any rank of ``group`` (default: the whole world) holds an inf or nan, the same
+    answer on every rank: torch's fused check (``torch._amp_foreach_non_finite_check_and_unscale_``, what
+    ``GradScaler`` calls) per device and dtype, then one all-reduce (MAX) of one flag. ``grads`` are multiplied by
+    ``inverse_scale`` in place (the loss scaler's unscaling; 1.0 leaves every value as it is). Every rank of
+    ``group`` must call it, with its own gradients (an empty list too)."""
+    found = torch.zeros(1, dtype=torch.float32, device=_flag_device())
+    by_kind: dict = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), same in by_kind.items():
+        here = torch.zeros(1, dtype=torch.float32, device=device)
+        inverse = torch.full((1,), inverse_scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(same, here, inverse)
+        found += here.to(found.device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return bool(found.item())
 
 
 def _flag_device() -> str:

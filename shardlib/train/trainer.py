@@ -39,6 +39,7 @@ from ..parallel.gradsync import late_gradients
 from .dataparallel import data_parallel
 from .fsdp import apply_fsdp
 from .gradients import StepGradients
+from .nonfinite import check_skip_options, make_guard
 from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
 
@@ -67,12 +68,15 @@ class Trainer:
 
     ``precision``: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a dynamic loss scaler:
     ``loss_scaler=DynamicLossScaler(...)`` or a dict of its settings; a step with an inf/nan gradient anywhere in
-    the mesh is skipped everywhere, ``last_step_skipped``). ``master_weights``: the optimizer steps fp32 copies of
-    fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the gradients too (both by elements of
-    flat buckets of ``bucket_mb`` MiB, :mod:`shardlib.train.zero`), 3 the parameters too (FSDP2); ``offload``:
-    keep zero=3's parameters and optimizer state in CPU memory (CUDA only). ``compile``:
-    ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages compile their
-    layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
+    the mesh is skipped everywhere, ``last_step_skipped``). ``skip_nonfinite``: skip (and count) any step whose
+    gradients hold an inf/nan anywhere in the mesh, in any precision, and stop with FloatingPointError naming the
+    parameters after ``max_consecutive_skips`` (default 20) in a row (:mod:`shardlib.train.nonfinite`; without it a
+    non-finite gradient norm when clipping raises, and without clipping nothing is checked). ``master_weights``:
+    the optimizer steps fp32 copies of fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the
+    gradients too (both by elements of flat buckets of ``bucket_mb`` MiB, :mod:`shardlib.train.zero`), 3 the
+    parameters too (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only).
+    ``compile``: ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages
+    compile their layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
 
     Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
     subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
@@ -87,7 +91,8 @@ class Trainer:
                  schedule: str = "1f1b", max_grad_norm: float | None = None,
                  precision: str = "fp32", loss_scaler=None, master_weights: bool = False, zero: int = 0,
                  offload: bool = False, bucket_mb: float = 25.0, activation_checkpointing: bool = False,
-                 compile: bool | dict = False,
+                 compile: bool | dict = False, skip_nonfinite: bool = False,
+                 max_consecutive_skips: int | None = None,
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward_step: Callable | None = None):
         state = shard_state(model)
@@ -97,6 +102,7 @@ class Trainer:
         base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
         check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights, base)
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
+        check_skip_options(skip_nonfinite, max_consecutive_skips)
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
         apart = generator_disagreement(state.mesh)  # before anything changes the model
         if apart:
@@ -109,6 +115,7 @@ class Trainer:
         self.max_grad_norm, self.loss_fn = max_grad_norm, loss_fn
         self.precision, self.zero = precision, zero
         self.scaler = make_scaler(precision, loss_scaler)
+        self.nonfinite = make_guard(skip_nonfinite, max_consecutive_skips)  # None: the option is off
         if forward_step is not None:
             self.forward_step = forward_step  # the instance attribute shadows the method
         self.custom_forward = forward_step is not None or type(self).forward_step is not Trainer.forward_step
@@ -135,7 +142,7 @@ class Trainer:
                                          rng_tracker=state.rng_tracker)
         self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
         self.last_grad_norm: float | None = None
-        self.last_step_skipped = False  # fp16: the last step had an inf/nan gradient somewhere and was skipped
+        self.last_step_skipped = False  # the last step had an inf/nan gradient somewhere and was skipped
         self._total = 1.0
 
     def _zero_options(self, model: nn.Module, bucket_mb: float) -> dict:
@@ -176,21 +183,45 @@ class Trainer:
         total = self._global_items(batches)
         loss = sum(self._forward_backward(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches))
         self.reduce_gradients()
-        self.last_grad_norm = None
         copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
-        if self.scaler is not None:
-            overflow = self.scaler.unscale_and_check(self.gradients.stepped())
-            self.scaler.update(overflow)
-            self.last_step_skipped = overflow
-            if overflow:
-                self.zero_grad()
-                return loss
-        if self.max_grad_norm is not None:
-            self.last_grad_norm = self.clip_grad_norm(self.max_grad_norm)
-        elif self.track_grad_norm:
-            self.last_grad_norm = float(self.grad_norm())
-        self.optimizer_step()
+        self.last_step_skipped = self._check_and_clip()
+        if self.last_step_skipped:
+            self.zero_grad()
+        else:
+            self.optimizer_step()
         return loss
+
+    def _check_and_clip(self) -> bool:
+        """Unscale (fp16), check and clip the step's gradients; True when the step is to be skipped, the same on
+        every rank of the mesh: an fp16 overflow, or with ``skip_nonfinite`` an inf/nan gradient anywhere or a
+        non-finite clipping norm (:mod:`shardlib.train.nonfinite`). Raises FloatingPointError on a non-finite
+        clipping norm without ``skip_nonfinite``, and on its ``max_consecutive_skips``-th skip in a row."""
+        self.last_grad_norm = None
+        skip = by_scaler = False
+        if self.scaler is not None:
+            skip = by_scaler = self.scaler.unscale_and_check(self.gradients.stepped())
+            self.scaler.update(skip)
+        elif self.nonfinite is not None:
+            skip = self.gradients.any_non_finite()
+        if not skip and self.max_grad_norm is not None:
+            norm = self.clip_grad_norm(self.max_grad_norm) if self.nonfinite is None else \
+                self.gradients.clip(self.max_grad_norm, raise_non_finite=False)  # a non-finite norm: returned
+            skip = not math.isfinite(norm)
+            self.last_grad_norm = None if skip else norm
+        elif not skip and self.track_grad_norm:
+            self.last_grad_norm = float(self.grad_norm())
+        if self.nonfinite is not None:
+            self.nonfinite.record(skip, by_scaler=by_scaler, names=self.gradients.non_finite_everywhere)
+        return skip
+
+    @property
+    def skipped_steps(self) -> int | None:
+        """Steps skipped for inf/nan gradients so far: the fp16 loss scaler's plus ``skip_nonfinite``'s, each step
+        counted once; None when neither is on."""
+        if self.scaler is None and self.nonfinite is None:
+            return None
+        return (self.scaler.skipped if self.scaler is not None else 0) + \
+            (self.nonfinite.skipped if self.nonfinite is not None else 0)
 
     def optimizer_step(self) -> None:
         """The optimizer's step, once the gradients are reduced, unscaled and clipped (override to wrap it)."""
