@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", default=None,
                    help="host:port of the multi-node rendezvous store (unauthenticated: a trusted network only); "
                         "without it the run is single-node, on loopback")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every rank this many times after a failure (default 0); the script's fit resumes "
+                        "from its newest complete checkpoint (docs/training.md, \"Failures\")")
     p.add_argument("script", help="the Python script every rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -302,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--nproc must be >= 1, got {args.nproc}")
         from .train.launch import run
 
+        if args.max_restarts < 0:
+            parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
         return run(args.nproc, args.script, args.script_args, args.nnodes, args.node_rank, args.rdzv_endpoint,
-                   launcher_args)
+                   launcher_args, max_restarts=args.max_restarts)
     return 2
 
 

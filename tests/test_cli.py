@@ -170,12 +170,31 @@ def test_single_node_run_rendezvous_on_loopback_and_environment_restored(monkeyp
     assert _torchrun_arguments(monkeypatch)[1]["GLOO_SOCKET_IFNAME"] == "eth7"
 
 
-def test_multi_node_run_uses_the_c10d_rendezvous_unchanged(monkeypatch):
+def test_multi_node_run_uses_the_c10d_rendezvous_with_a_store_per_round(monkeypatch):
+    """torch's c10d rendezvous behind shardlib's wrapper (a new ranks' store every round; unshared, so a node that
+    joins later learns each round's address)."""
     args, env = _torchrun_arguments(monkeypatch, nnodes="2", node_rank=1, rdzv_endpoint="node0:29400")
-    assert args[args.index("--rdzv-backend") + 1] == "c10d"
+    assert args[args.index("--rdzv-backend") + 1] == launch.ELASTIC_RENDEZVOUS
+    assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     assert args[args.index("--rdzv-endpoint") + 1] == "node0:29400"
     assert args[args.index("--node-rank") + 1] == "1"
     assert env.get("GLOO_SOCKET_IFNAME") == os.environ.get("GLOO_SOCKET_IFNAME")  # gloo left on the network
+
+
+def test_max_restarts_reaches_torchrun_from_both_launch_paths(monkeypatch):
+    """``shardlib run --max-restarts 3`` and ``python train.py --nproc 2 --max-restarts 3`` hand torchrun 3;
+    a negative count is refused before anything starts."""
+    import shardlib.train.args as train_args
+
+    args, _ = _torchrun_arguments(monkeypatch, max_restarts=3)
+    assert args[args.index("--max-restarts") + 1] == "3"
+    seen = {}
+    monkeypatch.setattr(launch, "run", lambda nproc, script, argv, **kw: seen.update(kw) or 0)
+    with pytest.raises(SystemExit):
+        train_args.parse_args(args=["--nproc", "2", "--max-restarts", "3"])
+    assert seen == {"max_restarts": 3}
+    with pytest.raises(ValueError, match="--max-restarts must be >= 0, got -1"):
+        train_args.parse_args(args=["--max-restarts", "-1"], launch=False)
 
 
 def test_loopback_rendezvous_refuses_several_nodes():

@@ -46,7 +46,13 @@ class TrainingArguments:
         default=None, metadata={"help": "Megatron SP on the tp group, or all-to-all over --sp ranks"})
     nproc: Optional[int] = field(default=None, metadata={
         "help": "start this many local ranks when the script was not started by a launcher"})
+    max_restarts: int = field(default=0, metadata={
+        "help": "with --nproc: restart every rank this many times after a failure; fit resumes from the newest "
+                "complete checkpoint in --save-dir"})
     microbatches: int = field(default=1, metadata={"help": "microbatches per step (pipeline / accumulation)"})
+    microbatch_size: Optional[int] = field(default=None, metadata={
+        "help": "samples per microbatch on each rank: sets --microbatches to batch-size / (dp x this) from the "
+                "world size, so a job that shrinks to fewer ranks accumulates more microbatches of the same size"})
     schedule: str = field(default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, "
                                                             "looped_bfs"})
     batch_size: int = field(default=32, metadata={"help": "global batch size"})
@@ -56,6 +62,10 @@ class TrainingArguments:
     weight_decay: float = 0.0
     warmup_ratio: float = field(default=0.0, metadata={"help": "linear warmup share of the steps, then cosine"})
     max_grad_norm: Optional[float] = field(default=1.0, metadata={"help": "clip the global gradient norm"})
+    skip_nonfinite: bool = field(default=False, metadata={
+        "help": "skip and count a step whose gradients hold inf/nan on any rank (any precision)"})
+    max_consecutive_skips: Optional[int] = field(default=None, metadata={
+        "help": "--skip-nonfinite: stop after this many skipped steps in a row, naming the parameters (default 20)"})
     epochs: Optional[int] = None
     max_steps: Optional[int] = None
     eval_interval: Optional[str] = field(default=None, metadata={"help": "evaluate every N steps, or 'epoch'"})
@@ -98,7 +108,7 @@ class TrainingArguments:
         for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("dp", "nproc", "eval_batch_size", "epochs", "max_steps", "save_interval"):
+        for name in ("dp", "nproc", "eval_batch_size", "epochs", "max_steps", "save_interval", "microbatch_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1 when given, got {getattr(self, name)}")
         for name in ("lr", "weight_decay"):
@@ -109,6 +119,8 @@ class TrainingArguments:
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"--max-grad-norm must be a positive finite number (or None: no clipping), got "
                              f"{self.max_grad_norm}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers must be >= 0, got {self.num_workers}")
         from .autolayout import check_auto
@@ -127,10 +139,24 @@ class TrainingArguments:
 
     def trainer_options(self) -> dict:
         """Keyword arguments of :class:`shardlib.train.Trainer` (after the model and the optimizer)."""
-        return {"microbatches": self.microbatches, "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
+        return {"microbatches": self.microbatches_per_step(), "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "zero": self.zero, "offload": self.offload, "bucket_mb": self.bucket_mb,
                 "master_weights": self.master_weights, "loss_scaler": self.loss_scaler(),
-                "activation_checkpointing": self.activation_checkpointing, "compile": self.compile}
+                "activation_checkpointing": self.activation_checkpointing, "compile": self.compile,
+                "skip_nonfinite": self.skip_nonfinite, "max_consecutive_skips": self.max_consecutive_skips}
+
+    def microbatches_per_step(self) -> int:
+        """``--microbatches``, or with ``--microbatch-size``: the global batch over dp x that size (dp from the world
+        size when not given)."""
+        if self.microbatch_size is None:
+            return self.microbatches
+        model = self.pp * self.sp * self.tp
+        dp = self.dp or max(int(os.environ.get("WORLD_SIZE", "1")) // model, 1)
+        per_rank, rest = divmod(self.batch_size, dp)
+        if rest or per_rank % self.microbatch_size:
+            raise ValueError(f"--batch-size {self.batch_size} is not a multiple of dp({dp}) x --microbatch-size "
+                             f"{self.microbatch_size}")
+        return per_rank // self.microbatch_size
 
     def loss_scaler(self) -> dict | None:
         """The fp16 loss scaler's settings (:class:`shardlib.train.DynamicLossScaler`), None for other precisions."""
@@ -188,7 +214,7 @@ def launch_if_requested(args: TrainingArguments, argv: list[str] | None = None) 
     from .launch import run
 
     argv = list(sys.argv if argv is None else argv)
-    sys.exit(run(args.nproc, argv[0], _without_nproc(argv[1:])))
+    sys.exit(run(args.nproc, argv[0], _without_nproc(argv[1:]), max_restarts=args.max_restarts))
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

@@ -29,8 +29,10 @@ import torch.distributed as dist
 from .. import checkpoint
 from ..parallel.mesh import DEFAULT_TIMEOUT_S
 from ..parallel.random import rng_streams
+from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError, SafetensorsFile
 from ..sharding.sharded import shard_state
+from .restarts import restart_count
 
 log = logging.getLogger("shardlib.train")
 
@@ -94,7 +96,11 @@ def foreign_reason(meta: dict, model) -> str | None:
         k = differing[0]
         return (f"its config differs in {len(differing)} field(s), e.g. {k}: saved {saved.get(k)!r}, "
                 f"this model {ours.get(k)!r}")
-    if "train" not in meta or meta["train"].get("format") != TRAIN_STATE_FORMAT:
+    found = meta["train"].get("format") if isinstance(meta.get("train"), dict) else None
+    newer = checkpoint.format.newer_format(found, TRAIN_STATE_FORMAT)
+    if newer:
+        return f"its train state's {newer}"
+    if found != TRAIN_STATE_FORMAT:
         return "it has no train state (a model checkpoint, not a training checkpoint)"
     return None
 
@@ -220,7 +226,8 @@ class TrainCheckpoints:
                     except CheckpointError as exc:
                         log.warning("skipping %s", exc)
                 if chosen is None:
-                    log.warning("resume='auto': no complete checkpoint in %s; starting at step 0", self.root)
+                    log.warning("%sresume='auto': no complete checkpoint in %s; starting at step 0",
+                                f"restart {restart_count()}: " if restart_count() else "", self.root)
             else:
                 try:
                     check_resumable(Path(resume), self.trainer.model)
@@ -229,7 +236,10 @@ class TrainCheckpoints:
                     error = str(exc)
         holder = [(chosen, error)]
         if dist.is_initialized():
-            dist.broadcast_object_list(holder, src=0)
+            mesh = shard_state(self.trainer.model).mesh
+            with stalled_ranks_named(f"resuming from {resume} (rank 0 chooses the checkpoint)",
+                                     getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S)):
+                dist.broadcast_object_list(holder, src=0)
         chosen, error = holder[0]
         if error:
             raise CheckpointError(error)

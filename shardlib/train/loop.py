@@ -20,6 +20,7 @@ from .batches import first_tensor, split_batch
 from .checkpoints import TrainCheckpoints
 from .data import EpochData
 from .logs import TrainLog
+from .restarts import Progress, announce, default_resume
 from .termination import EXIT_STATUS, SigtermStop
 
 
@@ -116,8 +117,13 @@ def evaluate(trainer, data: EpochData, metrics: dict[str, Callable] | None = Non
             for i, fn in enumerate(metrics.values()):
                 sums[3 + i] += float(torch.as_tensor(fn(out, mb)).double().sum())  # a CUDA metric too
     if dist.is_initialized():
+        from ..parallel.mesh import DEFAULT_TIMEOUT_S
+        from ..parallel.timeouts import stalled_ranks_named
+
         reduced = sums.to(mesh.device_type)  # NCCL reduces CUDA tensors only
-        dist.all_reduce(reduced)
+        with stalled_ranks_named("evaluate (the all-reduce of the loss and metric sums)",
+                                 getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S)):
+            dist.all_reduce(reduced)
         sums = reduced.cpu()
     result = {"samples": int(sums[0]), "loss": float(sums[2] / sums[1]) if sums[1] else None}
     result |= {name: float(sums[3 + i] / sums[0]) if sums[0] else None for i, name in enumerate(metrics)}
@@ -187,11 +193,15 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     loop = FitLoop(trainer, data, evals, scheduler, checkpoints, metrics=metrics, epochs=epochs,
                    max_steps=max_steps, eval_interval=eval_interval, log_interval=log_interval,
                    save_interval=save_interval if save_dir is not None else None, seed=seed, batch_size=batch_size)
-    resume_from = checkpoints.find(resume)  # validates; writes nothing
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    loop.progress = Progress(save_dir, enabled=rank0)
+    resume_from = checkpoints.find(default_resume(resume, save_dir))  # validates; writes nothing
     if resume_from is not None:
         loop.resume(resume_from)
+        if rank0:
+            logging.getLogger("shardlib.train").warning(
+                announce(resume_from, loop.step, batch_size, loop.progress.previous))
     checkpoints.remove_unfinished()
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     log = TrainLog(save_dir, enabled=rank0, total_steps=total, start_step=loop.step, progress=progress)
     with SigtermStop(save_dir is not None, mesh.device_type) as loop.sigterm:
         return loop.run(log)
@@ -212,6 +222,7 @@ class FitLoop:
         self.last_saved: int | None = None
         self.log: TrainLog | None = None
         self.sigterm = SigtermStop(False)  # fit() installs the real one around run()
+        self.progress = Progress(None, enabled=False)  # fit() sets rank 0's
         self._window: list[float] = []
         self._window_start, self._window_tokens = time.perf_counter(), 0
 
@@ -224,9 +235,11 @@ class FitLoop:
         self.step, self.epoch, self.position = train["step"], train["epoch"], train["batch_in_epoch"]
         if self.scheduler is not None and train["scheduler"] is not None:
             self.scheduler.load_state_dict(train["scheduler"])
-        scaler = self.trainer.scaler
+        scaler, guard = self.trainer.scaler, self.trainer.nonfinite
         if scaler is not None and train.get("scaler") is not None:
             scaler.load_state_dict(train["scaler"])
+        if guard is not None and train.get("nonfinite") is not None:
+            guard.load_state_dict(train["nonfinite"])
         self.result = FitResult(step=self.step, epoch=self.epoch, first_step=self.step, resumed_from=directory)
 
     def run(self, log: TrainLog) -> FitResult:
@@ -259,10 +272,10 @@ class FitLoop:
             self.trainer.track_grad_norm = (self.step + 1) % self.log_interval == 0  # logged: compute it
             try:
                 loss = self.trainer.train_step(batch)
-            except FloatingPointError as e:  # a non-finite gradient norm: say where the run diverged
+            except FloatingPointError as e:  # a non-finite clipping norm, or max_consecutive_skips: say where
                 raise FloatingPointError(f"step {self.step + 1} (epoch {self.epoch}): {e}") from e
             if self.scheduler is not None and not self.trainer.last_step_skipped:
-                self.scheduler.step()  # a skipped fp16 step does not advance the schedule (as in Megatron)
+                self.scheduler.step()  # a skipped step (fp16 overflow, skip_nonfinite) does not advance the schedule
             self.step, self.position, stepped = self.step + 1, self.position + 1, True
             self._after_step(loss, batch)
             if self.sigterm.requested():
@@ -276,6 +289,7 @@ class FitLoop:
 
     def _after_step(self, loss: float, batch: dict) -> None:
         self.result.losses.append(loss)
+        self.progress.step(self.step)
         self._window.append(loss)
         self._window_tokens += (_tokens(self.trainer.model, batch) or 0) * self.data.dp
         self.log.step()
@@ -297,9 +311,11 @@ class FitLoop:
         self._window, self._window_start, self._window_tokens = [], time.perf_counter(), 0
 
     def _scaler_record(self) -> dict:
-        """fp16: the loss scale and the steps skipped so far (inf/nan gradients)."""
-        scaler = self.trainer.scaler
-        return {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped} if scaler is not None else {}
+        """fp16: the loss scale; fp16 or ``skip_nonfinite``: the steps skipped so far (inf/nan gradients, each
+        counted once: :attr:`Trainer.skipped_steps <shardlib.train.trainer.Trainer.skipped_steps>`)."""
+        scaler, skipped = self.trainer.scaler, self.trainer.skipped_steps
+        return ({"loss_scale": scaler.scale} if scaler is not None else {}) | \
+            ({"skipped_steps": skipped} if skipped is not None else {})
 
     def _evaluate(self) -> None:
         record = {"step": self.step, "epoch": self.epoch, "eval": True,
@@ -318,10 +334,11 @@ class FitLoop:
         raise SystemExit(EXIT_STATUS)
 
     def _save(self) -> None:
-        scaler = self.trainer.scaler
+        scaler, guard = self.trainer.scaler, self.trainer.nonfinite
         scheduler = self.scheduler.state_dict() if self.scheduler is not None else None
         json.dumps(scheduler)  # a scheduler state that JSON cannot hold fails here, before anything is written
         self.last_saved = self.step
         self.checkpoints.save(self.step, {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.position,
                                           "seed": self.seed, "batch_size": self.batch_size, "scheduler": scheduler,
-                                          "scaler": scaler.state_dict() if scaler is not None else None})
+                                          "scaler": scaler.state_dict() if scaler is not None else None,
+                                          "nonfinite": guard.state_dict() if guard is not None else None})
