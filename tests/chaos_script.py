@@ -108,12 +108,12 @@ def digest(trainer) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(trainer.model.state_dict().items()):
         h.update(name.encode())
-        h.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     for group in trainer.optimizer.state_dict()["state"].values():
         for key in sorted(group):
             value = group[key]
             if torch.is_tensor(value):
-                h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -127,7 +127,10 @@ def main():
                         intermediate_size=64, hidden_dropout_prob=mine.dropout,
                         attention_probs_dropout_prob=mine.dropout,
                         max_position_embeddings=16)
-    model = shardlib.shard(BertForSequenceClassification(config), mesh, **args.shard_options())
+    model = BertForSequenceClassification(config)
+    if mesh.device_type == "cuda":  # NCCL: on this rank's GPU (the device machine's check)
+        model = model.cuda()
+    model = shardlib.shard(model, mesh, **args.shard_options())
     trainer = shardlib.Trainer(model, lambda p: torch.optim.AdamW(p, lr=args.lr), **args.trainer_options())
     for fault in json.loads(Path(mine.faults).read_text()) if mine.faults else []:
         if fault["attempt"] == attempt() and fault["rank"] == dist.get_rank():
