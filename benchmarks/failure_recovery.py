@@ -40,12 +40,15 @@ def job(nproc: int, save_dir: Path, faults: list[dict] | None) -> float:
     if faults:
         save_dir.mkdir(parents=True)
         (save_dir / "faults.json").write_text(json.dumps(faults))
-        extra = ["--faults", str(save_dir / "faults.json"), "--max-restarts", str(len(faults))]
+        extra = ["--faults", str(save_dir / "faults.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     start = time.time()
-    subprocess.run([sys.executable, "-m", "shardlib.cli", "run", "--nproc", str(nproc), "chaos_script.py", *ARGS,
-                    "--dp", str(nproc), "--save-dir", str(save_dir), *extra], cwd=ROOT / "tests", env=env,
-                   check=True, capture_output=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "shardlib.cli", "run", "--nproc", str(nproc), "--max-restarts",
+                           str(len(faults or [])), "chaos_script.py", *ARGS, "--dp", str(nproc), "--save-dir",
+                           str(save_dir), *extra], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode:
+        sys.exit(f"the job in {save_dir} failed:\n{done.stderr[-3000:]}")
     return _records(save_dir / "steps.jsonl")[0]["time"] - start
 
 

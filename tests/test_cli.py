@@ -195,6 +195,13 @@ def test_max_restarts_reaches_torchrun_from_both_launch_paths(monkeypatch):
     assert seen == {"max_restarts": 3}
     with pytest.raises(ValueError, match="--max-restarts must be >= 0, got -1"):
         train_args.parse_args(args=["--max-restarts", "-1"], launch=False)
+    # under a launcher started without restarts (`shardlib run --nproc 2 train.py --max-restarts 3`): refused
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="give it to the launcher, before the script"):
+        train_args.parse_args(args=["--max-restarts", "3"])
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # what a self-launched rank sees: fine
+    assert train_args.parse_args(args=["--max-restarts", "3"]).max_restarts == 3
 
 
 def test_loopback_rendezvous_refuses_several_nodes():

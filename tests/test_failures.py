@@ -38,10 +38,10 @@ def run_job(nproc: int, save_dir: Path, args: list[str], *, max_restarts: int = 
         (save_dir / "faults.json").parent.mkdir(parents=True, exist_ok=True)
         (save_dir / "faults.json").write_text(json.dumps(list(faults)))
         extra = ["--faults", str(save_dir / "faults.json")]
-    launch = [SCRIPT, "--nproc", str(nproc)] if self_launch else ["-m", "shardlib.cli", "run", "--nproc", str(nproc),
-                                                                   SCRIPT]
-    result = subprocess.run([sys.executable, *launch, "--max-restarts", str(max_restarts), *args, "--save-dir",
-                             str(save_dir), *extra],
+    restarts = ["--max-restarts", str(max_restarts)]  # shardlib run's options come before the script
+    launch = [SCRIPT, "--nproc", str(nproc), *restarts] if self_launch else \
+        ["-m", "shardlib.cli", "run", "--nproc", str(nproc), *restarts, SCRIPT]
+    result = subprocess.run([sys.executable, *launch, *args, "--save-dir", str(save_dir), *extra],
                             capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT / "tests")
     assert result.returncode == 0, result.stderr[-4000:]
     return final_record(result.stdout, result.stderr)
