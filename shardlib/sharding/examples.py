@@ -62,7 +62,10 @@ def example_batch(model: nn.Module, batch: int, seq: int, device="meta", *,
     inputs = {"input_ids": ints(*shape, high=vocab)}
     eos = getattr(config, "eos_token_id", None)
     if isinstance(eos, int) and eos < vocab:  # one per row: sequence classifiers pool there (BART, T5)
-        inputs["input_ids"][..., -1] = eos
+        ids = inputs["input_ids"]
+        if generator is not None and vocab > 1:  # exactly one: BART refuses rows with different eos counts
+            ids.masked_fill_(ids == eos, (eos + 1) % vocab)
+        ids[..., -1] = eos
     if "decoder_input_ids" in forward and task in ("", "SEQ_TO_SEQ_CAUSAL_LM", "PRETRAINING"):
         inputs["decoder_input_ids"] = ints(batch, seq, high=vocab)
     if task in ("MASKED_LM", "CAUSAL_LM", "SEQ_TO_SEQ_CAUSAL_LM", "PRETRAINING"):
