@@ -192,7 +192,9 @@ def verify(directory: str) -> int:
 RUN_HELP = """\
 Start N ranks of SCRIPT on this node through torch's elastic launcher (torchrun), which sets RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT for shardlib.init_mesh. When a rank fails, every rank is stopped and the
-failing one is named (exit status 1). Options not listed here go to torchrun unchanged.
+failing one is named (exit status 1), or, with --max-restarts N, every rank is started again (up to N times) and
+fit resumes from its newest complete checkpoint. Options not listed here go to torchrun unchanged; all of them come
+before SCRIPT.
 
 One node: the rendezvous store and gloo listen on 127.0.0.1 only. Several nodes (--nnodes, --node-rank,
 --rdzv-endpoint): torch's c10d store has no authentication, anyone reaching its port can join or corrupt the job;
