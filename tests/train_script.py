@@ -68,12 +68,12 @@ def kill_mid_save(trainer, step: int) -> None:
 
     original = checkpoint_save._write_files
 
-    def write_files(directory, files):
+    def write_files(directory, files, *args, **kwargs):
         if files and f"step-{step:08d}" in str(directory):
             name, tensors = next(iter(files.items()))
-            original(directory, {name: dict([next(iter(tensors.items()))])})
+            original(directory, {name: dict([next(iter(tensors.items()))])}, *args, **kwargs)
             kill_self()
-        return original(directory, files)
+        return original(directory, files, *args, **kwargs)
 
     checkpoint_save._write_files = write_files
 
