@@ -43,8 +43,15 @@ def run_job(nproc: int, save_dir: Path, args: list[str], *, max_restarts: int = 
         ["-m", "shardlib.cli", "run", "--nproc", str(nproc), *restarts, SCRIPT]
     result = subprocess.run([sys.executable, *launch, *args, "--save-dir", str(save_dir), *extra],
                             capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT / "tests")
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, _story(result.stderr)
     return final_record(result.stdout, result.stderr)
+
+
+def _story(log: str) -> str:
+    """What a failed job's log says about its attempts (the launcher's and fit's lines), then its last lines."""
+    marks = ("restart", "resum", "exitcode", "failed", "Error:", "no complete checkpoint")
+    lines = [line[:300] for line in log.splitlines() if any(m in line for m in marks)]
+    return "\n".join(lines[-40:]) + "\n--- last lines ---\n" + log[-2500:]
 
 
 def final_record(stdout: str, log: str = "") -> dict:
@@ -95,7 +102,7 @@ def test_a_killed_rank_is_restarted_and_the_replayed_steps_are_bitwise_equal(tmp
     finishes by itself, the restarted attempt resumes from the checkpoint and trains
     the replayed steps to bitwise the same losses, and the log names checkpoint, step and replayed samples."""
     args = ["--dp", "2", "--max-steps", "8", "--batch-size", "8", "--save-interval", "3", "--log-interval", "1",
-            "--no-progress", "--samples", "64"]
+            "--no-progress", "--samples", "64", "--no-async-save"]  # step 3's checkpoint is complete before step 4
     final = run_job(2, tmp_path, args, max_restarts=1, faults=[{"attempt": 0, "rank": 1, "where": "step", "step": 5}],
                     self_launch=True)
     assert final["step"] == 8 and final["digests"][0] == final["digests"][1]
