@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from profiles import ci_only
 
 ROOT = Path(__file__).resolve().parents[1]
