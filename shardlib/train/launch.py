@@ -1,7 +1,8 @@
 """Starting the ranks: ``shardlib run`` and ``python train.py --nproc N`` launch a script on N local ranks (or a
 node's share of a multi-node job) through torch's elastic launcher (torchrun), which sets RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT for :func:`shardlib.init_mesh`, tears every rank down when one fails and reports the
-failing rank with its traceback. On one node nothing listens beyond this machine (:func:`run`).
+failing rank with its traceback, or restarts them all (``max_restarts``; a new ranks' store per rendezvous round:
+:class:`_FreshStorePerRound`). On one node nothing listens beyond this machine (:func:`run`).
 """
 
 from __future__ import annotations
