@@ -25,7 +25,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 import shardlib
 from shardlib.train import mesh_from_args, parse_args
-from train_script import dataset, kill_self
+from train_script import dataset, kill_mid_save, kill_self
 
 
 @dataclass
@@ -63,18 +63,7 @@ def arm(trainer, fault: dict, save_dir: Path) -> None:
 
     where, step = fault["where"], fault["step"]
     if where == "save":
-        import shardlib.checkpoint.saving as saving
-
-        original = saving._write_files
-
-        def write_files(directory, files, *args, **kwargs):
-            if files and f"step-{step:08d}" in str(directory):
-                name, tensors = next(iter(files.items()))
-                original(directory, {name: dict([next(iter(tensors.items()))])}, *args, **kwargs)
-                die()
-            return original(directory, files, *args, **kwargs)
-
-        saving._write_files = write_files
+        kill_mid_save(trainer, step, die)
         return
     layer = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.ModuleList) and len(m))[0]
 

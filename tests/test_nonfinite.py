@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import BertConfig, BertForSequenceClassification
 
 import shardlib
+from test_trainer_args import batch, model, sgd, weights  # noqa: F401 (model: the world-of-one fixture)
 
 BERT = {"family": "bert", "cls": "BertForSequenceClassification", "seq": 8, "seed": 3, "dtype": "float32",
         "config": {"heads": 4, "head_dim": 4, "layers": 2, "intermediate": 24, "vocab": 41, "num_labels": 3},
@@ -152,32 +152,6 @@ def test_fit_skips_logs_keeps_the_schedule_and_stops_naming_the_parameter(pool, 
 
 
 # ------------------------------------------------------------------------------------------ one process
-@pytest.fixture
-def model():
-    """A tiny BERT classifier sharded on a world of one (an in-process gloo group, destroyed afterwards)."""
-    mesh = shardlib.init_mesh()
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32)
-    try:
-        yield shardlib.shard(BertForSequenceClassification(config), mesh)
-    finally:
-        dist.destroy_process_group()
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-
-def batch(n=4):
-    g = torch.Generator().manual_seed(1)
-    return {"input_ids": torch.randint(0, 40, (n, 5), generator=g), "labels": torch.randint(0, 2, (n,), generator=g)}
-
-
-def weights(model):
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def test_option_off_without_clipping_steps_nan_into_the_weights_as_before(model):
     """The behaviour kept when the option is off and nothing clips: no check, the optimizer steps, the gradient's
     nan lands in the weight, no count (plain PyTorch's behaviour; with clipping it is FloatingPointError,

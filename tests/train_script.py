@@ -62,8 +62,9 @@ def kill_mid_step(trainer, step: int, save_dir: str) -> None:
     trainer.train_step = train_step
 
 
-def kill_mid_save(trainer, step: int) -> None:
-    """SIGKILL in the background writer of the checkpoint of step ``step``, after its first tensor is written."""
+def kill_mid_save(trainer, step: int, die=kill_self) -> None:
+    """SIGKILL (``die``) in the background writer of the checkpoint of step ``step``, after its first tensor is
+    written."""
     import shardlib.checkpoint.saving as checkpoint_save
 
     original = checkpoint_save._write_files
@@ -72,7 +73,7 @@ def kill_mid_save(trainer, step: int) -> None:
         if files and f"step-{step:08d}" in str(directory):
             name, tensors = next(iter(files.items()))
             original(directory, {name: dict([next(iter(tensors.items()))])}, *args, **kwargs)
-            kill_self()
+            die()
         return original(directory, files, *args, **kwargs)
 
     checkpoint_save._write_files = write_files
