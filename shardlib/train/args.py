@@ -209,12 +209,15 @@ def launch_if_requested(args: TrainingArguments, argv: list[str] | None = None) 
     through torch's elastic launcher (:func:`shardlib.train.launch.run`), wait for them and exit with their status.
     Under a launcher, or without ``--nproc``, return at once."""
     if launched():
-        given = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-        if args.max_restarts and args.max_restarts != given:  # e.g. `shardlib run --nproc 4 train.py --max-restarts 3`: the launcher's
+        from .restarts import launcher_max_restarts
+
+        given = launcher_max_restarts()
+        if args.max_restarts and args.max_restarts != given:  # `shardlib run --nproc 4 train.py --max-restarts 3`
             raise ValueError(f"--max-restarts {args.max_restarts} reached the script, but the launcher that started "
                              f"it restarts {given} times: give it to the launcher, before the script "
                              f"(shardlib run --max-restarts {args.max_restarts} ... train.py), or with --nproc")
-    if args.nproc is None or launched():
+        return
+    if args.nproc is None:
         return
     check_nproc(args.nproc, args)
     from .launch import run

@@ -28,9 +28,14 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def launcher_max_restarts() -> int:
+    """How many times the launcher that started this process restarts the job (0: none, or no launcher)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+
+
 def restartable() -> bool:
     """Whether a launcher runs this process that restarts the job after a failure."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+    return launcher_max_restarts() > 0
 
 
 def default_resume(resume, save_dir) -> str | Path | None:
