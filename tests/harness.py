@@ -15,6 +15,12 @@ warning that carries the crash's stacks; a second crash fails the test. Gloo's a
 or corruption" three times (~1 in 1,000 tasks), each inside a nested wait that shardlib no longer makes
 (``shardlib.parallel.collectives._waited``); this stays as a net. A Python-level failure is never retried.
 
+A *silent hang* is treated the same way: ranks that do not answer within the task's timeout while no rank reported
+anything, not even the collective timeout every wait is bounded by (``collective_timeout_s``, shorter than any task
+timeout), are stuck below Python. Their stacks are written before they are killed (Python's, by faulthandler on
+SIGUSR1, and the native threads' through gdb where it is installed) and the task reruns once; a deterministic hang
+hangs again and fails.
+
 Inside a task, :func:`mesh` returns a cached mesh of the requested shape (building process groups is slow).
 """
 
@@ -25,7 +31,9 @@ import importlib
 import os
 import queue
 import signal
+import shutil
 import socket
+import subprocess
 import tempfile
 import sys
 import time
@@ -48,6 +56,10 @@ _NATIVE_CRASHES = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS}
 
 class RankTimeout(AssertionError):
     """Ranks did not answer in time (a hang); the pool was killed."""
+
+
+class SilentHang(RankTimeout):
+    """Ranks hung past every collective timeout with no rank reporting an error (see the module docstring)."""
 
 
 def _free_port() -> int:
@@ -83,7 +95,9 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results, 
     import torch.distributed as dist
 
     # a rank killed by a signal writes where each of its threads was; the driver puts it in the RankFailure
-    faulthandler.enable(open(fault_log, "w"), all_threads=True)  # noqa: SIM115 - open for the process's life
+    log = open(fault_log, "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(log, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, log, all_threads=True)  # the driver asks for the stacks of a hang
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     while True:
@@ -140,6 +154,22 @@ class RankPool:
                 out.append(f"\n--- rank {r}: faulthandler ---\n{text[-6000:]}")
         return "".join(out)
 
+    def _hang_stacks(self, ranks: list[int]) -> str:
+        """The Python stacks (faulthandler) and, where gdb is installed, the native stacks of the hung ``ranks``."""
+        native = []
+        for r in ranks:
+            os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        if shutil.which("gdb"):
+            for r in ranks:
+                try:
+                    out = subprocess.run(["gdb", "-p", str(self._procs[r].pid), "-batch", "-nx", "-ex",
+                                          "thread apply all bt 30"], capture_output=True, text=True, timeout=60)
+                    native.append(f"\n--- rank {r}: native threads (gdb) ---\n{out.stdout[-12000:]}")
+                except (OSError, subprocess.SubprocessError) as e:
+                    native.append(f"\n--- rank {r}: gdb failed: {e!r}")
+        return self._faults(ranks) + "".join(native)
+
     def stop(self, graceful: bool = True) -> None:
         if graceful:
             for q in self._tasks:
@@ -156,13 +186,14 @@ class RankPool:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         try:
             return self._run_once(fn, args, kwargs, timeout_s)
-        except NativeCrash as crash:
-            warnings.warn(f"rerunning {fn.__qualname__} once on a fresh pool after a native crash: {crash}",
-                          stacklevel=2)
+        except (NativeCrash, SilentHang) as fault:
+            warnings.warn(f"rerunning {fn.__qualname__} once on a fresh pool after a native crash or silent hang: "
+                          f"{fault}", stacklevel=2)
         try:
             return self._run_once(fn, args, kwargs, timeout_s)
-        except NativeCrash as crash:
-            raise RankFailure(f"{crash} (crashed twice: not a one-off)") from None
+        except (NativeCrash, SilentHang) as fault:
+            kind = RankFailure if isinstance(fault, NativeCrash) else RankTimeout
+            raise kind(f"{fault} (happened twice: not a one-off)") from None
 
     def _run_once(self, fn, args: tuple, kwargs: dict, timeout_s: float) -> list:
         if not self._procs:
@@ -186,10 +217,12 @@ class RankPool:
             except queue.Empty:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+                    silent = not failures and timeout_s > self.collective_timeout_s
+                    stacks = self._hang_stacks(missing) if silent else ""
                     self.stop(graceful=False)
                     detail = "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items()))
-                    raise RankTimeout(f"{fn.__qualname__}: rank(s) {missing} did not finish within {timeout_s}s"
-                                      + detail)
+                    raise (SilentHang if silent else RankTimeout)(
+                        f"{fn.__qualname__}: rank(s) {missing} did not finish within {timeout_s}s" + detail + stacks)
                 continue
             if task_id != self._task_id:
                 continue  # a stale answer from an earlier, failed task
