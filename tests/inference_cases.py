@@ -92,6 +92,11 @@ def make_model(cls: str, family: str, dtype=torch.float64, seed: int = 0) -> tor
     config_cls, kwargs, _ = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**kwargs, **CLASS_CONFIG.get(cls, {}))
+    # no random drops left on by a family's defaults (BEiT's stochastic depth 0.1, ELECTRA's summary dropout):
+    # the models are compared in training mode, one forward after the other, so the two would draw differently
+    for name, value in config.to_dict().items():
+        if "drop" in name and isinstance(value, float):
+            setattr(config, name, 0.0)
     return getattr(transformers, cls)(config).to(dtype)
 
 

@@ -81,9 +81,9 @@ def twin_config(config, *, heads: int, kv_heads: int, head_dim: int, ffn: int, v
         _set_role(config, role, value)
     if free:
         _set_role(config, "head_dim", head_dim)
-    if dropout_off:
+    if dropout_off:  # dropout, and the other random drops: stochastic depth (BEiT's drop_path_rate), layerdrop
         for name, value in config.to_dict().items():
-            if "dropout" in name and isinstance(value, float):
+            if "drop" in name and isinstance(value, float):
                 setattr(config, name, 0.0)
     for name in ("max_position_embeddings", "n_positions"):
         if _has(config, name) and isinstance(getattr(config, name, None), int):
