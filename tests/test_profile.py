@@ -184,9 +184,25 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     assert load_profile(tmp_path / "measured.json", world_size=2) == profile
 
 
+def test_a_one_rank_calibration_prices_work_but_no_collective(tmp_path):
+    """One device (a single GPU): no collective is measured; the profile prices one-rank layouts, and asking it for
+    a collective of two ranks names what to do."""
+    profile = calibrate(1, quick=True, timeout_s=60)
+    assert profile.world_size == 1 and not any(profile.collectives.values())
+    assert profile.gemm_seconds(1e9) > 0 and profile.collective_seconds("all_reduce", 1, 1e6) == 0.0
+    with pytest.raises(ProfileError, match="measured on one rank, this profile prices no all_reduce .*--world 2"):
+        profile.collective_seconds("all_reduce", 2, 1e6)
+    assert "collectives    none (measured on one rank)" in profile.summary()
+    profile.save(tmp_path / "one.json")
+    assert load_profile(tmp_path / "one.json", world_size=1) == profile
+    data = {**profile.to_dict(), "world_size": 2}  # a profile of two ranks must have measured collectives
+    message = _refusal(tmp_path, data, world_size=2)
+    assert message.endswith("field 'collectives.all_reduce' has no group size"), message
+
+
 def test_calibrate_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="world_size must be an integer >= 2"):
-        calibrate(1)
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        calibrate(0)
     with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
         calibrate(2, backend="mpi")
     with pytest.raises(ValueError, match="shapes must be"):
@@ -222,9 +238,8 @@ def test_cli_arguments_and_summary(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_bad_input_is_one_line(tmp_path, capsys):
-    assert calibrate_command(_parse(["calibrate", "--world", "1", "--out", str(tmp_path / "p.json")])) == 1
-    assert capsys.readouterr().err == "shardlib calibrate: world_size must be an integer >= 2 (collectives need two " \
-                                      "ranks), got 1\n"
+    assert calibrate_command(_parse(["calibrate", "--world", "0", "--out", str(tmp_path / "p.json")])) == 1
+    assert capsys.readouterr().err == "shardlib calibrate: world_size must be a positive integer, got 0\n"
     assert calibrate_command(_parse(["calibrate", "--out", str(tmp_path / "no" / "p.json")])) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("shardlib calibrate: --out") and "no such directory" in err

@@ -10,7 +10,8 @@ at once, so that the numbers are what one rank gets while the others work too:
 * elementwise bandwidth: ``a.add_(b)`` on 32 MiB float32 tensors, three tensor-passes of bytes per op;
 * every collective over the real backend, for each group size n >= 2 dividing the world, all groups of that size
   at once as a mesh runs them (send/recv: pairs of ranks exchanging). A few message sizes are timed and
-  ``latency_s + bytes / bytes_per_s`` is fitted to them (:meth:`~.profile.LinkFit.fit`).
+  ``latency_s + bytes / bytes_per_s`` is fitted to them (:meth:`~.profile.LinkFit.fit`). A world of one (one GPU)
+  measures no collective: its profile prices the layouts of one rank only.
 
 Every timing runs from a barrier to a barrier (a rank the scheduler runs late stretches it, as it stretches a
 training step) and is the median of a few repeats after a warm-up; each value is the median over the ranks,
@@ -87,8 +88,8 @@ def calibrate(world_size: int, *, backend: str = "gloo", shapes=None, quick: boo
 
 def _check_world(world_size: int, backend: str) -> None:
     """ValueError unless ``world_size`` ranks can run over ``backend`` here."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size must be an integer >= 2 (collectives need two ranks), got {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl":
@@ -323,6 +324,8 @@ def _collective_fits(clock: _Clock, settings: _Settings) -> dict[str, dict[str, 
     consecutive ranks, all at once), and send/recv between the pairs (0, 1), (2, 3), ..."""
     dist, world, rank = clock.dist, clock.world, clock.rank
     fits: dict[str, dict[str, dict[str, float]]] = {op: {} for op in COLLECTIVES}
+    if world == 1:
+        return fits  # nothing to measure: a one-rank profile prices no collective
     for n in (d for d in range(2, world + 1) if world % d == 0):
         groups = [dist.new_group(list(range(start, start + n))) for start in range(0, world, n)]
         group = groups[rank // n]

@@ -131,6 +131,9 @@ class Profile:
         if group_size <= 1:
             return 0.0
         fits = self.collectives[_OP_NAMES[op]]
+        if not fits:
+            raise ProfileError(f"{self.machine}: measured on one rank, this profile prices no {op} (groups of "
+                               f"{group_size}): calibrate with --world 2 or more")
         above = [n for n in fits if n >= group_size]
         return fits[min(above) if above else max(fits)].seconds(max(nbytes, 0.0))
 
@@ -146,7 +149,9 @@ class Profile:
         if self.op_seconds:
             lines.append(f"  eager op       {self.op_seconds * 1e6:7.1f} us each" +
                          (f" ({self.cores} cores shared)" if self.cores else ""))
-        for op, fits in self.collectives.items():
+        if not any(self.collectives.values()):
+            lines.append("  collectives    none (measured on one rank)")
+        for op, fits in filter(lambda item: item[1], self.collectives.items()):
             parts = [f"n={n}: {fit.latency_s * 1e6:6.0f} us + {fit.bytes_per_s / 1e9:5.2f} GB/s"
                      for n, fit in sorted(fits.items())]
             lines.append(f"  {op:<14} " + "   ".join(parts))
@@ -212,6 +217,7 @@ class _Reader:
 
     def __init__(self, source: str):
         self.source = source
+        self.world_size = None  # the profile's, once read: a profile of one rank has no collectives
 
     def fail(self, message: str):
         raise ProfileError(f"{self.source}: {message}")
@@ -247,6 +253,7 @@ class _Reader:
         if unknown:
             self.fail(f"unknown field '{unknown[0]}' (a profile has {', '.join(_FIELDS)})")
         values = {key: self.field(data, key, key) for key in _FIELDS}
+        self.world_size = values["world_size"]
         if not isinstance(values["machine"], str):
             self.fail(f"field 'machine' must be a string, got {_shown(values['machine'])}")
         world = values["world_size"]
@@ -294,7 +301,7 @@ class _Reader:
         for op in COLLECTIVES:
             sizes = self.mapping(self.field(value, op, f"collectives.{op}"), f"collectives.{op}",
                                  "an object of group sizes")
-            if not sizes:
+            if not sizes and self.world_size != 1:  # a profile of one rank measured no collective
                 self.fail(f"field 'collectives.{op}' has no group size")
             out[op] = {self.group_size(n, f"collectives.{op}"): self.link(fit, f"collectives.{op}.{n}")
                        for n, fit in sizes.items()}
