@@ -189,7 +189,7 @@ class CollectiveCounter(TorchDispatchMode):
     NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
     NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
     SAME = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
-            "_reduce_scatter_base_": "reduce_scatter_tensor"}
+            "_reduce_scatter_base_": "reduce_scatter_tensor", "alltoall_base_": "all_to_all_single"}
 
     def __init__(self):
         super().__init__()

@@ -2,9 +2,16 @@
 
 Each mapping is one autograd Function whose docstring states its forward and backward in one line. The process
 group is always passed explicitly; with a group of one rank every mapping returns its input unchanged (no
-communication, no autograd node). The wire operations are torch's functional collectives
-(``torch.distributed._functional_collectives``), which stay traceable by ``torch.compile`` and are counted by
-``torch.distributed.tensor.debug.CommDebugMode``. Every wait is bounded by the process group's timeout.
+communication, no autograd node). The wire operations are c10d's synchronous collectives in eager mode
+(``dist.all_gather_into_tensor`` and friends, each waited on inside the call) and torch's functional collectives
+(``torch.distributed._functional_collectives``) under ``torch.compile`` / ``torch.export``, which trace them; both
+are counted by ``torch.distributed.tensor.debug.CommDebugMode``. Every wait is bounded by the process group's
+timeout.
+
+Why not the functional collectives in eager mode too: on gloo their eager path (an ``AsyncCollectiveTensor`` whose
+work is registered and waited on later) crashed a rank about once in 1,000 test tasks, always inside its wait
+(``wait_tensor``): "double free or corruption" (SIGABRT) or a segmentation fault, with one wait or two; c10d's own
+calls never did.
 
 Names follow the direction of the forward pass:
 
@@ -43,14 +50,13 @@ def group_rank(group: Group | None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- wire operations
+def _traced() -> bool:
+    """Whether torch.compile or torch.export is tracing: the functional collectives then (module docstring)."""
+    return torch.compiler.is_compiling()
+
+
 def _waited(out: torch.Tensor) -> torch.Tensor:
-    """The result of a functional collective, waited on once. In eager mode it is an ``AsyncCollectiveTensor``:
-    ``funcol.wait_tensor`` on it dispatches the wait op with the wrapper as input, whose ``__torch_dispatch__`` waits
-    on the inner tensor and then runs the wait op again on it: two waits per collective. Every native crash seen in
-    the test suite (gloo aborting with "double free or corruption" in ~1 of 1,000 tasks) was inside that nested wait
-    of an all-gather; its own ``wait()`` waits once. Traced (compile, export), the plain ``wait_tensor`` node."""
-    if isinstance(out, funcol.AsyncCollectiveTensor):
-        return out.wait()
+    """The result of a functional collective in a traced graph, followed by its ``wait_tensor`` node."""
     return funcol.wait_tensor(out)
 
 
@@ -60,14 +66,15 @@ _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Red
 def all_reduce(x: torch.Tensor, group: Group, op: str = "sum", *, inplace: bool = False) -> torch.Tensor:
     """All-reduce (``op`` in sum / max / min / avg), waited on.
 
-    ``inplace=True`` (for tensors the caller owns, e.g. a fresh matmul output or gradient) reduces ``x`` itself
-    with c10d in eager mode, saving the copy and wrapper of the functional collective (~10% of a 3 MiB all-reduce
-    on gloo); under ``torch.compile`` the functional collective is used either way.
+    ``inplace=True`` (for tensors the caller owns, e.g. a fresh matmul output or gradient) reduces ``x`` itself in
+    eager mode, saving a copy (~10% of a 3 MiB all-reduce on gloo); traced, the functional collective returns a new
+    tensor either way.
     """
-    if inplace and x.is_contiguous() and not torch.compiler.is_compiling():
-        dist.all_reduce(x, op=_C10D_OPS[op], group=group)
-        return x
-    return _waited(funcol.all_reduce(x.contiguous(), op, group))
+    if _traced():
+        return _waited(funcol.all_reduce(x.contiguous(), op, group))
+    out = x if inplace and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=_C10D_OPS[op], group=group)
+    return out
 
 
 #: Largest flat buffer of :func:`all_reduce_flat` (torch DDP's default bucket): the gradients are summed in buckets
@@ -104,7 +111,12 @@ def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]
 
 def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (same shape on every rank)."""
-    out = _waited(funcol.all_gather_single(x.contiguous(), 0, group))
+    x = x.contiguous()
+    if _traced():
+        out = _waited(funcol.all_gather_single(x, 0, group))
+    else:
+        out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
     dim = dim % x.dim()
     if dim == 0:
         return out
@@ -119,7 +131,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     dim = dim % x.dim()
     if dim != 0:
         x = x.unflatten(dim, (group_size(group), -1)).movedim(dim, 0).flatten(0, 1)
-    return _waited(funcol.reduce_scatter_single(x.contiguous(), "sum", 0, group))
+    x = x.contiguous()
+    if _traced():
+        return _waited(funcol.reduce_scatter_single(x, "sum", 0, group))
+    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    return out
 
 
 def all_to_all_single(xs: tuple[torch.Tensor, ...], scatter_dim: int, gather_dim: int,
@@ -132,7 +149,12 @@ def all_to_all_single(xs: tuple[torch.Tensor, ...], scatter_dim: int, gather_dim
         raise ValueError(f"all-to-all: size {xs[0].shape[scatter_dim]} of dim {scatter_dim} is not divisible by "
                          f"{n} ranks")
     send = torch.stack([torch.stack(x.chunk(n, dim=scatter_dim)) for x in xs], dim=1)  # [n, k, chunk]: row i -> i
-    received = _waited(funcol.all_to_all_single(send.contiguous(), None, None, group))
+    send = send.contiguous()
+    if _traced():
+        received = _waited(funcol.all_to_all_single(send, None, None, group))
+    else:
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
     return tuple(torch.cat(received[:, i].unbind(0), dim=gather_dim) for i in range(len(xs)))
 
 
