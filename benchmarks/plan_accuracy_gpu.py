@@ -3,9 +3,11 @@ GEMM rates per dtype, bandwidth, the fixed cost of an eager op; no collectives o
 layout of a BERT (precision fp32 / bf16 / fp16, activation checkpointing off / on, microbatch 8 / 32; sequence 128)
 print the cost model's prediction (the layout search's own pricing, ``shardlib.analysis.search.price``) beside:
 
-* the measured peak: ``torch.cuda.max_memory_allocated()`` over one training step after two warm-up steps (AdamW's
-  state exists), less what was allocated before the model was built (what the caching allocator hands out to
-  tensors; not its cached-but-free blocks, not the CUDA context);
+* the measured peak: ``torch.cuda.max_memory_allocated()`` over one training step after the warm-up steps (at least
+  two, and until AdamW has state: fp16's first steps overflow and the scaler skips them), less what was allocated
+  before the model was built (what the caching allocator hands out to tensors; not its cached-but-free blocks, not
+  the CUDA context); ``static``: what is allocated between steps (parameters, AdamW state), the rest of the peak
+  being the step's own (activations, gradients, temporaries);
 * the measured step: the median of ``--steps`` calls of ``Trainer.train_step`` on a batch already on the device,
   each between two ``torch.cuda.synchronize()``; rounds interleave the layouts, the figure is the median over rounds.
 
@@ -62,9 +64,12 @@ def measure(spec, layout: Layout, layers: int, device, mesh, steps: int) -> dict
                                activation_checkpointing=layout.activation_checkpointing)
     batch = {k: v.to(device) for k, v in make_batch(spec, layout.global_batch, layout.seq).items()}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(2):
+    for warm in range(20):
         trainer.train_step(batch)
+        if warm >= 1 and trainer.optimizer.state:
+            break
     sync()
+    static = torch.cuda.memory_allocated() - before if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train_step(batch)
@@ -78,7 +83,7 @@ def measure(spec, layout: Layout, layers: int, device, mesh, steps: int) -> dict
         sync()
         times.append(time.perf_counter() - start)
     del trainer, model, batch
-    return {"peak": peak, "step_s": statistics.median(times)}
+    return {"peak": peak, "static": static, "warmup_steps": warm + 1, "step_s": statistics.median(times)}
 
 
 def main() -> int:
@@ -165,28 +170,36 @@ def report(args, chosen, predicted, runs, profile) -> int:
             continue
         step = statistics.median(m["step_s"] for m in ok)
         peak = statistics.median(m["peak"] for m in ok) if ok[0]["peak"] is not None else None
+        static = statistics.median(m["static"] for m in ok) if ok[0].get("static") is not None else None
+        static_predicted = p.memory.get("parameters", 0) + p.memory.get("optimizer state", 0)
         points.append(dict(layout=layout.name(), batch=layout.batch, predicted_peak=p.peak_bytes, measured_peak=peak,
                            predicted_step=p.step_s, measured_step=step, round_steps=[m["step_s"] for m in ok],
+                           predicted_static=static_predicted, measured_static=static,
                            memory_terms=p.memory, time_terms=p.time, bottleneck=p.bottleneck))
         rows.append([layout.name(), str(layout.batch), f"{p.peak_bytes / MIB:.0f}",
                      "-" if peak is None else f"{peak / MIB:.0f}",
                      "-" if peak is None else f"{(p.peak_bytes - peak) / peak:+.1%}",
+                     f"{static_predicted / MIB:.0f} / " + ("-" if static is None else f"{static / MIB:.0f}"),
                      f"{p.step_s * 1e3:.1f}", f"{step * 1e3:.1f} ({min(points[-1]['round_steps']) * 1e3:.1f}-"
                      f"{max(points[-1]['round_steps']) * 1e3:.1f})", p.bottleneck])
     print_table(f"{args.model}, {args.layers} layers, one device: predicted vs measured (peak MiB, step ms; "
                 f"{args.rounds} rounds)",
-                ["layout", "batch", "pred peak", "meas peak", "error", "pred step", "meas step (range)",
-                 "bottleneck"], rows)
+                ["layout", "batch", "pred peak", "meas peak", "error", "static pred / meas", "pred step",
+                 "meas step (range)", "bottleneck"], rows)
     summary = {}
-    if len(points) >= 2:
-        rho = spearman([pt["predicted_step"] for pt in points], [pt["measured_step"] for pt in points])
-        picked = min(points, key=lambda pt: pt["predicted_step"])
-        fastest = min(points, key=lambda pt: pt["measured_step"])
-        gap = picked["measured_step"] / fastest["measured_step"] - 1
+    if len(points) >= 2:  # ranked by time per sample (the batches differ): what the search maximizes, samples/s
+        predicted = [pt["predicted_step"] / pt["batch"] for pt in points]
+        measured = [pt["measured_step"] / pt["batch"] for pt in points]
+        rho = spearman(predicted, measured)
+        picked = min(range(len(points)), key=predicted.__getitem__)
+        fastest = min(range(len(points)), key=measured.__getitem__)
+        gap = measured[picked] / measured[fastest] - 1
+        picked, fastest = points[picked], points[fastest]
         summary = dict(rho=rho, picked=f"{picked['layout']} b{picked['batch']}",
                        fastest=f"{fastest['layout']} b{fastest['batch']}", best_gap=gap)
-        line = (f"step-time Spearman rho {rho:.2f} (target >= {TARGET_RHO}); predicted fastest {summary['picked']} "
-                f"is {gap:+.1%} from the measured fastest {summary['fastest']} (target <= {TARGET_BEST:.0%})")
+        line = (f"time-per-sample Spearman rho {rho:.2f} (target >= {TARGET_RHO}); predicted fastest "
+                f"{summary['picked']} is {gap:+.1%} from the measured fastest {summary['fastest']} (target <= "
+                f"{TARGET_BEST:.0%})")
         if points[0]["measured_peak"] is not None:
             errors = [abs(pt["predicted_peak"] - pt["measured_peak"]) / pt["measured_peak"] for pt in points]
             within = sum(e <= TARGET_MEMORY for e in errors)

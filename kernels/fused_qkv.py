@@ -45,7 +45,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from shardlib.parallel.casting import autocast_dtype, cast_for_linear
+from shardlib.parallel.casting import autocast_dtype, autocast_off, cast_for_linear
 from shardlib.parallel.layers import ColumnParallelLinear
 
 from .fused_linear import FusedLinear
@@ -186,7 +186,7 @@ class FusedGroup:
             weights, biases = [cast_for_linear(w, dtype) for w in weights], [cast_for_linear(b, dtype) for b in biases]
             if x_c.dtype != weights[0].dtype or any(b is not None and b.dtype != x_c.dtype for b in biases):
                 return None
-            with torch.autocast(device, enabled=False):
+            with autocast_off(device):
                 return FusedLinear.apply(x_c, len(weights), *weights, *biases)
         return FusedLinear.apply(x, len(weights), *weights, *biases)
 

@@ -20,7 +20,8 @@ def saved_in_a_step(spec: dict) -> dict:
     its pipeline stage. Pipelines run GPipe: every forward before any backward, so no storage a backward frees is
     reused by a later saved tensor (each would be counted once)."""
     mesh, model = build_sharded(spec)
-    trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], schedule="gpipe")
+    trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], schedule="gpipe",
+                               precision=spec.get("precision", "fp32"))
     generator = torch.Generator().manual_seed(7)
     batch = example_batch(model, spec["batch"] * spec["microbatches"], spec["seq"], device="cpu",
                           generator=generator)

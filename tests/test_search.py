@@ -32,19 +32,28 @@ EXACT = [
                  marks=ci_only("about 6 s: Megatron SP's saved shards")),
     pytest.param(BERT, {"dp": 2, "sp": 2}, {"sequence_parallel": "all_to_all"}, id="bert-all-to-all"),
     pytest.param(T5, {"dp": 1, "pp": 2, "tp": 2}, {}, id="t5-pp2-tp2", marks=ci_only("about 6 s: T5 across stages")),
+    pytest.param(BERT, {"dp": 2, "tp": 2}, {}, "bf16", id="bert-tp2-bf16"),
+    pytest.param(T5, {"dp": 1, "pp": 2, "tp": 2}, {}, "bf16", id="t5-pp2-tp2-bf16",
+                 marks=ci_only("about 6 s: T5 across stages, under autocast")),
+    pytest.param(BERT, {"dp": 1, "pp": 2, "tp": 2}, {}, "fp16", id="bert-pp2-tp2-fp16",
+                 marks=ci_only("about 4 s: the dev profile's bf16 case covers the casts")),
 ]
 
 
-@pytest.mark.parametrize("family, layout, shard", EXACT)
-def test_activation_term_equals_what_a_real_step_saves(pool, family, layout, shard):
+@pytest.mark.parametrize("family, layout, shard, precision", [
+    p if len(p.values) == 4 else pytest.param(*p.values, "fp32", id=p.id, marks=p.marks) for p in EXACT])
+def test_activation_term_equals_what_a_real_step_saves(pool, family, layout, shard, precision):
     """One Trainer.train_step on 4 gloo ranks saves, on every rank, exactly the bytes the dry run of its stage
-    counts per microbatch (the activation term of the memory prediction), times the microbatches (pipelines: 2)."""
+    counts per microbatch (the activation term of the memory prediction), times the microbatches (pipelines: 2);
+    under bf16 / fp16 the Trainer's CPU autocast against the dry run's (shardlib.analysis.meta_autocast)."""
     microbatches = layout.get("pp", 1)
-    spec = {**family, "layout": layout, "shard": shard, "batch": 4, "seq": 8, "microbatches": microbatches}
+    spec = {**family, "layout": layout, "shard": shard, "batch": 4, "seq": 8, "microbatches": microbatches,
+            "precision": precision}
     ranks = pool.run(plan_tasks.saved_in_a_step, spec)
     report = shardlib.plan(cases(spec).make_model(spec), tp=layout.get("tp", 1), pp=layout.get("pp", 1),
                            dp=layout["dp"], sp=layout.get("sp", 1),
-                           sequence_parallel=shard.get("sequence_parallel", False), batch=4, seq=8)
+                           sequence_parallel=shard.get("sequence_parallel", False), batch=4, seq=8,
+                           precision=precision, device_type="cpu")
     for rank in ranks:
         expected = microbatches * report.stages[rank["stage"]].memory.activation_bytes
         assert rank["saved"] == expected, (rank, expected)

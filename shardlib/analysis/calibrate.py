@@ -236,7 +236,7 @@ class _Clock:
         """``how`` (median, max) of every rank's ``value``: the same number on every rank."""
         mine = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
         every = self.torch.empty(self.world, dtype=self.torch.float64, device=self.device)
-        self.dist.all_gather_single(every, mine)
+        self.dist.all_gather_into_tensor(every, mine)
         return how(every.tolist())
 
     def seconds(self, run) -> float:
@@ -347,10 +347,10 @@ def _sample(clock: _Clock, op: str, group, n: int, nbytes: int) -> tuple[float, 
         run = lambda: dist.all_reduce(x, group=group)  # noqa: E731
     elif op == "all_gather":
         out = torch.empty(numel * n, device=clock.device)
-        run = lambda: dist.all_gather_single(out, x, group=group)  # noqa: E731
+        run = lambda: dist.all_gather_into_tensor(out, x, group=group)  # noqa: E731
     elif op == "reduce_scatter":
         out = torch.empty(numel // n, device=clock.device)
-        run = lambda: dist.reduce_scatter_single(out, x, group=group)  # noqa: E731
+        run = lambda: dist.reduce_scatter_tensor(out, x, group=group)  # noqa: E731
     elif op == "all_to_all":
         out = torch.empty_like(x)
         run = lambda: dist.all_to_all_single(out, x, group=group)  # noqa: E731

@@ -43,6 +43,10 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage to predict (default 0)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule (default 1f1b)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="the Trainer's precision (bf16 / fp16: autocast; default fp32)")
+    p.add_argument("--device-type", default=None, choices=("cpu", "cuda"),
+                   help="whose autocast to count (default: the --profile's device, else cpu)")
     p.add_argument("--profile", help="machine profile JSON (shardlib calibrate; default: a nominal built-in one)")
     p.add_argument("--world", type=int, help="search every layout of this many ranks instead of one dry run")
     p.add_argument("--memory", help="with --world: the memory budget per rank (16GiB, 80GB, ...)")
@@ -100,7 +104,8 @@ def plan_command(args: argparse.Namespace) -> int:
         profile = _profile(args)
         report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
                       cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype,
-                      activation_checkpointing=args.activation_checkpointing)
+                      activation_checkpointing=args.activation_checkpointing, precision=args.precision,
+                      device_type=args.device_type or profile.device)
         return report, _predict(report, profile, args)
 
     status, found = _planning(dry_run)
@@ -139,7 +144,8 @@ def _predict(report, profile, args):
     sp = report.mesh["sp"]
     layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, sp=sp, sequence_parallel=report.sequence_parallel,
                     zero=args.zero, microbatches=args.microbatches, schedule=args.schedule,
-                    activation_checkpointing=args.activation_checkpointing, batch=args.batch, seq=args.seq)
+                    activation_checkpointing=args.activation_checkpointing, precision=args.precision,
+                    batch=args.batch, seq=args.seq)
     return predict(report, profile, layout)
 
 
@@ -152,7 +158,7 @@ def _search_command(args: argparse.Namespace) -> int:
         if args.world < 1:
             raise _input_error(f"--world must be >= 1, got {args.world}")
         return search(args.source, args.world, memory_bytes=memory, profile=_profile(args),
-                      global_batch=args.global_batch, seq=args.seq, cls=args.cls)
+                      global_batch=args.global_batch, seq=args.seq, cls=args.cls, precision=args.precision)
 
     try:
         status, result = _planning(run)

@@ -13,7 +13,9 @@ Memory, on the rank of each stage that holds the most (the worst dp rank), is th
   step; a 1/dp share under ZeRO).
 
 Time: a microbatch on a stage costs its GEMMs (each priced at its size by the profile), the memory traffic of its
-other ops, its tensor / sequence-parallel collectives and its pipeline sends; the schedule chains them (``m``
+other ops and the fixed cost of dispatching every op (on a CPU added to the work; on a GPU, which runs kernels while
+the host queues the next ones, only where dispatching takes longer than the work: "host dispatch"), its tensor /
+sequence-parallel collectives and its pipeline sends; the schedule chains them (``m``
 microbatches on ``pp`` stages: ``sum(stage times) + (m - 1) * max(stage times)``, the bubble being the first term
 less one stage); then the data-parallel gradient sync (exposed: it overlaps backward only on GPUs, where compute
 does not share the cores that run the collective) and the optimizer step.
@@ -130,8 +132,11 @@ def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dty
     """Seconds of one microbatch (forward and backward) on a rank of ``stage``, by term."""
     compute = sum(n * profile.gemm_seconds(f, dtype) for w in stage.work for f, n in w.gemms)
     compute += profile.elementwise_seconds(sum(w.traffic for w in stage.work))
-    compute += profile.op_seconds * sum(w.ops for w in stage.work)
-    terms = {"compute": compute}
+    host = profile.op_seconds * sum(w.ops for w in stage.work)
+    if profile.device == "cpu":  # the cores that dispatch an op also run it
+        terms = {"compute": compute + host}
+    else:  # the host queues kernels while the device runs earlier ones: the slower of the two sets the pace
+        terms = {"compute": compute, "host dispatch": max(0.0, host - compute)}
     for entry in stage.collectives:
         for c in entry.collectives:
             key = f"{c.dim} {c.op}"
@@ -214,9 +219,11 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
 def check_matches(report: PlanReport, layout: Layout) -> None:
     """The report must be the dry run of the layout's mesh and microbatch."""
     mesh = {"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp}
-    if report.mesh != mesh or report.activation_checkpointing != layout.activation_checkpointing:
+    if (report.mesh != mesh or report.activation_checkpointing != layout.activation_checkpointing
+            or report.precision != layout.precision):
         raise ValueError(f"the plan report is of mesh {report.mesh} (activation checkpointing "
-                         f"{report.activation_checkpointing}), the layout is {layout.name()}")
+                         f"{report.activation_checkpointing}, precision {report.precision}), the layout is "
+                         f"{layout.name()}")
     if any(s.memory is None for s in report.stages):
         raise ValueError("the plan report has no memory counts (a report from an older shardlib?): plan again")
 

@@ -218,15 +218,36 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
-_FLASH = 1  # torch's SDPBackend.flash_attention, what aten._fused_sdp_choice returns for it
+_MATH, _FLASH, _EFFICIENT = 0, 1, 2  # torch's SDPBackend values (what aten._fused_sdp_choice returns)
 
 
-class AttentionAsOnCPU(TorchFunctionMode):
-    """``scaled_dot_product_attention`` on meta tensors as it runs on CPU tensors. On the meta device torch always
-    takes the math path (matmuls and a softmax, saving the attention probabilities); on CPU it takes the fused
-    flash kernel wherever torch's own choice (``aten._fused_sdp_choice``, asked with CPU stand-ins of the same
-    shapes) says so, which saves the inputs, output and log-sum-exp instead. Without this the dry run would count a
-    different backward than a real run keeps."""
+def _cuda_choice(query, key, value, mask, is_causal) -> int:
+    """The kernel torch's CUDA SDPA takes (sm80 or newer, its default order: flash, then memory-efficient, then
+    math), from the conditions its dispatcher checks (``sdp_utils.cpp``) that a transformer's call can meet: flash
+    for fp16 / bf16 without a mask and head dims up to 256; memory-efficient for fp32 / fp16 / bf16 with or without
+    an additive mask, head dims a multiple of 8 (4 in fp32); else math."""
+    head_dim, dtype = query.shape[-1], query.dtype
+    same = key.shape[-1] == head_dim and value.shape[-1] == head_dim and query.dim() == 4
+    if same and dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0:
+        return _FLASH
+    if query.dim() == 4 and dtype in (torch.float32, torch.float16, torch.bfloat16) \
+            and head_dim % (4 if dtype == torch.float32 else 8) == 0 and value.shape[-1] % 8 == 0 \
+            and not (is_causal and mask is not None):
+        return _EFFICIENT
+    return _MATH
+
+
+class AttentionAsOn(TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors as it runs on ``device_type`` ("cpu" or "cuda"). On the meta
+    device torch always takes the math path (matmuls and a softmax, saving the attention probabilities, and their
+    dropout mask); a CPU takes the fused flash kernel wherever torch's own choice (``aten._fused_sdp_choice``, asked
+    with CPU stand-ins of the same shapes) says so (not with dropout), a GPU its flash or memory-efficient kernel
+    (:func:`_cuda_choice`, dropout included); both save the inputs, output and log-sum-exp instead. Without this the
+    dry run would count a different backward than a real run keeps."""
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__()
+        self.device_type = device_type
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -235,11 +256,21 @@ class AttentionAsOnCPU(TorchFunctionMode):
         query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
         if query.device.type != "meta" or gqa:
             return func(*args, **kwargs)
-        choice = torch.ops.aten._fused_sdp_choice(*map(_on_cpu, (query, key, value)), attn_mask=_on_cpu(mask),
-                                                  dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-        if choice != _FLASH:
+        if self.device_type == "cuda":
+            choice = _cuda_choice(query, key, value, mask, is_causal)
+        else:
+            choice = torch.ops.aten._fused_sdp_choice(*map(_on_cpu, (query, key, value)), attn_mask=_on_cpu(mask),
+                                                      dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        if choice == _MATH or (choice == _EFFICIENT and self.device_type != "cuda"):
             return func(*args, **kwargs)
         if mask is not None and mask.dtype == torch.bool:  # as torch does first: a float mask, -inf where False
             mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+        if self.device_type != "cuda":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+        if choice == _FLASH:
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                      False, scale=scale)[0]
+        bias = None if mask is None else mask.to(query.dtype).expand(*query.shape[:-1], key.shape[-2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
+                                                                      is_causal, scale=scale)[0]

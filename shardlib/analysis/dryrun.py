@@ -35,6 +35,7 @@ dry run is done by ``python -m shardlib.cli plan ... --json`` in a subprocess, r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -54,7 +55,8 @@ from ..parallel.mesh import fake_world, init_mesh
 from ..sharding.plan import PlanError
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
-from .counting import AttentionAsOnCPU, WorkRecorder, by_layer
+from .counting import AttentionAsOn, WorkRecorder, by_layer
+from .meta_autocast import autocast_on_meta
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
     Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
 )
@@ -71,14 +73,17 @@ def _objective(out) -> torch.Tensor:
     return out if out.dim() == 0 else out.float().sum()
 
 
-def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_backward=lambda: None) -> tuple:
+def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_backward=lambda: None,
+                      forward_context=contextlib.nullcontext) -> tuple:
     """One microbatch through this rank's stage (the whole model when pp = 1), forward and backward as a training
     step runs it (:class:`~shardlib.pipeline.StageModule` with the runner's arguments; meta gradients for what the
-    stage sends); ``before_backward()`` is called between them. Returns the tensors the stage sends on (none from
-    the last stage)."""
+    stage sends); ``before_backward()`` is called between them; the forward (and the loss) runs inside
+    ``forward_context()`` (the Trainer's autocast). Returns the tensors the stage sends on (none from the last
+    stage)."""
     split = shard_state(model).pipeline
     if split is None:
-        loss = _objective(model(**inputs))
+        with forward_context():
+            loss = _objective(model(**inputs))
         before_backward()
         loss.backward()
         return ()
@@ -86,9 +91,10 @@ def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_ba
     if stage.index == 0:
         stage.input_name = next(iter(inputs))
         received = (inputs[stage.input_name],)
-    out = stage(*received, **inputs)
+    with forward_context():
+        out = stage(*received, **inputs)
+        loss = _objective(out[0]) if stage.route.is_last else None
     if stage.route.is_last:
-        loss = _objective(out[0])
         before_backward()
         loss.backward()
         return ()
@@ -98,14 +104,28 @@ def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_ba
     return out
 
 
-def _checkpointing(model: nn.Module) -> None:
-    """The Trainer's activation checkpointing on this (meta, own) model, without transformers' notices about it."""
+def _device_view(precision: str, device_type: str):
+    """A context factory: a forward on the meta device as it runs on ``device_type`` at ``precision`` (its attention
+    kernel, :class:`~.counting.AttentionAsOn`, and autocast's casts, :mod:`.meta_autocast`)."""
+
+    @contextlib.contextmanager
+    def view():
+        with AttentionAsOn(device_type), autocast_on_meta(precision, device_type):
+            yield
+
+    return view
+
+
+def _checkpointing(model: nn.Module, forward_context) -> None:
+    """The Trainer's activation checkpointing on this (meta, own) model, without transformers' notices about it.
+    The recompute runs in backward, where torch.utils.checkpoint re-enters the forward's autocast: here
+    ``forward_context()`` (:func:`_device_view`) is entered around it."""
     from ..sharding.recompute import rng_safe_checkpointing
 
     model.config.use_cache = False  # what transformers would set, saying so
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the deprecated name the Trainer calls
-        rng_safe_checkpointing(model, AttentionAsOnCPU)  # the recompute too takes the CPU's attention
+        rng_safe_checkpointing(model, forward_context)
 
 
 def _adamw_state(params: list[nn.Parameter]) -> tuple[dict[int, tuple[int, int]], WorkRecorder]:
@@ -196,12 +216,15 @@ def _by_layer(records: list[Collective], layers: list[str]) -> list[LayerCollect
 
 
 def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, inputs: dict, received: tuple,
-                activation_checkpointing: bool = False, keep: dict | None = None, optimizer: bool = True):
+                activation_checkpointing: bool = False, keep: dict | None = None, optimizer: bool = True,
+                precision: str = "fp32", device_type: str = "cpu"):
     """Shard ``model`` as the ranks of pipeline stage ``index`` do (fake rank (dp, pp, sp, tp) = (0, index, 0, 0)),
     run one microbatch through it (counting its work and memory) and the step's collectives. Returns (StageInfo,
     sent tensors, ShardReport). ``keep``: a dict given the raw counts too (``work`` by module path, ``params``,
     AdamW ``state`` by id, ``late`` ids), for :mod:`shardlib.analysis.layertable`; ``optimizer=False``: leave the
-    AdamW step out (its counts are zeros; the layer table counts it once)."""
+    AdamW step out (its counts are zeros; the layer table counts it once); ``precision`` and ``device_type``: the
+    forward as it runs there (:func:`_device_view`)."""
+    forward_context = _device_view(precision, device_type)
     dp, pp, sp, tp = (sizes[d] for d in ("dp", "pp", "sp", "tp"))
     with fake_world(dp * pp * sp * tp, rank=index * sp * tp):
         mesh = init_mesh(dp, pp, tp, sp=sp)
@@ -209,13 +232,14 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
         state = shard_state(model)
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())  # the Trainer's
         if activation_checkpointing:
-            _checkpointing(model)
+            _checkpointing(model, forward_context)
         recorder = CollectiveRecorder(model, group_dims(mesh))
         work = WorkRecorder(model, recorder.module_now)
         with recorder:
             try:
-                with work, AttentionAsOnCPU():
-                    sent = _forward_backward(model, inputs, received, lambda: setattr(work.saved, "counting", False))
+                with work:
+                    sent = _forward_backward(model, inputs, received, lambda: setattr(work.saved, "counting", False),
+                                             forward_context)
             except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
                 raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
                                      f"{str(exc).splitlines()[0]}") from None
@@ -265,7 +289,7 @@ def _mode(sequence_parallel, sp: int):
 
 def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1, sequence_parallel=None, cls=None,
          batch: int = 8, seq: int = 128, microbatches: int = 1, dtype=None, policy=None,
-         activation_checkpointing: bool = False) -> PlanReport:
+         activation_checkpointing: bool = False, precision: str = "fp32", device_type: str = "cpu") -> PlanReport:
     """Dry run of sharding ``model_or_config`` over dp x pp x sp x tp ranks, with no ranks: a :class:`PlanReport`
     of the rewrites, bytes per rank of every pipeline stage (parameters, gradients, AdamW state, ZeRO), what
     crosses each stage boundary, and every collective of a training step, per layer (module docstring).
@@ -275,7 +299,8 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
     else the config's ``architectures[0]``). ``sequence_parallel``, ``policy``: as :func:`shardlib.shard` (default:
     all-to-all when ``sp > 1``). ``batch`` x ``seq``: one microbatch of one dp rank (the inputs and labels of the
     model's task, :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the parameters (default: the
-    model's, else torch's default dtype).
+    model's, else torch's default dtype). ``precision``: the Trainer's ("fp32", or "bf16" / "fp16": the forward
+    under autocast's casts as on ``device_type``, "cpu" or "cuda").
 
     Raises :class:`~shardlib.PlanError` (the one :func:`shardlib.shard` raises) for a refused layout and
     :class:`PlanInputError` for bad input. Run from a process where torch.distributed is initialized, the dry run
@@ -285,7 +310,7 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
     if dist.is_initialized():
         return _plan_in_subprocess(model_or_config, cls, dtype, policy, dict(
             tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
-            microbatches=microbatches))
+            microbatches=microbatches, precision=precision, device_type=device_type))
     from shardlib.policies import policy_for
 
     base = meta_model(model_or_config, cls, dtype)
@@ -300,13 +325,15 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
         for index in range(pp):
             model = base if pp == 1 else copy.deepcopy(base)
             info, sent, report = _plan_stage(model, index, sizes, dict(policy=policy, sequence_parallel=mode),
-                                             inputs, received, activation_checkpointing)
+                                             inputs, received, activation_checkpointing,
+                                             precision=precision, device_type=device_type)
             stages.append(info)
             sharding = sharding or report
             received = tuple(t.detach().requires_grad_(t.requires_grad) for t in sent)
     return PlanReport(model_class=type(base).__name__, policy=policy.name, mesh=sizes, sequence_parallel=mode_name,
                       microbatches=microbatches, inputs={k: tensor_spec(v) for k, v in inputs.items()},
-                      sharding=sharding, stages=stages, activation_checkpointing=activation_checkpointing)
+                      sharding=sharding, stages=stages, activation_checkpointing=activation_checkpointing,
+                      precision=precision, device_type=device_type)
 
 
 def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> PlanReport:
@@ -318,7 +345,7 @@ def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> P
         cls = cls or type(model_or_config)
         dtype = dtype or next(model_or_config.parameters()).dtype
     sequence_parallel, sp = options.pop("sequence_parallel"), options.pop("sp")
-    argv = [f"--{k}={v}" for k, v in options.items()]
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     if sequence_parallel in (True, MEGATRON):
         argv += ["--sp", MEGATRON]
     elif sp > 1 or sequence_parallel == ALL_TO_ALL:

@@ -141,6 +141,8 @@ class PlanReport:
     sharding: ShardReport
     stages: list[StageInfo]
     activation_checkpointing: bool = False
+    precision: str = "fp32"  # "bf16" / "fp16": the forward counted under autocast's casts (meta_autocast)
+    device_type: str = "cpu"  # whose autocast lists: "cpu" or "cuda"
 
     @property
     def world_size(self) -> int:

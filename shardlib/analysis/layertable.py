@@ -137,7 +137,7 @@ class _Run:
     """The shallow model dry-run at one microbatch size: its roots, parameters and memory counts."""
 
     def __init__(self, base: nn.Module, policy, trunk, sizes: dict, mode, checkpointing: bool, batch: int,
-                 seq: int, stepped: "_Run | None" = None):
+                 seq: int, stepped: "_Run | None" = None, device_view: tuple[str, str] = ("fp32", "cpu")):
         model = copy.deepcopy(base)
         self.roots = list(stage_plan(model, trunk, 1).modules[0])
         self.by_root: dict[str, Root] = {r: Root() for r in [*self.roots, ""]}
@@ -148,7 +148,8 @@ class _Run:
         with torch.random.fork_rng(devices=[]):
             info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
                                                  inputs, (), checkpointing, keep,
-                                                 optimizer=batch == BATCHES[0] and stepped is None)
+                                                 optimizer=batch == BATCHES[0] and stepped is None,
+                                                 precision=device_view[0], device_type=device_view[1])
         for h in hooks:
             h.remove()
         self.inputs, self.memory = inputs, info.memory
@@ -182,11 +183,13 @@ class LayerTable:
     reused, not counted again."""
 
     def __init__(self, full: nn.Module, policy, *, tp: int, sp: int, mode, mode_name: str,
-                 activation_checkpointing: bool, seq: int, like: "LayerTable | None" = None):
+                 activation_checkpointing: bool, seq: int, like: "LayerTable | None" = None,
+                 precision: str = "fp32", device_type: str = "cpu"):
         from .metarun import meta_model
 
         self.full, self.policy, self.mode_name = full, policy, mode_name
         self.checkpointing, self.seq = activation_checkpointing, seq
+        self.precision, self.device_type = precision, device_type
         self.trunk = policy.plan(full, tp).trunk
         dtype = next(full.parameters()).dtype
         base = meta_model(shallow_config(full.config), type(full), dtype)
@@ -195,7 +198,7 @@ class LayerTable:
         sizes = dict(dp=1, pp=1, sp=sp, tp=tp)
         stepped = like.runs[0] if like is not None else None
         self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq,
-                          stepped if b == BATCHES[0] else None) for b in BATCHES]
+                          stepped if b == BATCHES[0] else None, (precision, device_type)) for b in BATCHES]
         self._plans: dict[int, object] = like._plans if like is not None else {}  # pipeline cuts: by pp only
         self._states: dict[tuple, dict] = {}  # (pp, dp, stage) -> _stage_states
         self._order = {name: i for i, (name, _) in enumerate(full.named_parameters())}  # registration order
@@ -221,7 +224,8 @@ class LayerTable:
         return PlanReport(model_class=type(self.full).__name__, policy=self.policy.name,
                           mesh={"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp},
                           sequence_parallel=self.mode_name, microbatches=layout.microbatches, inputs=inputs,
-                          sharding=self.runs[1].sharding, stages=stages, activation_checkpointing=self.checkpointing)
+                          sharding=self.runs[1].sharding, stages=stages, activation_checkpointing=self.checkpointing,
+                          precision=self.precision, device_type=self.device_type)
 
     def _params(self, root: str) -> list[Param]:
         return self.runs[0].params.get(_shallow_path(root, self.depth), [])

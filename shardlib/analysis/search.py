@@ -8,7 +8,8 @@ and GPipe schedules; activation checkpointing off and on. What ``shard()`` refus
 does not divide, a sequence all-to-all cannot split, more stages than layers) is dropped with its reason, as is
 every layout over the budget.
 
-Pricing is cached: one :class:`~shardlib.analysis.layertable.LayerTable` per (tp, sp, mode, checkpointing) (a
+Pricing is cached: one :class:`~shardlib.analysis.layertable.LayerTable` per (tp, sp, mode, checkpointing,
+precision) (a
 dry run of a two-layers-per-stack copy of the model, at two microbatch sizes), one report per (table, pp, dp,
 microbatch size); ZeRO stage, schedule and microbatch count only change the arithmetic.
 """
@@ -97,14 +98,15 @@ def candidate_layouts(world: int, global_batch: int, seq: int, *, checkpointing=
 class _Pricer:
     """Layer tables and reports, cached (module docstring)."""
 
-    def __init__(self, full, policy):
-        self.full, self.policy = full, policy
+    def __init__(self, full, policy, device_type: str = "cpu"):
+        self.full, self.policy, self.device_type = full, policy, device_type
         self.tables: dict[tuple, LayerTable | str] = {}
         self.reports: dict[tuple, object] = {}
         self.times: dict = {}  # the cost model's cache of microbatch times per stage
 
     def table(self, layout: Layout) -> LayerTable:
-        key = (layout.tp, layout.sp, layout.sequence_parallel, layout.activation_checkpointing, layout.seq)
+        key = (layout.tp, layout.sp, layout.sequence_parallel, layout.activation_checkpointing, layout.seq,
+               layout.precision)
         plain = self.tables.get(key[:3] + (False,) + key[4:])
         if isinstance(plain, str):  # shard() refused the mesh: checkpointing does not change that
             self.tables[key] = plain
@@ -114,7 +116,8 @@ class _Pricer:
                 self.tables[key] = LayerTable(self.full, self.policy, tp=layout.tp, sp=layout.sp,
                                               mode=MODES[layout.sequence_parallel], mode_name=layout.sequence_parallel,
                                               activation_checkpointing=layout.activation_checkpointing,
-                                              seq=layout.seq, like=like)
+                                              seq=layout.seq, like=like, precision=layout.precision,
+                                              device_type=self.device_type)
             except (PlanError, PlanInputError) as exc:
                 self.tables[key] = " ".join(str(exc).split())
         found = self.tables[key]
@@ -154,7 +157,7 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
     except PlanError as exc:
         raise PlanInputError(str(exc)) from None
     profile = profile or default_profile()
-    pricer = _Pricer(full, policy)
+    pricer = _Pricer(full, policy, profile.device)
     result = SearchResult(world=world, memory_bytes=memory_bytes, profile=profile.machine)
     refused: dict[str, str] = {}
     fitting: set[Layout] = set()  # without checkpointing: their checkpointed twins are slower, never priced
@@ -187,8 +190,8 @@ def price(model_or_config, layouts: list[Layout], profile: Profile | None = None
     from shardlib.policies import policy_for
 
     full = meta_model(model_or_config, cls)
-    pricer = _Pricer(full, policy or policy_for(full))
     profile = profile or default_profile()
+    pricer = _Pricer(full, policy or policy_for(full), profile.device)
     out: list[Prediction | str] = []
     for layout in layouts:
         try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .casting import autocast_dtype, cast_for_linear
+from .casting import autocast_dtype, autocast_off, cast_for_linear
 from .collectives import Group
 
 
@@ -56,6 +56,6 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dtype = autocast_dtype(x.device.type)
     if dtype is None:
         return _ColumnLinear.apply(x, weight, bias, group)
-    with torch.autocast(x.device.type, enabled=False):  # the operands cast as F.linear would, autograd records it
+    with autocast_off(x.device.type):  # the operands cast as F.linear would, autograd records it
         return _ColumnLinear.apply(cast_for_linear(x, dtype), cast_for_linear(weight, dtype),
                                    cast_for_linear(bias, dtype), group)
