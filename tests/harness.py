@@ -5,9 +5,10 @@ Starting processes and process groups costs seconds; a hypothesis example costs 
 ``collective_timeout_s``) and then runs one *task* at a time on all of them: a module-level function, named by
 module and qualified name, called with picklable arguments on every rank. ``pool.run`` returns every rank's
 return value, or raises :class:`RankFailure` with each failing rank's traceback. A task that does not finish
-within its timeout kills the pool (a hung collective cannot be recovered) and fails with the ranks that did not
-answer; the next task starts a fresh pool. After any failure the pool is restarted too, since ranks may have
-left collectives unmatched.
+within its timeout (counted once every rank has joined the process group: a pool started under load takes
+seconds) kills the pool (a hung collective cannot be recovered) and fails with the ranks that did not answer;
+the next task starts a fresh pool. After any failure the pool is restarted too, since ranks may have left
+collectives unmatched.
 
 A rank that dies of a *native* crash (SIGABRT, SIGSEGV, SIGBUS: glibc's heap checks or a fault inside torch or
 gloo, never a Python assertion, which comes back as a failure) reruns the task once on a fresh pool, with a
@@ -100,6 +101,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results, 
     faulthandler.register(signal.SIGUSR1, log, all_threads=True)  # the driver asks for the stacks of a hang
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    results.put((_READY, rank, True, None))  # a task's clock starts once every rank is up
     while True:
         task = tasks.get()
         if task is None:
@@ -116,8 +118,12 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results, 
 
 
 # ------------------------------------------------------------------------------------------------- the driver
+_READY = 0  # the task id of a rank's "up and joined" message (tasks count from 1)
+
+
 class RankPool:
-    def __init__(self, world_size: int = 4, collective_timeout_s: float = 60.0):
+    def __init__(self, world_size: int = 4, collective_timeout_s: float = 60.0, startup_timeout_s: float = 300.0):
+        self.startup_timeout_s = startup_timeout_s
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
         self._procs: list = []
@@ -137,6 +143,24 @@ class RankPool:
         ]
         for p in self._procs:
             p.start()
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Until every rank has joined the process group (a task's timeout counts from then, not from the spawn)."""
+        ready, deadline = set(), time.monotonic() + self.startup_timeout_s
+        while len(ready) < self.world_size:
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                late = dead or sorted(set(range(self.world_size)) - ready)
+                self.stop(graceful=False)
+                raise RankFailure(f"the pool did not start: rank(s) {late} "
+                                  + ("died" if dead else f"not up within {self.startup_timeout_s}s"))
+            try:
+                task_id, rank, _, _ = self._results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if task_id == _READY:
+                ready.add(rank)
 
     def _fault_log(self, rank: int) -> str:
         return os.path.join(self._fault_dir, f"rank{rank}.faults")
@@ -219,7 +243,12 @@ class RankPool:
                     missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
                     silent = not failures and timeout_s > self.collective_timeout_s
                     stacks = self._hang_stacks(missing) if silent else ""
+                    died = {r: self._procs[r].exitcode for r in missing if not self._procs[r].is_alive()}
                     self.stop(graceful=False)
+                    if died and set(died.values()) <= _NATIVE_CRASHES:  # it was dying, not hung (a slow abort)
+                        raise NativeCrash(f"{fn.__qualname__}: rank(s) {sorted(died)} died (exit codes "
+                                          f"{list(died.values())}; negative: the signal that killed it)"
+                                          + self._faults(sorted(died)))
                     detail = "".join(f"\n--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items()))
                     raise (SilentHang if silent else RankTimeout)(
                         f"{fn.__qualname__}: rank(s) {missing} did not finish within {timeout_s}s" + detail + stacks)
