@@ -275,12 +275,32 @@ def test_plan_function_and_plan_module_do_not_collide():
 
 @ci_only("about 7 s: a subprocess that imports torch and transformers")
 def test_inside_a_real_run_the_dry_run_goes_to_a_subprocess():
-    expected = shardlib.plan(BertConfig(**BERT), tp=2, batch=BATCH, seq=SEQ)
+    options = dict(tp=2, batch=BATCH, seq=SEQ, activation_checkpointing=True, precision="bf16")
+    expected = shardlib.plan(BertConfig(**BERT), **options)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert shardlib.plan(BertConfig(**BERT), tp=2, batch=BATCH, seq=SEQ) == expected
+        assert shardlib.plan(BertConfig(**BERT), **options) == expected
     finally:
         dist.destroy_process_group()
+
+
+def test_the_subprocess_gets_every_option(monkeypatch):
+    """Every option of plan() reaches the subprocess's command line (activation checkpointing was once dropped)."""
+    import subprocess
+
+    from shardlib.analysis import dryrun
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **k: seen.append(argv) or subprocess.CompletedProcess(
+        argv, 1, "", "shardlib plan: stop here"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(PlanInputError):
+        shardlib.plan(BertConfig(**BERT), tp=2, pp=2, batch=3, seq=5, microbatches=2, activation_checkpointing=True,
+                      precision="fp16", device_type="cuda")
+    argv = seen[0]
+    for flag in ("--tp=2", "--pp=2", "--batch=3", "--seq=5", "--microbatches=2", "--activation-checkpointing",
+                 "--precision=fp16", "--device-type=cuda"):
+        assert flag in argv, (flag, argv)
 
 
 @pytest.mark.parametrize("code, error", [(2, PlanError), (1, PlanInputError)])

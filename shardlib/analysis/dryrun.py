@@ -310,7 +310,8 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
     if dist.is_initialized():
         return _plan_in_subprocess(model_or_config, cls, dtype, policy, dict(
             tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
-            microbatches=microbatches, precision=precision, device_type=device_type))
+            microbatches=microbatches, precision=precision, device_type=device_type,
+            activation_checkpointing=activation_checkpointing))
     from shardlib.policies import policy_for
 
     base = meta_model(model_or_config, cls, dtype)
@@ -345,7 +346,8 @@ def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> P
         cls = cls or type(model_or_config)
         dtype = dtype or next(model_or_config.parameters()).dtype
     sequence_parallel, sp = options.pop("sequence_parallel"), options.pop("sp")
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    flags = ["--activation-checkpointing"] if options.pop("activation_checkpointing", False) else []
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + flags
     if sequence_parallel in (True, MEGATRON):
         argv += ["--sp", MEGATRON]
     elif sp > 1 or sequence_parallel == ALL_TO_ALL:
