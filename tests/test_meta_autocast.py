@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from shardlib.analysis.counting import AttentionAsOn, SavedCounter
+from shardlib.analysis.counting import KernelsAsOn, SavedCounter
 from shardlib.analysis.meta_autocast import AutocastOnMeta, autocast_on_meta
 from shardlib.analysis.metarun import meta_model
 from shardlib.sharding.examples import example_batch
@@ -43,7 +43,7 @@ def _saved_real(cls: str, precision: str) -> int:
 def _saved_meta(cls: str, precision: str) -> int:
     model = meta_model(CONFIGS[cls], cls)
     batch = example_batch(model, 2, 8)
-    with SavedCounter(model) as counter, AttentionAsOn("cpu"), autocast_on_meta(precision, "cpu"):
+    with SavedCounter(model) as counter, KernelsAsOn("cpu"), autocast_on_meta(precision, "cpu"):
         _loss(model(**batch))
     return counter.total
 
@@ -70,3 +70,49 @@ def test_weights_are_cast_once_per_region_and_real_tensors_left_alone():
         assert torch.softmax(layer(x), -1).dtype == torch.bfloat16  # not on the CPU's list
     with pytest.raises(ValueError, match="device types"):
         AutocastOnMeta(torch.bfloat16, "tpu")
+
+
+# ---------------------------------------------------------------------- as on a GPU (the rules measured on an H200)
+def _saved(fn, *modes) -> int:
+    holder = torch.nn.Linear(1, 1, device="meta")  # SavedCounter leaves a model's parameters out: none used here
+    with SavedCounter(holder) as counter:
+        for mode in modes:
+            mode.__enter__()
+        try:
+            fn()
+        finally:
+            for mode in reversed(modes):
+                mode.__exit__(None, None, None)
+    return counter.total
+
+
+def test_on_a_gpu_dropout_keeps_a_bool_mask_and_attention_its_fused_kernel():
+    x = torch.empty(4, 8, 64, 32, device="meta", requires_grad=True)
+    n = x.numel()
+    assert _saved(lambda: torch.nn.functional.dropout(x, 0.1), KernelsAsOn("cuda")) == n  # bool: 1 byte each
+    assert _saved(lambda: torch.nn.functional.dropout(x, 0.1), KernelsAsOn("cpu")) == 4 * n  # the float mask
+    q = torch.empty(4, 8, 64, 32, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    fused = _saved(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1),
+                   KernelsAsOn("cuda"))
+    assert 2 * q.numel() * 2 <= fused < 2 * q.numel() * 2 + 4 * 8 * 64 * 4 + 64  # q (= k = v), output, log-sum-exp
+    bias = torch.empty(1, 8, 64, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)  # T5's learned bias
+    math = _saved(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias),
+                  KernelsAsOn("cuda"))
+    assert math >= 4 * 8 * 64 * 64 * 2  # the math path: the attention probabilities (S x S per head) are kept
+
+
+def test_on_a_gpu_cross_entropy_keeps_low_precision_log_probabilities_and_a_float32_copy():
+    logits = torch.empty(16, 100, device="meta", requires_grad=True)
+    target = torch.zeros(16, dtype=torch.long, device="meta")
+    layer = torch.nn.Linear(100, 100, device="meta")
+
+    def loss():
+        torch.nn.functional.cross_entropy(layer(logits), target)
+
+    n = 16 * 100
+    on_gpu = _saved(loss, KernelsAsOn("cuda"), AutocastOnMeta(torch.bfloat16, "cuda"))
+    on_cpu = _saved(loss, KernelsAsOn("cpu"), AutocastOnMeta(torch.bfloat16, "cpu"))
+    # either way: the linear's bf16 input and weight copies; nll_loss's target (int64) and total weight (a scalar)
+    common = 2 * n + 2 * 100 * 100 + 16 * 8 + 4
+    assert on_gpu - common == 2 * n + 4 * n  # bf16 log-probabilities, and nll_loss's float32 copy of them
+    assert on_cpu - common == 4 * n  # the CPU's float32 log-probabilities (which nll_loss reads)

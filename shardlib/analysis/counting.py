@@ -221,12 +221,21 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 _MATH, _FLASH, _EFFICIENT = 0, 1, 2  # torch's SDPBackend values (what aten._fused_sdp_choice returns)
 
 
+def _cuda_dropout(input, p=0.5, training=True, inplace=False):
+    if input.device.type != "meta" or not training or not 0 < p < 1 or inplace:
+        return F.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
 def _cuda_choice(query, key, value, mask, is_causal) -> int:
     """The kernel torch's CUDA SDPA takes (sm80 or newer, its default order: flash, then memory-efficient, then
     math), from the conditions its dispatcher checks (``sdp_utils.cpp``) that a transformer's call can meet: flash
     for fp16 / bf16 without a mask and head dims up to 256; memory-efficient for fp32 / fp16 / bf16 with or without
-    an additive mask, head dims a multiple of 8 (4 in fp32); else math."""
+    an additive mask, head dims a multiple of 8 (4 in fp32); else math. A mask that needs a gradient (T5's learned
+    position bias) took the math path in every attention measured (torch 2.11, H200)."""
     head_dim, dtype = query.shape[-1], query.dtype
+    if mask is not None and mask.requires_grad:
+        return _MATH
     same = key.shape[-1] == head_dim and value.shape[-1] == head_dim and query.dim() == 4
     if same and dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0:
         return _FLASH
@@ -237,13 +246,17 @@ def _cuda_choice(query, key, value, mask, is_causal) -> int:
     return _MATH
 
 
-class AttentionAsOn(TorchFunctionMode):
-    """``scaled_dot_product_attention`` on meta tensors as it runs on ``device_type`` ("cpu" or "cuda"). On the meta
-    device torch always takes the math path (matmuls and a softmax, saving the attention probabilities, and their
-    dropout mask); a CPU takes the fused flash kernel wherever torch's own choice (``aten._fused_sdp_choice``, asked
-    with CPU stand-ins of the same shapes) says so (not with dropout), a GPU its flash or memory-efficient kernel
-    (:func:`_cuda_choice`, dropout included); both save the inputs, output and log-sum-exp instead. Without this the
-    dry run would count a different backward than a real run keeps."""
+class KernelsAsOn(TorchFunctionMode):
+    """The kernels ``device_type`` ("cpu" or "cuda") runs where the meta device would run others that save
+    different tensors for backward. Without this the dry run would count a different backward than a real run keeps.
+
+    * ``scaled_dot_product_attention``: on the meta device torch always takes the math path (matmuls and a softmax,
+      saving the attention probabilities, and their dropout mask); a CPU takes the fused flash kernel wherever
+      torch's own choice (``aten._fused_sdp_choice``, asked with CPU stand-ins of the same shapes) says so (not with
+      dropout), a GPU its flash or memory-efficient kernel (:func:`_cuda_choice`, dropout included); both save the
+      inputs, output and log-sum-exp instead.
+    * ``dropout`` (training, 0 < p < 1): the meta device and a CPU multiply by a mask of the input's dtype, which
+      backward keeps; a GPU runs the fused ``native_dropout``, which keeps a bool mask (measured, H200)."""
 
     def __init__(self, device_type: str = "cpu"):
         super().__init__()
@@ -251,6 +264,8 @@ class AttentionAsOn(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.dropout and self.device_type == "cuda":
+            return _cuda_dropout(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)

@@ -55,7 +55,7 @@ from ..parallel.mesh import fake_world, init_mesh
 from ..sharding.plan import PlanError
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
-from .counting import AttentionAsOn, WorkRecorder, by_layer
+from .counting import KernelsAsOn, WorkRecorder, by_layer
 from .meta_autocast import autocast_on_meta
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
     Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
@@ -106,11 +106,11 @@ def _forward_backward(model: nn.Module, inputs: dict, received: tuple, before_ba
 
 def _device_view(precision: str, device_type: str):
     """A context factory: a forward on the meta device as it runs on ``device_type`` at ``precision`` (its attention
-    kernel, :class:`~.counting.AttentionAsOn`, and autocast's casts, :mod:`.meta_autocast`)."""
+    kernel, :class:`~.counting.KernelsAsOn`, and autocast's casts, :mod:`.meta_autocast`)."""
 
     @contextlib.contextmanager
     def view():
-        with AttentionAsOn(device_type), autocast_on_meta(precision, device_type):
+        with KernelsAsOn(device_type), autocast_on_meta(precision, device_type):
             yield
 
     return view

@@ -45,10 +45,11 @@ LOWER = {"cpu": _LOWER,
          "cuda": _LOWER | {torch.einsum, torch.mv, Tensor.mv, torch.addmv, Tensor.addmv, torch.addr, Tensor.addr,
                            torch.chain_matmul, torch.linalg.multi_dot}}
 FLOAT32 = {"cpu": _FLOAT32,
-           "cuda": _FLOAT32 | {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, Tensor.softmax,
-                               torch.log_softmax, Tensor.log_softmax, torch.exp, Tensor.exp, torch.log, Tensor.log,
-                               torch.pow, Tensor.pow, torch.rsqrt, Tensor.rsqrt, torch.logsumexp, Tensor.logsumexp,
-                               torch.cumsum, Tensor.cumsum, F.softplus, torch.cosine_similarity, torch.cdist}}
+           "cuda": (_FLOAT32 - {F.cross_entropy}) | {  # cross-entropy: its decomposition is (_cuda_cross_entropy)
+               F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, Tensor.softmax, torch.log_softmax,
+               Tensor.log_softmax, torch.exp, Tensor.exp, torch.log, Tensor.log, torch.pow, Tensor.pow, torch.rsqrt,
+               Tensor.rsqrt, torch.logsumexp, Tensor.logsumexp, torch.cumsum, Tensor.cumsum, F.softplus,
+               torch.cosine_similarity, torch.cdist}}
 _LOW = (torch.float16, torch.bfloat16)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,7 +61,8 @@ class AutocastOnMeta(TorchFunctionMode):
         super().__init__()
         if device_type not in LOWER:
             raise ValueError(f"autocast on meta tensors knows the device types {sorted(LOWER)}, got {device_type!r}")
-        self.dtype, self.lower, self.float32 = dtype, LOWER[device_type], FLOAT32[device_type]
+        self.dtype, self.device_type = dtype, device_type
+        self.lower, self.float32 = LOWER[device_type], FLOAT32[device_type]
         self.cache: dict[int, Tensor] = {}  # id(parameter) -> its cast, for the region (autocast's weight cache)
         self._says = None
 
@@ -80,6 +82,8 @@ class AutocastOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if autocast_dtype("meta") is None:  # inside shardlib.parallel.casting.autocast_off: autocast is off
             return func(*args, **kwargs)
+        if func is F.cross_entropy and self.device_type == "cuda":
+            return _cuda_cross_entropy(*args, **kwargs)
         if func in self.lower:
             args, kwargs = self._cast(args, kwargs, self.dtype, lambda t: t.dtype != torch.float64)
         elif func in self.float32:
@@ -103,6 +107,18 @@ class AutocastOnMeta(TorchFunctionMode):
             return type(a)(map(cast, a)) if type(a) in (list, tuple) else cast(a)
 
         return tuple(map(each, args)), {k: each(v) for k, v in kwargs.items()}
+
+
+def _cuda_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                        reduction="mean", label_smoothing=0.0):
+    """``F.cross_entropy`` as CUDA autocast runs it on low-precision logits (measured on torch 2.11, H200: the loss
+    is not on CUDA's float32 list, its decomposition is): the log-softmax in the logits' dtype (its result saved),
+    then ``nll_loss``, which is on the list, on a float32 copy of it (saved too)."""
+    if input.dtype not in _LOW or label_smoothing:
+        return F.cross_entropy(input.float() if input.dtype in _LOW else input, target, weight, size_average,
+                               ignore_index, reduce, reduction, label_smoothing)
+    logp = torch.log_softmax(input, 1)
+    return F.nll_loss(logp.float(), target, weight, size_average, ignore_index, reduce, reduction)
 
 
 def autocast_on_meta(precision: str, device_type: str = "cpu"):
