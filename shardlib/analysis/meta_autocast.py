@@ -14,9 +14,10 @@ changes for memory is which dtype each op computes in, and so which tensors are 
   float32).
 
 The lists are torch's (``aten/src/ATen/autocast_mode.cpp``), at the level of the Python functions the models call,
-per device type: CUDA runs more ops in float32 (layer norm, softmax, exp, pow, ...) than the CPU does. Ops no
-transformer calls are left out. The CPU lists are checked against a real CPU autocast step, byte for byte
-(tests/test_meta_autocast.py); the CUDA lists against a GPU's measured peaks (docs/planning.md).
+per device type: CUDA runs more ops in float32 (layer norm, softmax, exp, pow, ...) than the CPU does, and its
+cross-entropy differs (:func:`_cuda_cross_entropy`). Ops no transformer calls are left out. The CPU lists are checked
+against a real CPU autocast step, byte for byte (tests/test_meta_autocast.py); the CUDA ones against the tensors a
+GPU saved and its measured peaks (docs/benchmarks.md, "Plan accuracy on one GPU").
 """
 
 from __future__ import annotations
