@@ -12,9 +12,10 @@ collectives unmatched.
 
 A rank that dies of a *native* crash (SIGABRT, SIGSEGV, SIGBUS: glibc's heap checks or a fault inside torch or
 gloo, never a Python assertion, which comes back as a failure) reruns the task once on a fresh pool, with a
-warning that carries the crash's stacks; a second crash fails the test. Gloo's all-gather aborted with "double free
-or corruption" three times (~1 in 1,000 tasks), each inside a nested wait that shardlib no longer makes
-(``shardlib.parallel.collectives._waited``); this stays as a net. A Python-level failure is never retried.
+warning that carries the crash's stacks; a second crash fails the test. Gloo ranks aborted ("double free or
+corruption"), segfaulted or hung about once in 1,000 tasks, always waiting on a functional collective run eagerly;
+eager collectives are c10d's synchronous calls since (``shardlib/parallel/collectives.py``), and this stays as a
+net. A Python-level failure is never retried.
 
 A *silent hang* is treated the same way: ranks that do not answer within the task's timeout while no rank reported
 anything, not even the collective timeout every wait is bounded by (``collective_timeout_s``, shorter than any task
@@ -123,9 +124,9 @@ _READY = 0  # the task id of a rank's "up and joined" message (tasks count from 
 
 class RankPool:
     def __init__(self, world_size: int = 4, collective_timeout_s: float = 60.0, startup_timeout_s: float = 300.0):
-        self.startup_timeout_s = startup_timeout_s
         self.world_size = world_size
         self.collective_timeout_s = collective_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self._procs: list = []
         self._task_id = 0
         self._fault_dir = tempfile.mkdtemp(prefix="shardlib-pool-")
