@@ -64,8 +64,8 @@ def test_a_silent_hang_reruns_once_with_python_and_native_stacks(small_pool, tmp
         assert small_pool.run(hang_on_first_try, str(tmp_path / "m"), 0, timeout_s=TASK_S) == [0, 1]
     text = str(caught[0].message)
     assert "rank(s) [0] did not finish" in text and "hang_on_first_try" in text  # faulthandler's Python stack
-    if shutil.which("gdb"):
-        assert "native threads (gdb)" in text and "Thread" in text
+    if shutil.which("gdb"):  # (what gdb prints depends on whether this machine lets it attach)
+        assert "--- rank 0: native threads (gdb) ---" in text or "--- rank 0: gdb failed" in text
 
 
 @ci_only("two hangs, 15 s; the dev profile checks a hang that reruns")
