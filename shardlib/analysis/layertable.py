@@ -137,7 +137,7 @@ class _Run:
     """The shallow model dry-run at one microbatch size: its roots, parameters and memory counts."""
 
     def __init__(self, base: nn.Module, policy, trunk, sizes: dict, mode, checkpointing: bool, batch: int,
-                 seq: int, stepped: "_Run | None" = None, device_view: tuple[str, str] = ("fp32", "cpu")):
+                 seq: int, stepped: "_Run | None" = None, precision: str = "fp32", device_type: str = "cpu"):
         model = copy.deepcopy(base)
         self.roots = list(stage_plan(model, trunk, 1).modules[0])
         self.by_root: dict[str, Root] = {r: Root() for r in [*self.roots, ""]}
@@ -149,7 +149,7 @@ class _Run:
             info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
                                                  inputs, (), checkpointing, keep,
                                                  optimizer=batch == BATCHES[0] and stepped is None,
-                                                 precision=device_view[0], device_type=device_view[1])
+                                                 precision=precision, device_type=device_type)
         for h in hooks:
             h.remove()
         self.inputs, self.memory = inputs, info.memory
@@ -198,7 +198,7 @@ class LayerTable:
         sizes = dict(dp=1, pp=1, sp=sp, tp=tp)
         stepped = like.runs[0] if like is not None else None
         self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq,
-                          stepped if b == BATCHES[0] else None, (precision, device_type)) for b in BATCHES]
+                          stepped if b == BATCHES[0] else None, precision, device_type) for b in BATCHES]
         self._plans: dict[int, object] = like._plans if like is not None else {}  # pipeline cuts: by pp only
         self._states: dict[tuple, dict] = {}  # (pp, dp, stage) -> _stage_states
         self._order = {name: i for i, (name, _) in enumerate(full.named_parameters())}  # registration order

@@ -217,7 +217,6 @@ class _Reader:
 
     def __init__(self, source: str):
         self.source = source
-        self.world_size = None  # the profile's, once read: a profile of one rank has no collectives
 
     def fail(self, message: str):
         raise ProfileError(f"{self.source}: {message}")
@@ -253,7 +252,6 @@ class _Reader:
         if unknown:
             self.fail(f"unknown field '{unknown[0]}' (a profile has {', '.join(_FIELDS)})")
         values = {key: self.field(data, key, key) for key in _FIELDS}
-        self.world_size = values["world_size"]
         if not isinstance(values["machine"], str):
             self.fail(f"field 'machine' must be a string, got {_shown(values['machine'])}")
         world = values["world_size"]
@@ -270,7 +268,7 @@ class _Reader:
                        device=self.choice(values["device"], "device", DEVICES), world_size=world,
                        gemm=self.gemm(values["gemm"]),
                        memory_bytes_per_s=self.positive(values["memory_bytes_per_s"], "memory_bytes_per_s"),
-                       collectives=self.collectives(values["collectives"]))
+                       collectives=self.collectives(values["collectives"], one_rank=world == 1))
 
     def gemm(self, value) -> dict[str, tuple[tuple[float, float], ...]]:
         out = {}
@@ -292,7 +290,8 @@ class _Reader:
             self.fail("missing field 'gemm.float32'")
         return out
 
-    def collectives(self, value) -> dict[str, dict[int, LinkFit]]:
+    def collectives(self, value, one_rank: bool) -> dict[str, dict[int, LinkFit]]:
+        """``one_rank``: the profile was measured on one rank, which measures no collective."""
         value = self.mapping(value, "collectives")
         unknown = sorted(set(value) - set(COLLECTIVES))
         if unknown:
@@ -301,7 +300,7 @@ class _Reader:
         for op in COLLECTIVES:
             sizes = self.mapping(self.field(value, op, f"collectives.{op}"), f"collectives.{op}",
                                  "an object of group sizes")
-            if not sizes and self.world_size != 1:  # a profile of one rank measured no collective
+            if not sizes and not one_rank:
                 self.fail(f"field 'collectives.{op}' has no group size")
             out[op] = {self.group_size(n, f"collectives.{op}"): self.link(fit, f"collectives.{op}.{n}")
                        for n, fit in sizes.items()}
