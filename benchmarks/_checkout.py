@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+#: ``SHARDLIB_CHECKOUT``: another checkout to import instead (a benchmark's baseline ranks: ``git worktree add`` of the
+#: commit before a change, timed in the same run as this one)
+ROOT = Path(os.environ.get("SHARDLIB_CHECKOUT") or Path(__file__).resolve().parent.parent).resolve()
 
 
 class _RepoLayout(importlib.abc.MetaPathFinder):

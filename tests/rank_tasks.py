@@ -336,6 +336,30 @@ def collective_mappings(spec: dict) -> int:
     return checked
 
 
+def row_linear_blocks(spec: dict) -> list[int]:
+    """The row-parallel linear whose forward all-reduce overlaps its GEMM in row blocks
+    (:func:`shardlib.parallel.overlap.row_linear`), in 1, 2 and 3 blocks (5 rows: unequal ones), against its math:
+    forward ``y = sum_k x_k W_k^T`` over the ranks, backward ``dx_r = g W_r``, ``dW_r = g^T x_r`` (g replicated)."""
+    from shardlib.parallel.overlap import _RowLinear
+
+    mesh = pool_mesh(tp=spec["tp"])
+    group, n, r = mesh.tp_group, mesh.tp, mesh.tp_rank
+    g = torch.Generator().manual_seed(spec["seed"])
+    xs = [torch.randn(5, 6, dtype=torch.float64, generator=g) for _ in range(n)]
+    ws = [torch.randn(7, 6, dtype=torch.float64, generator=g) for _ in range(n)]
+    upstream = torch.randn(5, 7, dtype=torch.float64, generator=g)
+    checked = []
+    for blocks in (1, 2, 3):
+        x, w = xs[r].clone().requires_grad_(True), ws[r].clone().requires_grad_(True)
+        y = _RowLinear.apply(x, w, group, blocks)
+        torch.testing.assert_close(y, sum(xk @ wk.T for xk, wk in zip(xs, ws)), rtol=1e-12, atol=1e-12)
+        y.backward(upstream)
+        torch.testing.assert_close(x.grad, upstream @ ws[r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w.grad, upstream.T @ xs[r], rtol=1e-12, atol=1e-12)
+        checked.append(blocks)
+    return checked
+
+
 def generation_matches(spec: dict) -> dict:
     """generate() on the sharded seq2seq model (greedy and beam search, KV cache on) returns exactly the tokens
     of the unsharded model."""

@@ -67,6 +67,11 @@ def test_collective_mappings_forward_and_backward(pool, tp):
     assert pool.run(rank_tasks.collective_mappings, {"tp": tp, "seed": tp}) == [6] * 4
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_row_parallel_linear_overlapped_in_blocks(pool, tp):
+    assert pool.run(rank_tasks.row_linear_blocks, {"tp": tp, "seed": tp}) == [[1, 2, 3]] * 4
+
+
 T5_SPEC = {"family": "t5", "cls": "T5ForConditionalGeneration", "seq": 6, "dec_seq": 4, "batch": 2, "padding": True,
            "dtype": "float32", "seed": 3, "config": {"vocab": 40, "d_model": 12, "d_kv": 4, "heads": 4, "d_ff": 16,
                                                       "layers": 2, "decoder_layers": 2, "ffn": "gated-gelu"}}

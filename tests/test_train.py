@@ -156,3 +156,22 @@ def test_trainer_arguments_are_checked():
         shardlib.Trainer(model).train_step({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(ValueError, match="BertModel is not sharded"):
         shardlib.Trainer(BertForSequenceClassification(model.config).bert, sgd)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", [{"tp": 1}, {"tp": 2}, {"dp": 1, "pp": 2, "tp": 2}], ids=["tp1", "tp2", "pp2_tp2"])
+def test_the_loss_of_a_low_precision_step_is_float32(pool, precision, layout):
+    """Under bf16 / fp16 autocast transformers computes its loss in float32 (autocast's float32 log_softmax), and so
+    do the loss ``train_step`` returns and the loss of ``eval_step``'s outputs: not rounded to the logits' dtype
+    (before: 10.375 where transformers said 10.3720). tp=1 is the model itself: equal to rtol 1e-6. At tp > 1 the
+    row-parallel sums round other low-precision activations (measured up to 4e-4 relative on this model), while a
+    loss rounded to bf16 is off by up to 2**-9 = 2e-3: the train and eval losses of the same weights and batch must
+    agree to 1e-6 (the same forward; fp16's scale divided out in float64; with a pipeline, two microbatches and
+    the last stage's view), and be float32."""
+    spec = {**BERT, "cls": "BertForMaskedLM", "batch": 4, "precision": precision, "layout": layout}
+    got = pool.run(train_tasks.autocast_losses, spec)[-1]  # the last rank holds the last pipeline stage
+    assert got["reference_dtype"] == "torch.float32"
+    assert got["eval"] and all(dtype == "torch.float32" for _, dtype in got["eval"]), got
+    if len(got["eval"]) == 1:
+        assert close(got["train_step"], got["eval"][0][0], 1e-6), got
+    assert close(got["train_step"], got["reference"], 1e-6 if layout == {"tp": 1} else 2e-3), got

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2Model
 
 import shardlib
-from shardlib.parallel.layers import vocab_parallel_cross_entropy
+from shardlib.parallel.layers import _VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from shardlib.parallel.mesh import MeshError, OfflineMesh, _resolve_sizes
 from shardlib.parallel.styles import ColwiseParallel, RowwiseParallel
 from shardlib.policies import policy_for
@@ -176,6 +176,11 @@ def test_vocab_parallel_cross_entropy_single_rank_matches_torch(vocab, n_tokens,
     (g_ref,) = torch.autograd.grad((ref * w).sum(), logits)
     torch.testing.assert_close(g, g_ref)
     assert torch.all(g[:, vocab:] == 0)
+    # only the labelled rows are computed (eager): bitwise what every row gives (the traced path)
+    every_row = _VocabParallelCrossEntropy.apply(logits, target, 0, vocab, None, -100, torch.float64)
+    assert torch.equal(loss, every_row)
+    (g_every,) = torch.autograd.grad((every_row * w).sum(), logits)
+    assert torch.equal(g, g_every)
 
 
 @pytest.mark.parametrize(

@@ -206,3 +206,21 @@ def snapshot(trainer) -> dict:
                 out[f"state{i}.{key}"] = value.detach().clone()
     return out
 
+
+
+def autocast_losses(spec: dict) -> dict:
+    """One ``train_step`` and one ``eval_step`` of the sharded model at ``spec["layout"]`` under
+    ``spec["precision"]`` (every dp rank given the whole batch, so the step's loss is the batch's), next to the
+    unsharded model's loss under the same autocast, as transformers computes it: float32."""
+    family = cases(spec)
+    reference = family.make_model(spec)
+    batch = family.make_batch(spec, reference.config)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec["precision"]]
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        want = reference(**batch).loss
+    _, model = build_sharded(spec)
+    trainer = shardlib.Trainer(model, lambda params: torch.optim.SGD(params, lr=0.0), precision=spec["precision"],
+                               microbatches=spec["layout"].get("pp", 1))
+    evaluated = trainer.eval_step(batch)
+    return {"reference": want.item(), "reference_dtype": str(want.dtype), "train_step": trainer.train_step(batch),
+            "eval": [(float(out["loss"]), str(out["loss"].dtype)) for out in evaluated]}

@@ -26,7 +26,7 @@ from torch import nn
 
 from .collectives import Group, all_reduce, copy_to_tp, gather_from_tp, group_rank, group_size, reduce_from_tp
 from .layout import Layout, set_layout
-from .overlap import column_linear
+from .overlap import column_linear, row_linear
 
 #: ``nn.Embedding`` options the sharded embeddings cannot honour: ``max_norm`` renormalizes the rows it looks up, in
 #: place (a vocab shard looks up its row 0 for every id of another shard; a column shard holds part of each row, so
@@ -127,6 +127,8 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
             self.valid_out_features = vocab_stop - self.vocab_start  # real (non-padding) output features here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 and self.epilogue is None and self.sequence is None:
+            return F.linear(x, _linear_weight(self), self.bias)  # a world of one: exactly nn.Linear's forward
         self._check_runnable()
         weight = _linear_weight(self)
         if self._overlaps_copy():
@@ -183,7 +185,12 @@ class RowParallelLinear(_TPModule, nn.Linear):
         self.out_features, self.in_features = _linear_weight(self).shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 and self.reduce_output and self.sequence is None:
+            return F.linear(x, _linear_weight(self), self.bias)  # a world of one: exactly nn.Linear's forward
         self._check_runnable()
+        if self.reduce_output and self.sequence is None and self.tp_size > 1 and not torch.compiler.is_compiling():
+            y = row_linear(x, _linear_weight(self), self.group)  # all-reduce overlapped with the GEMM (overlap.py)
+            return y if self.bias is None else y + self.bias
         partial = F.linear(x, _linear_weight(self))
         if not self.reduce_output:
             return partial
@@ -315,8 +322,19 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Per-token loss (shape of ``target``) of logits [*, V_local] holding global vocab columns
     ``[vocab_start, vocab_start + valid)`` in their first ``valid`` columns. Ignored targets give 0.
-    Computed in ``dtype`` (default: the logits' dtype promoted to at least float32)."""
+    Computed in ``dtype`` (default: the logits' dtype promoted to at least float32).
+
+    In eager mode only the rows with a target are computed (an MLM batch labels ~15% of its tokens): an ignored row
+    adds 0 to the loss and 0 to the gradient, and each kept row's max, exponentials and sum are the same row
+    reductions as on the whole matrix, so the result is the same. Every rank of the group holds the same targets,
+    hence the same rows. Traced (torch.compile / export) the shapes stay static: every row."""
     dtype = dtype or torch.promote_types(logits.dtype, torch.float32)
-    flat = logits.reshape(-1, logits.shape[-1])
-    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), vocab_start, valid, group, ignore_index, dtype)
-    return loss.view(target.shape)
+    flat, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    args = (vocab_start, valid, group, ignore_index, dtype)
+    if torch.compiler.is_compiling():
+        return _VocabParallelCrossEntropy.apply(flat, flat_target, *args).view(target.shape)
+    rows = (flat_target != ignore_index).nonzero().squeeze(1)
+    if rows.numel() == flat_target.numel():
+        return _VocabParallelCrossEntropy.apply(flat, flat_target, *args).view(target.shape)
+    picked = _VocabParallelCrossEntropy.apply(flat.index_select(0, rows), flat_target[rows], *args)
+    return picked.new_zeros(flat_target.shape).index_copy(0, rows, picked).view(target.shape)

@@ -204,7 +204,7 @@ class LocalRNG(Style):
 
     def apply(self, path, module, ctx):
         tracker, stream = ctx.rng_tracker, self.stream
-        if tracker is None:
+        if tracker is None or _single_rank(tracker, stream):
             return module
         module.__dict__[LOCAL_STREAM_ATTR] = (tracker, stream)
         _eager_forward_inside(module, lambda: tracker.fork(stream))
@@ -224,9 +224,15 @@ class ReplicatedRNG(Style):
 
     def apply(self, path, module, ctx):
         tracker = ctx.rng_tracker
-        if tracker is not None:
+        if tracker is not None and not _single_rank(tracker, "tensor-parallel"):
             _eager_forward_inside(module, tracker.replicated)
         return module
+
+
+def _single_rank(tracker, stream: str) -> bool:
+    """Whether ``stream`` is drawn by one rank only (tp = sp = 1): its activations are not sharded, so they draw from
+    torch's default generator, as the unsharded model does (a world of one is the model itself)."""
+    return stream in tracker.ranks and tracker.ranks[stream][1] == 1
 
 
 def _eager_forward_inside(module: nn.Module, context) -> None:

@@ -5,7 +5,8 @@ without them (so HF never sees the vocab-sharded logits), then computes the loss
 :func:`shardlib.parallel.layers.vocab_parallel_cross_entropy` exactly as HF defines it for that head:
 
 * ``masked_lm``: mean cross-entropy over targets != -100 (``nn.CrossEntropyLoss()``), as in BertForMaskedLM,
-  computed in at least float32 and returned in the logits' dtype;
+  computed and returned in at least float32 (what autocast's float32 ``log_softmax`` / ``nll_loss`` give
+  transformers under bf16 / fp16);
 * ``causal_lm``: labels shifted left by one, then the mean over targets != -100, or the sum divided by
   ``num_items_in_batch`` when that keyword is given, in float32 (transformers' ``ForCausalLMLoss``);
 * ``pretraining``: ``masked_lm`` + the next-sentence cross-entropy, only when both label sets are given;
@@ -47,7 +48,7 @@ def masked_lm_loss(out, spec, labels, head, extra):
     if lm_labels is None:
         return None
     logits = out[spec.logits]
-    return _mean_over_targets(_token_losses(logits, lm_labels, head), lm_labels).to(logits.dtype)
+    return _mean_over_targets(_token_losses(logits, lm_labels, head), lm_labels)
 
 
 def causal_lm_loss(out, spec, labels, head, extra):
@@ -69,7 +70,7 @@ def pretraining_loss(out, spec, labels, head, extra):
     if lm_labels is None or nsp_labels is None:
         return None
     logits = out[spec.logits]
-    mlm = _mean_over_targets(_token_losses(logits, lm_labels, head), lm_labels).to(logits.dtype)
+    mlm = _mean_over_targets(_token_losses(logits, lm_labels, head), lm_labels)
     nsp_logits = out["seq_relationship_logits"]
     return mlm + F.cross_entropy(nsp_logits.view(-1, nsp_logits.shape[-1]), nsp_labels.view(-1))
 

@@ -270,7 +270,8 @@ class VocabParallelLoss:
         return problems
 
     def install(self, r: Resolved) -> None:
-        install_vocab_parallel_loss(r.model, r.plan.loss, r.options["gather_logits"])
+        if r.tp > 1:  # a world of one keeps the model's own loss: the vocabulary is not split
+            install_vocab_parallel_loss(r.model, r.plan.loss, r.options["gather_logits"])
 
 
 class ReplicatedInputCheck:

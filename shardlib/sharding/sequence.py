@@ -211,6 +211,9 @@ class MegatronSequenceParallel:
     def prepare(self, r) -> None:
         if r.tp > 1:
             r.sequence = SequenceParallel(r.group, r.tp)
+        else:
+            r.report.notes.append("sequence_parallel=True does nothing at tp=1 (Megatron sequence parallelism splits "
+                                  "the sequence over the tensor-parallel group): the model runs unchanged")
 
     def install(self, r) -> None:
         if r.sequence is not None:

@@ -29,6 +29,8 @@ class ShardReport:
     #: an inferred plan: what stays replicated and why, and the seconds its proof took (None: not verified)
     unplaced: list[tuple[str, str]] = field(default_factory=list)
     verified_s: float | None = None
+    #: options that change nothing on this mesh and why (e.g. sequence parallelism at tp=1), said once here
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"shardlib: {self.model_class} with policy '{self.policy}' on {self.mesh}"]
@@ -45,6 +47,8 @@ class ShardReport:
             lines.append(f"{'kernel ' + kind:<56} installed on {count} modules")
         for module, why in self.unplaced:
             lines.append(f"{module:<56} left replicated: {why}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
         if self.verified_s is not None:
             lines.append(f"inferred plan verified on a 2-layer float64 twin in {self.verified_s:.2f} s")
         ratio = self.local_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0

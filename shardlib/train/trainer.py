@@ -180,8 +180,8 @@ class Trainer:
         for i, b in enumerate(batches):  # before any gradient is touched
             check_batch(b, "the batch" if len(batches) == 1 else f"batch {i} of {len(batches)}")
         self.zero_grad()
-        total = self._global_items(batches)
-        loss = sum(self._forward_backward(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches))
+        total = self._global_items(batches) if self._weighted(len(batches)) else None
+        loss = sum(self._forward_backward_tensor(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches))
         self.reduce_gradients()
         copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
         self.last_step_skipped = self._check_and_clip()
@@ -189,7 +189,12 @@ class Trainer:
             self.zero_grad()
         else:
             self.optimizer_step()
-        return loss
+        return float(loss)  # read once, after the step's work is issued (a device sync)
+
+    def _weighted(self, batches: int) -> bool:
+        """Whether microbatch losses need weights: with one batch, one microbatch and one dp rank the step's loss
+        is the model's own (weight 1), and counting its items would cost a device sync before the forward."""
+        return batches > 1 or self.microbatches > 1 or self.mesh.dp > 1 or self.split is not None
 
     def _check_and_clip(self) -> bool:
         """Unscale (fp16), check and clip the step's gradients; True when the step is to be skipped, the same on
@@ -241,25 +246,31 @@ class Trainer:
         every data-parallel rank (same value on every rank). The gradients are summed over dp by
         :meth:`reduce_gradients`, after backward (:meth:`train_step` sums them during its last backward)."""
         check_batch(batch)
-        return self._forward_backward(batch, total_items, sync=False)
+        return float(self._forward_backward_tensor(batch, total_items, sync=False))
 
-    def _forward_backward(self, batch: dict, total_items: float | None, *, sync: bool) -> float:
-        """``forward_backward``; ``sync``: the last backward before the optimizer step, whose DDP sums the
-        gradients over dp while it runs."""
-        self.model.train()
-        self._total = total_items if total_items is not None else self._global_items([batch])
-        weights = self.loss_items(batch)
+    def _forward_backward_tensor(self, batch: dict, total_items: float | None, *, sync: bool) -> torch.Tensor:
+        """``forward_backward``, its loss as a float64 tensor not read yet (reading it syncs a device); ``sync``:
+        the last backward before the optimizer step, whose DDP sums the gradients over dp while it runs.
+        ``total_items`` None (:meth:`_weighted` false): the batch's loss is the model's own, unweighted."""
+        if not self.model.training:  # train() walks every module: only when eval_step (or the user) left eval mode
+            self.model.train()
+        weights = None
+        if total_items is not None or self._weighted(1):
+            self._total = total_items if total_items is not None else self._global_items([batch])
+            weights = self.loss_items(batch)
         if self.split is None:
             loss = self._run_plain(batch, weights, sync)
         else:
             loss = self.runner.step(batch, self.microbatches, self._pipeline_loss, weights)
+        if not torch.is_tensor(loss):
+            loss = torch.tensor(loss)
+        loss = loss.to(device=self.mesh.device_type, dtype=torch.float64).reshape(1)  # NCCL: CUDA tensors only
         if self.scaler is not None:
-            loss /= self.scaler.scale  # what backward saw was scaled
-        loss = torch.tensor([loss], dtype=torch.float64, device=self.mesh.device_type)  # NCCL: CUDA tensors only
+            loss = loss / self.scaler.scale  # what backward saw was scaled
         for dim in ("dp", "pp"):
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(loss, group=self.mesh.group(dim))
-        return float(loss)
+        return loss[0]
 
     def _global_items(self, batches: list[dict]) -> float:
         """The loss items of ``batches`` summed over data-parallel ranks (1 with a user ``loss_fn``: summed)."""
@@ -311,9 +322,11 @@ class Trainer:
     def _autocast(self, batch):
         return autocast(self.precision, first_tensor(batch).device.type)
 
-    def _run_plain(self, batch: dict, weights: torch.Tensor, sync: bool) -> float:
-        loss_sum = 0.0
-        parts = list(zip(split_batch(batch, self.microbatches), weights.chunk(self.microbatches)))
+    def _run_plain(self, batch: dict, weights: torch.Tensor | None, sync: bool) -> torch.Tensor:
+        loss_sum = None
+        microbatches = split_batch(batch, self.microbatches) if self.microbatches > 1 else [batch]
+        chunks = weights.chunk(self.microbatches) if weights is not None else [None]
+        parts = list(zip(microbatches, chunks))
         for i, (mb, w) in enumerate(parts):
             with self.data_parallel.backward(last=sync and i == len(parts) - 1):
                 with self._autocast(mb):
@@ -324,7 +337,7 @@ class Trainer:
                         loss = as_loss(out, "forward_step" if self.custom_forward else type(self.model).__name__)
                 scaled = self._scale(loss, w)
                 scaled.backward()
-            loss_sum += float(scaled.detach())
+            loss_sum = scaled.detach() if loss_sum is None else loss_sum + scaled.detach()
         return loss_sum  # times the fp16 loss scale, which forward_backward divides out
 
     def _stage_forward_step(self, model, batch):
@@ -332,13 +345,13 @@ class Trainer:
         as_loss(result, "forward_step")  # checked on the last stage, where the model's forward returns
         return result
 
-    def _scale(self, loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The microbatch loss as backward sees it: weighted by its share of the loss items, times the fp16 loss
-        scale."""
+    def _scale(self, loss: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The microbatch loss as backward sees it: weighted by its share of the loss items (``weights`` None: the
+        step's only microbatch, weight 1), times the fp16 loss scale."""
         factor = self.scaler.scale if self.scaler is not None else 1.0
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()  # an autocast loss times 2**16 would overflow fp16 (backward then starts in fp32)
-        if self.loss_fn is not None:
+        if self.loss_fn is not None or weights is None:
             return loss * factor if factor != 1.0 else loss
         # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch
         # loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0

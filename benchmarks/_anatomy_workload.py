@@ -1,0 +1,189 @@
+"""The workload of ``benchmarks/step_anatomy.py``: one BERT step per layout (an MLM training step, or the encoder's
+forward and backward: :class:`Step`), kept alive in a :class:`_harness.RankPool` per layout, timed and profiled on
+command.
+
+Layouts (``MODES``): ``unsharded`` (one process, both cores: a hand loop, what a user writes without shardlib),
+``world1`` (the same model through ``shardlib.shard`` at a world of one and ``Trainer.train_step``), ``tp2`` and
+``tp2_sp`` (two ranks of one thread each: ``shard`` at tp=2, without and with Megatron sequence parallelism, trained
+by ``Trainer.train_step``). Every layout starts from the same weights (``torch.manual_seed(0)``) and the same
+batches, and runs AdamW.
+
+A profiled step is split into categories by each op's *self* time (``CATEGORIES``, first match wins; an op inside
+the optimizer's step counts as optimizer, one inside the vocab-parallel cross-entropy as loss); what no op accounts for (Python, autograd bookkeeping, hooks, the
+profiler's own cost) is ``host``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import _checkout  # noqa: E402,F401  (shardlib from this checkout)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MODES = {  # name: (world, threads per rank, shard() options or None for the hand loop)
+    "unsharded": (1, 2, None),
+    "world1": (1, 2, {}),
+    "tp2": (2, 1, {}),
+    "tp2_sp": (2, 1, {"sequence_parallel": True}),
+}
+TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one", "tp2": "shardlib tp=2",
+          "tp2_sp": "shardlib tp=2 + SP"}
+SIZES = {
+    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    "bert-small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
+    "bert-tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256),
+}
+
+#: (category, substrings of an op's name): the first category with a match takes the op's self time
+CATEGORIES = (
+    ("collectives", ("c10d::", "gloo", "nccl", "_ReduceFromTP", "_CopyToTP", "_GatherFromTP", "_ScatterToTP",
+                     "_ReduceScatterToTP", "_AllGatherFromTP", "_AllToAll", "_ColumnLinearBackward",
+                     "all_reduce", "all_gather", "reduce_scatter")),
+    ("GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")),
+    ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
+    ("attention", ("scaled_dot_product", "aten::_softmax", "aten::softmax", "_softmax_backward")),
+    ("norms", ("layer_norm",)),
+    ("casts/copies", ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::stack",
+                      "aten::contiguous")),
+    ("element-wise", ("aten::",)),
+)
+ORDER = ("GEMMs", "attention", "loss", "element-wise", "norms", "casts/copies", "collectives", "optimizer", "host")
+
+
+def config(size: str, dropout: float):
+    import transformers
+
+    return transformers.BertConfig(**SIZES[size], vocab_size=30522, max_position_embeddings=512,
+                                   hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+
+
+def batches(n: int, batch: int, seq: int, vocab: int = 30522) -> list[dict]:
+    """MLM batches: random ids, 15% of positions labelled (the rest -100), the same on every rank."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = torch.where(torch.rand(batch, seq, generator=g) < 0.15, ids, torch.full_like(ids, -100))
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return out
+
+
+class Step:
+    """One layout's model, optimizer and batches; ``run()`` is one step of ``workload``:
+
+    * ``mlm``: a training step of ``BertForMaskedLM`` with AdamW: a hand loop for the unsharded model,
+      ``Trainer.train_step`` for shardlib's layouts (what a user runs);
+    * ``encoder``: forward and backward of ``BertModel`` with the loss ``last_hidden_state.pow(2).mean()``, no
+      optimizer, a hand loop for every layout (``benchmarks/tp_throughput.py``'s workload: the layers alone).
+    """
+
+    def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm"):
+        import transformers
+
+        import shardlib
+
+        world, threads, options = MODES[mode]
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        cls = transformers.BertForMaskedLM if workload == "mlm" else transformers.BertModel
+        model = cls(config(size, dropout))
+        self.data, self.i, self.world, self.workload = batches(4, batch, seq), 0, world, workload
+        if workload == "encoder":
+            self.data = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in self.data]
+        make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-5)  # noqa: E731
+        self.trainer = self.optimizer = None
+        if options is None:
+            self.model = model
+            if workload == "mlm":
+                self.optimizer = make_optimizer(model.parameters())
+        else:
+            mesh = shardlib.init_mesh(tp=world)
+            self.model = shardlib.shard(model, mesh, **options)
+            if workload == "mlm":
+                self.trainer = shardlib.Trainer(self.model, make_optimizer)
+
+    def run(self) -> float:
+        batch = self.data[self.i % len(self.data)]
+        self.i += 1
+        if self.trainer is not None:
+            return self.trainer.train_step(batch)
+        if self.workload == "encoder":
+            self.model.zero_grad(set_to_none=True)
+            loss = self.model(**batch).last_hidden_state.float().pow(2).mean()
+            loss.backward()
+            return loss.item()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(**batch).loss
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+
+def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str) -> Step:
+    step = Step(mode, size, batch, seq, dropout, workload)
+    for _ in range(2):  # warm-up: allocator, optimizer state, first-call paths
+        step.run()
+    return step
+
+
+def _slowest(seconds: float, world: int) -> float:
+    if world == 1:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def serve(step: Step, command: str, steps: int = 1):
+    if command == "time":  # the median of ``steps`` steps, each the slowest rank's
+        times = []
+        for _ in range(steps):
+            if step.world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            step.run()
+            times.append(_slowest(time.perf_counter() - start, step.world))
+        return sorted(times)[len(times) // 2]
+    if command == "profile":
+        return profile_steps(step, steps)
+    raise ValueError(command)
+
+
+def profile_steps(step: Step, steps: int) -> dict:
+    """Milliseconds per step by category over ``steps`` profiled steps (this rank's), and the profiled wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if step.world > 1:
+        dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step.run()
+        wall = time.perf_counter() - start
+    totals = dict.fromkeys(ORDER, 0.0)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        totals[_category(event)] += event.self_cpu_time_total / 1e3
+    accounted = sum(totals.values())
+    totals["host"] = max(0.0, wall * 1e3 - accounted + totals["host"])
+    return {"wall_ms": wall * 1e3 / steps, **{k: v / steps for k, v in totals.items()}}
+
+
+def _category(event) -> str:
+    parent = event
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step") or parent.name.startswith("Optimizer.zero_grad"):
+            return "optimizer"
+        if "CrossEntropy" in parent.name:  # shardlib's vocab-parallel cross-entropy (an autograd Function)
+            return "loss"
+        parent = parent.cpu_parent
+    for category, needles in CATEGORIES:
+        if any(n in event.name for n in needles):
+            return category
+    return "host"

@@ -1,0 +1,138 @@
+"""Where a training step's time goes: the unsharded model, shardlib at a world of one, tp=2 and tp=2 + SP, side by
+side (CPU).
+
+What is measured
+----------------
+One ``BertForMaskedLM`` training step (forward, MLM loss, backward, AdamW) on batch x seq tokens, per layout
+(``_anatomy_workload.MODES``): the unsharded model in a hand loop on one process with both cores; the same model
+through ``shardlib.shard`` at a world of one and ``Trainer.train_step``; tp=2 and tp=2 + Megatron SP on two ranks of
+one thread each. All layouts start from the same weights and train on the same batches.
+
+1. **Step time**: every layout's ranks are started once and kept alive (``_harness.RankPool``); ``--rounds``
+   interleaved rounds (order reversed every other round) each time ``--steps`` steps of every layout (a step's time
+   is the slowest rank's; a round's value is the median step). The table gives each layout's median over rounds with
+   its range, and the median of the per-round ratios unsharded / layout (> 1: faster than unsharded) with their range.
+2. **Anatomy**: ``--profile-steps`` steps of each layout under ``torch.profiler``, split into GEMMs, attention,
+   element-wise, norms, casts/copies, collectives (including the time a rank waits in one), optimizer and host
+   (whatever no op accounts for: Python, autograd bookkeeping, hooks, the profiler) in ms per step (rank 0 of a
+   multi-rank layout). The profiler adds its own cost, so these rows explain the step; the wall times of (1) are the
+   figures.
+
+How to run
+----------
+    .venv/bin/python benchmarks/step_anatomy.py                 # BERT-base, 8 x 128, 5 rounds (~6 min idle)
+    .venv/bin/python benchmarks/step_anatomy.py --quick         # BERT-small, 8 x 128, 5 rounds (~1 min): make bench
+    .venv/bin/python benchmarks/step_anatomy.py --modes unsharded,tp2 --rounds 7 --json docs/data/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _anatomy_workload as workload  # noqa: E402
+from _harness import RankPool, median_spread, print_table, write_json  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="bert-base", choices=sorted(workload.SIZES))
+    ap.add_argument("--modes", default=",".join(workload.MODES))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--workload", default="mlm", choices=("mlm", "encoder"),
+                    help="mlm: BertForMaskedLM training step (Trainer for shardlib); encoder: BertModel fwd+bwd")
+    ap.add_argument("--dropout", type=float, default=None,
+                    help="hidden and attention dropout (default: HF's 0.1 for mlm, 0 for encoder)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout per round (their median counts)")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="BERT-small (the anatomy in about a minute)")
+    ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
+                                       "named MODE@base run it, in the same rounds as this checkout's")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size = "bert-small"
+    if args.dropout is None:
+        args.dropout = 0.1 if args.workload == "mlm" else 0.0
+    modes = args.modes.split(",")
+    if any("@" in m for m in modes) and not args.baseline:
+        ap.error("a mode@baseline needs --baseline CHECKOUT")
+    unknown = [m for m in modes if m.partition("@")[0] not in workload.MODES]
+    if unknown:
+        ap.error(f"unknown modes {unknown}; known: {', '.join(workload.MODES)}")
+    started = time.perf_counter()
+    what = "BertForMaskedLM training step (AdamW)" if args.workload == "mlm" else "BertModel forward + backward"
+    print(f"step anatomy: {what}, {args.size}, batch {args.batch} x {args.seq}, dropout {args.dropout}; "
+          f"{args.rounds} interleaved rounds of {args.steps} steps", flush=True)
+    pools = {}
+    try:
+        for mode in modes:
+            name, _, baseline = mode.partition("@")
+            setup = functools.partial(workload.setup, mode=name, size=args.size, batch=args.batch, seq=args.seq,
+                                      dropout=args.dropout, workload=args.workload)
+            with checkout(args.baseline if baseline else None):
+                pools[mode] = RankPool(workload.MODES[name][0], setup, workload.serve)
+        seconds = {m: [] for m in modes}
+        for r in range(args.rounds):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                seconds[mode].append(pools[mode].call("time", steps=args.steps)[0])
+            print(f"  round {r + 1}: " + ", ".join(f"{m} {seconds[m][-1] * 1e3:.0f} ms" for m in modes), flush=True)
+        anatomy = {m: pools[m].call("profile", steps=args.profile_steps)[0] for m in modes}
+    finally:
+        for pool in pools.values():
+            pool.close()
+    report(modes, seconds, anatomy)
+    if args.json:
+        write_json(args.json, {"args": vars(args), "seconds": seconds, "anatomy_ms": anatomy})
+    print(f"total wall time {time.perf_counter() - started:.0f} s")
+
+
+@contextlib.contextmanager
+def checkout(path: str | None):
+    """Ranks spawned inside the block import shardlib from ``path`` (``_checkout.py``), else from this one."""
+    before = os.environ.get("SHARDLIB_CHECKOUT")
+    if path:
+        os.environ["SHARDLIB_CHECKOUT"] = str(Path(path).resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SHARDLIB_CHECKOUT", None)
+        else:
+            os.environ["SHARDLIB_CHECKOUT"] = before
+
+
+def title(mode: str) -> str:
+    name, _, baseline = mode.partition("@")
+    return workload.TITLES[name] + (f" ({baseline})" if baseline else "")
+
+
+def report(modes: list[str], seconds: dict, anatomy: dict) -> None:
+    base = seconds.get("unsharded")
+    rows = []
+    for m in modes:
+        med, lo, hi = median_spread(seconds[m])
+        row = [title(m), f"{med * 1e3:.0f} [{lo * 1e3:.0f}-{hi * 1e3:.0f}]"]
+        if base is not None:
+            rmed, rlo, rhi = median_spread(b / s for b, s in zip(base, seconds[m]))
+            row.append(f"{rmed:.3f} [{rlo:.3f}-{rhi:.3f}]")
+        rows.append(row)
+    print_table("Step time (median of rounds [range])", ["layout", "ms / step"]
+                + (["unsharded / layout (paired, [range])"] if base is not None else []), rows)
+    header = ["ms / step (profiled)"] + [title(m) for m in modes]
+    rows = [[c] + [f"{anatomy[m][c]:.0f}" for m in modes] for c in workload.ORDER]
+    rows.append(["**profiled wall**"] + [f"**{anatomy[m]['wall_ms']:.0f}**" for m in modes])
+    print_table("Anatomy (torch.profiler, self time per category, rank 0)", header, rows)
+
+
+if __name__ == "__main__":
+    main()
