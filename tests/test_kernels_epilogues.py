@@ -345,7 +345,7 @@ def test_local_rng_hooks_switch_streams_around_the_fused_dropout():
 
     def hook_dropouts(model):
         tracker = RNGStatesTracker()
-        tracker.add("tensor-parallel", 99)
+        tracker.add("tensor-parallel", 99, index=0, count=2)  # rank 0 of 2: a stream of its own (at 1 rank, none)
         ctx = ShardContext(group=None, tp=1, rng_tracker=tracker)
         for path, mod in model.named_modules():
             if path.endswith("layer.0.dropout") or path.endswith("layer.1.dropout") or path.endswith(

@@ -327,11 +327,12 @@ def vocab_parallel_cross_entropy(
     In eager mode only the rows with a target are computed (an MLM batch labels ~15% of its tokens): an ignored row
     adds 0 to the loss and 0 to the gradient, and each kept row's max, exponentials and sum are the same row
     reductions as on the whole matrix, so the result is the same. Every rank of the group holds the same targets,
-    hence the same rows. Traced (torch.compile / export) the shapes stay static: every row."""
+    hence the same rows. Traced (torch.compile / export) the shapes stay static, and on the meta device (the dry run)
+    there are no values to select by: every row."""
     dtype = dtype or torch.promote_types(logits.dtype, torch.float32)
     flat, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     args = (vocab_start, valid, group, ignore_index, dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or flat.device.type == "meta":  # meta (the dry run): no values to select by
         return _VocabParallelCrossEntropy.apply(flat, flat_target, *args).view(target.shape)
     rows = (flat_target != ignore_index).nonzero().squeeze(1)
     if rows.numel() == flat_target.numel():

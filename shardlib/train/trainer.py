@@ -262,9 +262,8 @@ class Trainer:
             loss = self._run_plain(batch, weights, sync)
         else:
             loss = self.runner.step(batch, self.microbatches, self._pipeline_loss, weights)
-        if not torch.is_tensor(loss):
-            loss = torch.tensor(loss)
-        loss = loss.to(device=self.mesh.device_type, dtype=torch.float64).reshape(1)  # NCCL: CUDA tensors only
+        loss = torch.as_tensor(loss, dtype=torch.float64)  # the pipeline's: a Python float (float64 already)
+        loss = loss.to(device=self.mesh.device_type).reshape(1)  # NCCL: CUDA tensors only
         if self.scaler is not None:
             loss = loss / self.scaler.scale  # what backward saw was scaled
         for dim in ("dp", "pp"):
