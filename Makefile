@@ -22,6 +22,7 @@ test: $(STAMP)
 	$(VPY) -m pytest -q
 
 bench: $(STAMP)
+	$(VPY) benchmarks/step_anatomy.py --quick
 	$(VPY) benchmarks/comm_overlap.py
 	$(VPY) benchmarks/tp_throughput.py
 	$(VPY) benchmarks/train_throughput.py --quick

@@ -37,6 +37,9 @@ SIZES = {
     "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
     "bert-small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
     "bert-tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256),
+    #: host-bound: each op's dispatch costs about what its arithmetic does (the Trainer's per-step work shows)
+    "bert-host": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                      vocab_size=1000),
 }
 
 #: (category, substrings of an op's name): the first category with a match takes the op's self time
@@ -58,8 +61,9 @@ ORDER = ("GEMMs", "attention", "loss", "element-wise", "norms", "casts/copies", 
 def config(size: str, dropout: float):
     import transformers
 
-    return transformers.BertConfig(**SIZES[size], vocab_size=30522, max_position_embeddings=512,
-                                   hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    fields = {"vocab_size": 30522, **SIZES[size]}
+    return transformers.BertConfig(**fields, max_position_embeddings=512, hidden_dropout_prob=dropout,
+                                   attention_probs_dropout_prob=dropout)
 
 
 def batches(n: int, batch: int, seq: int, vocab: int = 30522) -> list[dict]:
@@ -80,9 +84,12 @@ class Step:
       ``Trainer.train_step`` for shardlib's layouts (what a user runs);
     * ``encoder``: forward and backward of ``BertModel`` with the loss ``last_hidden_state.pow(2).mean()``, no
       optimizer, a hand loop for every layout (``benchmarks/tp_throughput.py``'s workload: the layers alone).
+
+    ``hand_loop``: a sharded model stepped by the hand loop instead of the Trainer (what the Trainer adds).
     """
 
-    def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm"):
+    def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm",
+                 hand_loop: bool = False):
         import transformers
 
         import shardlib
@@ -92,7 +99,8 @@ class Step:
         torch.manual_seed(0)
         cls = transformers.BertForMaskedLM if workload == "mlm" else transformers.BertModel
         model = cls(config(size, dropout))
-        self.data, self.i, self.world, self.workload = batches(4, batch, seq), 0, world, workload
+        vocab = model.config.vocab_size
+        self.data, self.i, self.world, self.workload = batches(4, batch, seq, vocab), 0, world, workload
         if workload == "encoder":
             self.data = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in self.data]
         make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-5)  # noqa: E731
@@ -104,8 +112,10 @@ class Step:
         else:
             mesh = shardlib.init_mesh(tp=world)
             self.model = shardlib.shard(model, mesh, **options)
-            if workload == "mlm":
+            if workload == "mlm" and not hand_loop:
                 self.trainer = shardlib.Trainer(self.model, make_optimizer)
+            elif workload == "mlm":  # the sharded model in the unsharded model's hand loop
+                self.optimizer = make_optimizer(self.model.parameters())
 
     def run(self) -> float:
         batch = self.data[self.i % len(self.data)]
@@ -131,23 +141,26 @@ def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dro
     return step
 
 
-def _slowest(seconds: float, world: int) -> float:
+def _over_ranks(wall: float, cpu: float, world: int) -> tuple[float, float]:
+    """(the slowest rank's wall seconds, the CPU seconds of all ranks together)."""
     if world == 1:
-        return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
+        return wall, cpu
+    t = torch.tensor([wall, -cpu], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    c = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(c)
+    return float(t[0]), float(c)
 
 
 def serve(step: Step, command: str, steps: int = 1):
-    if command == "time":  # the median of ``steps`` steps, each the slowest rank's
+    if command == "time":  # the median of ``steps`` steps: (the slowest rank's wall, every rank's CPU time)
         times = []
         for _ in range(steps):
             if step.world > 1:
                 dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             step.run()
-            times.append(_slowest(time.perf_counter() - start, step.world))
+            times.append(_over_ranks(time.perf_counter() - start, time.process_time() - cpu, step.world))
         return sorted(times)[len(times) // 2]
     if command == "profile":
         return profile_steps(step, steps)
@@ -187,3 +200,21 @@ def _category(event) -> str:
         if any(n in event.name for n in needles):
             return category
     return "host"
+
+
+IN_PROCESS = {  # name: (shardlib at a world of one?, hand loop?)
+    "unsharded": (False, True), "world1_hand": (True, True), "world1": (True, False)}
+IN_PROCESS_TITLES = {"unsharded": "unsharded, hand loop", "world1_hand": "shardlib world of one, hand loop",
+                     "world1": "shardlib world of one, Trainer.train_step"}
+
+
+def in_process_steps(size: str, batch: int, seq: int, dropout: float) -> dict[str, Step]:
+    """The three world-of-one variants in this one process (same weights, same batches): what sharding adds to the
+    model, and what the Trainer adds to a hand loop, free of the per-process differences (memory placement, page
+    faults) that move separate processes by +-20% on the shared machine."""
+    steps = {}
+    for name, (sharded, hand) in IN_PROCESS.items():
+        steps[name] = Step("world1" if sharded else "unsharded", size, batch, seq, dropout, "mlm", hand_loop=hand)
+        for _ in range(2):
+            steps[name].run()
+    return steps

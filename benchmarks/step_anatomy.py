@@ -1,28 +1,38 @@
 """Where a training step's time goes: the unsharded model, shardlib at a world of one, tp=2 and tp=2 + SP, side by
-side (CPU).
+side (CPU), and the same layouts of a baseline checkout in the same rounds.
 
 What is measured
 ----------------
-One ``BertForMaskedLM`` training step (forward, MLM loss, backward, AdamW) on batch x seq tokens, per layout
-(``_anatomy_workload.MODES``): the unsharded model in a hand loop on one process with both cores; the same model
-through ``shardlib.shard`` at a world of one and ``Trainer.train_step``; tp=2 and tp=2 + Megatron SP on two ranks of
-one thread each. All layouts start from the same weights and train on the same batches.
+One step per layout (``_anatomy_workload.MODES``) of ``--workload``:
+
+* ``mlm`` (default): a ``BertForMaskedLM`` training step (forward, MLM loss on 15% labelled tokens, backward, AdamW)
+  with HF's default dropout 0.1: a hand loop for the unsharded model, ``Trainer.train_step`` for shardlib's layouts;
+* ``encoder``: ``BertModel`` forward + backward of ``last_hidden_state.pow(2).mean()``, dropout 0, no optimizer, a
+  hand loop for every layout (``benchmarks/tp_throughput.py``'s workload: the layers alone).
+
+The unsharded model and the world of one run on one process with both cores; tp=2 and tp=2 + Megatron SP on two
+ranks of one thread each. All layouts start from the same weights and see the same batches. A mode named
+``MODE@base`` runs the same layout with shardlib imported from ``--baseline`` (a ``git worktree`` of the commit
+before a change), so before and after are timed in the same rounds.
 
 1. **Step time**: every layout's ranks are started once and kept alive (``_harness.RankPool``); ``--rounds``
    interleaved rounds (order reversed every other round) each time ``--steps`` steps of every layout (a step's time
    is the slowest rank's; a round's value is the median step). The table gives each layout's median over rounds with
-   its range, and the median of the per-round ratios unsharded / layout (> 1: faster than unsharded) with their range.
-2. **Anatomy**: ``--profile-steps`` steps of each layout under ``torch.profiler``, split into GEMMs, attention,
-   element-wise, norms, casts/copies, collectives (including the time a rank waits in one), optimizer and host
+   its range, and the median of the per-round ratios unsharded / layout (> 1: faster than unsharded) with their range;
+   the same for the CPU time of all its ranks together (``time.process_time``: steadier on a shared machine, and
+   a rank waiting in gloo costs little of it, so it measures the work a layout adds).
+2. **Anatomy**: ``--profile-steps`` steps of each layout under ``torch.profiler``, split into GEMMs, attention, the
+   loss, element-wise, norms, casts/copies, collectives (including the time a rank waits in one), optimizer and host
    (whatever no op accounts for: Python, autograd bookkeeping, hooks, the profiler) in ms per step (rank 0 of a
    multi-rank layout). The profiler adds its own cost, so these rows explain the step; the wall times of (1) are the
    figures.
 
 How to run
 ----------
-    .venv/bin/python benchmarks/step_anatomy.py                 # BERT-base, 8 x 128, 5 rounds (~6 min idle)
-    .venv/bin/python benchmarks/step_anatomy.py --quick         # BERT-small, 8 x 128, 5 rounds (~1 min): make bench
-    .venv/bin/python benchmarks/step_anatomy.py --modes unsharded,tp2 --rounds 7 --json docs/data/x.json
+    .venv/bin/python benchmarks/step_anatomy.py                 # BERT-base MLM, 8 x 128, 5 rounds (~10 min idle)
+    .venv/bin/python benchmarks/step_anatomy.py --quick         # BERT-small (~2 min): make bench
+    .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes unsharded,tp2@base,tp2 \
+        --baseline /tmp/before                                   # after `git worktree add /tmp/before <commit>`
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="BERT-small (the anatomy in about a minute)")
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--in-process", action="store_true",
+                    help="the world of one only: unsharded hand loop, shardlib hand loop and Trainer in this process")
     ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
                                        "named MODE@base run it, in the same rounds as this checkout's")
     args = ap.parse_args(argv)
@@ -70,6 +82,8 @@ def main(argv=None) -> None:
     if unknown:
         ap.error(f"unknown modes {unknown}; known: {', '.join(workload.MODES)}")
     started = time.perf_counter()
+    if args.in_process:
+        return in_process(args)
     what = "BertForMaskedLM training step (AdamW)" if args.workload == "mlm" else "BertModel forward + backward"
     print(f"step anatomy: {what}, {args.size}, batch {args.batch} x {args.seq}, dropout {args.dropout}; "
           f"{args.rounds} interleaved rounds of {args.steps} steps", flush=True)
@@ -81,19 +95,52 @@ def main(argv=None) -> None:
                                       dropout=args.dropout, workload=args.workload)
             with checkout(args.baseline if baseline else None):
                 pools[mode] = RankPool(workload.MODES[name][0], setup, workload.serve)
-        seconds = {m: [] for m in modes}
+        seconds, cpu = {m: [] for m in modes}, {m: [] for m in modes}
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                seconds[mode].append(pools[mode].call("time", steps=args.steps)[0])
+                wall, cpu_s = pools[mode].call("time", steps=args.steps)[0]
+                seconds[mode].append(wall)
+                cpu[mode].append(cpu_s)
             print(f"  round {r + 1}: " + ", ".join(f"{m} {seconds[m][-1] * 1e3:.0f} ms" for m in modes), flush=True)
         anatomy = {m: pools[m].call("profile", steps=args.profile_steps)[0] for m in modes}
     finally:
         for pool in pools.values():
             pool.close()
-    report(modes, seconds, anatomy)
+    report(modes, seconds, cpu, anatomy)
     if args.json:
-        write_json(args.json, {"args": vars(args), "seconds": seconds, "anatomy_ms": anatomy})
+        write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu, "anatomy_ms": anatomy})
     print(f"total wall time {time.perf_counter() - started:.0f} s")
+
+
+def in_process(args) -> None:
+    """``--in-process``: the world-of-one variants timed in this process, interleaved; wall and CPU per step."""
+    import time as clock
+
+    import shardlib
+
+    shardlib.init_mesh()
+    steps = workload.in_process_steps(args.size, args.batch, args.seq, args.dropout)
+    seconds, cpu = {m: [] for m in steps}, {m: [] for m in steps}
+    names = list(steps)
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start, cpu0 = clock.perf_counter(), clock.process_time()
+            for _ in range(args.steps):
+                steps[name].run()
+            seconds[name].append((clock.perf_counter() - start) / args.steps)
+            cpu[name].append((clock.process_time() - cpu0) / args.steps)
+        print(f"  round {r + 1}: " + ", ".join(f"{m} {seconds[m][-1] * 1e3:.1f} ms" for m in names), flush=True)
+    rows = []
+    for m in names:
+        diff = [(s - b) * 1e3 for s, b in zip(seconds[m], seconds["unsharded"])]
+        rows.append([workload.IN_PROCESS_TITLES[m], _spread(seconds[m], 1e3, ".1f"), _spread(cpu[m], 1e3, ".1f"),
+                     _spread([b / s for b, s in zip(seconds["unsharded"], seconds[m])], 1, ".3f"),
+                     _spread(diff, 1, "+.2f")])
+    print_table(f"One process, {args.size} {args.batch} x {args.seq} (median of {args.rounds} rounds of {args.steps} "
+                "steps [range])", ["variant", "wall ms / step", "CPU ms / step", "unsharded / variant (paired)",
+                                   "ms / step more than unsharded (paired)"], rows)
+    if args.json:
+        write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu})
 
 
 @contextlib.contextmanager
@@ -116,18 +163,22 @@ def title(mode: str) -> str:
     return workload.TITLES[name] + (f" ({baseline})" if baseline else "")
 
 
-def report(modes: list[str], seconds: dict, anatomy: dict) -> None:
-    base = seconds.get("unsharded")
+def report(modes: list[str], seconds: dict, cpu: dict, anatomy: dict) -> None:
+    base, base_cpu = seconds.get("unsharded"), cpu.get("unsharded")
     rows = []
     for m in modes:
-        med, lo, hi = median_spread(seconds[m])
-        row = [title(m), f"{med * 1e3:.0f} [{lo * 1e3:.0f}-{hi * 1e3:.0f}]"]
+        row = [title(m), _spread(seconds[m], 1e3, ".0f"), _spread(cpu[m], 1e3, ".0f")]
         if base is not None:
-            rmed, rlo, rhi = median_spread(b / s for b, s in zip(base, seconds[m]))
-            row.append(f"{rmed:.3f} [{rlo:.3f}-{rhi:.3f}]")
+            row += [_spread([b / s for b, s in zip(base, seconds[m])], 1, ".3f"),
+                    _spread([b / s for b, s in zip(base_cpu, cpu[m])], 1, ".3f")]
         rows.append(row)
-    print_table("Step time (median of rounds [range])", ["layout", "ms / step"]
-                + (["unsharded / layout (paired, [range])"] if base is not None else []), rows)
+    print_table("Step time (median of rounds [range])", ["layout", "wall ms / step", "CPU ms / step (all ranks)"]
+                + (["unsharded / layout, wall (paired)", "unsharded / layout, CPU (paired)"] if base else []), rows)
+
+
+def _spread(values, scale: float, fmt: str) -> str:
+    med, lo, hi = median_spread(values)
+    return f"{med * scale:{fmt}} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]"
     header = ["ms / step (profiled)"] + [title(m) for m in modes]
     rows = [[c] + [f"{anatomy[m][c]:.0f}" for m in modes] for c in workload.ORDER]
     rows.append(["**profiled wall**"] + [f"**{anatomy[m]['wall_ms']:.0f}**" for m in modes])

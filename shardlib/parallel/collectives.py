@@ -60,6 +60,11 @@ def _waited(out: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(out)
 
 
+#: torch 2.13 renamed the tensor forms (``all_gather_into_tensor`` -> ``all_gather_single``, ``reduce_scatter_tensor``
+#: -> ``reduce_scatter_single``) and warns on the old names; older torch (the GPU machine's 2.11) has only those
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}
 
 
@@ -116,7 +121,7 @@ def all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         out = _waited(funcol.all_gather_single(x, 0, group))
     else:
         out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+        _ALL_GATHER_SINGLE(out, x, group=group)
     dim = dim % x.dim()
     if dim == 0:
         return out
@@ -135,7 +140,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if _traced():
         return _waited(funcol.reduce_scatter_single(x, "sum", 0, group))
     out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    _REDUCE_SCATTER_SINGLE(out, x, op=dist.ReduceOp.SUM, group=group)
     return out
 
 

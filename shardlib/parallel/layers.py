@@ -62,8 +62,12 @@ def _linear_weight(layer: nn.Module) -> torch.Tensor:
     return layer.weight.t() if layer.transposed else layer.weight
 
 
-def _new_param(local: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(local, requires_grad=like.requires_grad)
+def _local_param(layout: Layout, param: nn.Parameter, rank: int) -> nn.Parameter:
+    """This rank's piece of ``param`` as a new Parameter; unsplit (one shard) the very same Parameter: a world of one
+    copies nothing and keeps the objects an optimizer or a tie already holds."""
+    if layout.num_shards == 1:
+        return param
+    return nn.Parameter(layout.shard(param.detach(), rank), requires_grad=param.requires_grad)
 
 
 class _TPModule:
@@ -113,11 +117,11 @@ class ColumnParallelLinear(_TPModule, nn.Linear):
         self.epilogue = getattr(linear, "epilogue", None)  # (y, bias) -> y instead of y + bias
         self.global_out_features = out_features
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=out_dim, num_shards=n, blocks=blocks)
-        self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
+        self.weight = _local_param(w_layout, linear.weight, r)
         set_layout(self, "weight", w_layout)
         if linear.bias is not None:
             b_layout = Layout(tuple(linear.bias.shape), shard_dim=0, num_shards=n, blocks=blocks)
-            self.bias = _new_param(b_layout.shard(linear.bias.detach(), r), linear.bias)
+            self.bias = _local_param(b_layout, linear.bias, r)
             set_layout(self, "bias", b_layout)
         else:
             self.register_parameter("bias", None)
@@ -176,7 +180,7 @@ class RowParallelLinear(_TPModule, nn.Linear):
             raise ValueError(f"in_features {in_features} is not divisible by tp={n}")
         self.sequence = sequence  # shardlib.sharding.sequence.SequenceStream: reduce-scatter along the sequence
         w_layout = Layout(tuple(linear.weight.shape), shard_dim=in_dim, num_shards=n)
-        self.weight = _new_param(w_layout.shard(linear.weight.detach(), r), linear.weight)
+        self.weight = _local_param(w_layout, linear.weight, r)
         set_layout(self, "weight", w_layout)
         if linear.bias is not None:
             self.bias = linear.bias  # replicated, added once after the reduction
@@ -214,7 +218,7 @@ class VocabParallelEmbedding(_TPModule, nn.Embedding):
         _refuse_unsupported_options(type(self), embedding)
         n, r = self._init_tp(group, tp_size, tp_rank)
         layout = Layout(tuple(embedding.weight.shape), shard_dim=0, num_shards=n)
-        self.weight = _new_param(layout.shard(embedding.weight.detach(), r), embedding.weight)
+        self.weight = _local_param(layout, embedding.weight, r)
         set_layout(self, "weight", layout)
         self.num_embeddings, self.embedding_dim = self.weight.shape
         self.global_num_embeddings = embedding.num_embeddings
@@ -254,7 +258,7 @@ class ColumnParallelEmbedding(_TPModule, nn.Embedding):
         if embedding.embedding_dim % n:
             raise ValueError(f"embedding_dim {embedding.embedding_dim} is not divisible by tp={n}")
         layout = Layout(tuple(embedding.weight.shape), shard_dim=1, num_shards=n)
-        self.weight = _new_param(layout.shard(embedding.weight.detach(), r), embedding.weight)
+        self.weight = _local_param(layout, embedding.weight, r)
         set_layout(self, "weight", layout)
         self.num_embeddings, self.embedding_dim = self.weight.shape
         self.padding_idx, self.gather_output = embedding.padding_idx, gather_output
