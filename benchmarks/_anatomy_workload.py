@@ -1,5 +1,5 @@
 """The workload of ``benchmarks/step_anatomy.py``: one BERT step per layout (an MLM training step, or the encoder's
-forward and backward: :class:`Step`), kept alive in a :class:`_harness.RankPool` per layout, timed and profiled on
+forward and backward: :class:`Step`), kept alive in a :class:`_rank_pool.RankPool` per layout, timed and profiled on
 command.
 
 Layouts (``MODES``): ``unsharded`` (one process, both cores: a hand loop, what a user writes without shardlib),

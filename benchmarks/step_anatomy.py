@@ -15,7 +15,7 @@ ranks of one thread each. All layouts start from the same weights and see the sa
 ``MODE@base`` runs the same layout with shardlib imported from ``--baseline`` (a ``git worktree`` of the commit
 before a change), so before and after are timed in the same rounds.
 
-1. **Step time**: every layout's ranks are started once and kept alive (``_harness.RankPool``); ``--rounds``
+1. **Step time**: every layout's ranks are started once and kept alive (``_rank_pool.RankPool``); ``--rounds``
    interleaved rounds (order reversed every other round) each time ``--steps`` steps of every layout (a step's time
    is the slowest rank's; a round's value is the median step). The table gives each layout's median over rounds with
    its range, and the median of the per-round ratios unsharded / layout (> 1: faster than unsharded) with their range;
@@ -48,7 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _anatomy_workload as workload  # noqa: E402
-from _harness import RankPool, median_spread, print_table, write_json  # noqa: E402
+from _harness import median_spread, print_table, write_json  # noqa: E402
+from _rank_pool import RankPool  # noqa: E402
 
 
 def main(argv=None) -> None:
