@@ -16,6 +16,7 @@ profiler's own cost) is ``host``.
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,26 +142,31 @@ def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dro
     return step
 
 
-def _over_ranks(wall: float, cpu: float, world: int) -> tuple[float, float]:
-    """(the slowest rank's wall seconds, the CPU seconds of all ranks together)."""
+def _over_ranks(wall: float, cpu: float, faults: int, world: int) -> tuple[float, float, float]:
+    """(the slowest rank's wall seconds, the CPU seconds and minor page faults of all ranks together)."""
     if world == 1:
-        return wall, cpu
-    t = torch.tensor([wall, -cpu], dtype=torch.float64)
+        return wall, cpu, float(faults)
+    t = torch.tensor([wall], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    c = torch.tensor([cpu], dtype=torch.float64)
+    c = torch.tensor([cpu, faults], dtype=torch.float64)
     dist.all_reduce(c)
-    return float(t[0]), float(c)
+    return float(t[0]), float(c[0]), float(c[1])
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def serve(step: Step, command: str, steps: int = 1):
-    if command == "time":  # the median of ``steps`` steps: (the slowest rank's wall, every rank's CPU time)
+    if command == "time":  # the median step of ``steps``: (slowest rank's wall, all ranks' CPU time, page faults)
         times = []
         for _ in range(steps):
             if step.world > 1:
                 dist.barrier()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, faults = time.perf_counter(), time.process_time(), _minor_faults()
             step.run()
-            times.append(_over_ranks(time.perf_counter() - start, time.process_time() - cpu, step.world))
+            times.append(_over_ranks(time.perf_counter() - start, time.process_time() - cpu,
+                                     _minor_faults() - faults, step.world))
         return sorted(times)[len(times) // 2]
     if command == "profile":
         return profile_steps(step, steps)

@@ -20,7 +20,8 @@ before a change), so before and after are timed in the same rounds.
    is the slowest rank's; a round's value is the median step). The table gives each layout's median over rounds with
    its range, and the median of the per-round ratios unsharded / layout (> 1: faster than unsharded) with their range;
    the same for the CPU time of all its ranks together (``time.process_time``: steadier on a shared machine, and
-   a rank waiting in gloo costs little of it, so it measures the work a layout adds).
+   a rank waiting in gloo costs little of it, so it measures the work a layout adds), and the minor page faults
+   per step (each fresh large tensor is mapped and faulted in, ~10 us a page on this VM: one source of the spread).
 2. **Anatomy**: ``--profile-steps`` steps of each layout under ``torch.profiler``, split into GEMMs, attention, the
    loss, element-wise, norms, casts/copies, collectives (including the time a rank waits in one), optimizer and host
    (whatever no op accounts for: Python, autograd bookkeeping, hooks, the profiler) in ms per step (rank 0 of a
@@ -96,20 +97,22 @@ def main(argv=None) -> None:
                                       dropout=args.dropout, workload=args.workload)
             with checkout(args.baseline if baseline else None):
                 pools[mode] = RankPool(workload.MODES[name][0], setup, workload.serve)
-        seconds, cpu = {m: [] for m in modes}, {m: [] for m in modes}
+        seconds, cpu, faults = ({m: [] for m in modes} for _ in range(3))
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                wall, cpu_s = pools[mode].call("time", steps=args.steps)[0]
+                wall, cpu_s, minor = pools[mode].call("time", steps=args.steps)[0]
                 seconds[mode].append(wall)
                 cpu[mode].append(cpu_s)
+                faults[mode].append(minor)
             print(f"  round {r + 1}: " + ", ".join(f"{m} {seconds[m][-1] * 1e3:.0f} ms" for m in modes), flush=True)
         anatomy = {m: pools[m].call("profile", steps=args.profile_steps)[0] for m in modes}
     finally:
         for pool in pools.values():
             pool.close()
-    report(modes, seconds, cpu, anatomy)
+    report(modes, seconds, cpu, faults, anatomy)
     if args.json:
-        write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu, "anatomy_ms": anatomy})
+        write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu, "minor_faults": faults,
+                               "anatomy_ms": anatomy})
     print(f"total wall time {time.perf_counter() - started:.0f} s")
 
 
@@ -164,16 +167,18 @@ def title(mode: str) -> str:
     return workload.TITLES[name] + (f" ({baseline})" if baseline else "")
 
 
-def report(modes: list[str], seconds: dict, cpu: dict, anatomy: dict) -> None:
+def report(modes: list[str], seconds: dict, cpu: dict, faults: dict, anatomy: dict) -> None:
     base, base_cpu = seconds.get("unsharded"), cpu.get("unsharded")
     rows = []
     for m in modes:
-        row = [title(m), _spread(seconds[m], 1e3, ".0f"), _spread(cpu[m], 1e3, ".0f")]
+        row = [title(m), _spread(seconds[m], 1e3, ".0f"), _spread(cpu[m], 1e3, ".0f"),
+               _spread(faults[m], 1e-3, ".1f")]
         if base is not None:
             row += [_spread([b / s for b, s in zip(base, seconds[m])], 1, ".3f"),
                     _spread([b / s for b, s in zip(base_cpu, cpu[m])], 1, ".3f")]
         rows.append(row)
-    print_table("Step time (median of rounds [range])", ["layout", "wall ms / step", "CPU ms / step (all ranks)"]
+    print_table("Step time (median of rounds [range])", ["layout", "wall ms / step", "CPU ms / step (all ranks)",
+                                                         "k page faults / step (all ranks)"]
                 + (["unsharded / layout, wall (paired)", "unsharded / layout, CPU (paired)"] if base else []), rows)
 
 
