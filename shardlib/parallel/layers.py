@@ -328,15 +328,16 @@ def vocab_parallel_cross_entropy(
     ``[vocab_start, vocab_start + valid)`` in their first ``valid`` columns. Ignored targets give 0.
     Computed in ``dtype`` (default: the logits' dtype promoted to at least float32).
 
-    In eager mode only the rows with a target are computed (an MLM batch labels ~15% of its tokens): an ignored row
-    adds 0 to the loss and 0 to the gradient, and each kept row's max, exponentials and sum are the same row
+    Eager on the CPU only the rows with a target are computed (an MLM batch labels ~15% of its tokens): an ignored
+    row adds 0 to the loss and 0 to the gradient, and each kept row's max, exponentials and sum are the same row
     reductions as on the whole matrix, so the result is the same. Every rank of the group holds the same targets,
-    hence the same rows. Traced (torch.compile / export) the shapes stay static, and on the meta device (the dry run)
-    there are no values to select by: every row."""
+    hence the same rows. Elsewhere every row: traced (torch.compile / export) the shapes stay static, the meta device
+    (the dry run) has no values to select by, and on a GPU selecting them (``nonzero``) would stop the host until the
+    device caught up, where the passes it saves are cheap."""
     dtype = dtype or torch.promote_types(logits.dtype, torch.float32)
     flat, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     args = (vocab_start, valid, group, ignore_index, dtype)
-    if torch.compiler.is_compiling() or flat.device.type == "meta":  # meta (the dry run): no values to select by
+    if torch.compiler.is_compiling() or flat.device.type != "cpu":
         return _VocabParallelCrossEntropy.apply(flat, flat_target, *args).view(target.shape)
     rows = (flat_target != ignore_index).nonzero().squeeze(1)
     if rows.numel() == flat_target.numel():

@@ -25,6 +25,8 @@ dtype outside the Function, as ``F.linear`` would cast them, so the GEMMs run in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -115,7 +117,6 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Ten
         x, weight = cast_for_linear(x, dtype), cast_for_linear(weight, dtype)
     out_bytes = x.numel() // x.shape[-1] * weight.shape[0] * x.element_size()
     blocks = ROW_BLOCKS if out_bytes >= ROW_BLOCKS * MIN_BLOCK_BYTES else 1
-    if dtype is None:
-        return _RowLinear.apply(x, weight, group, blocks)
-    with autocast_off(x.device.type):  # the operands cast as F.linear would, autograd records it
+    # cast, the operands run as F.linear would run them (autograd recorded the casts)
+    with autocast_off(x.device.type) if dtype is not None else contextlib.nullcontext():
         return _RowLinear.apply(x, weight, group, blocks)
