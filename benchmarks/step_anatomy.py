@@ -70,6 +70,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--in-process", action="store_true",
                     help="the world of one only: unsharded hand loop, shardlib hand loop and Trainer in this process")
+    ap.add_argument("--gpu", action="store_true",
+                    help="one GPU: the world of one against hand loops, eager and compiled (_gpu_anatomy.CASES)")
+    ap.add_argument("--cases", help="--gpu: comma-separated cases (default: every one, in priority order)")
+    ap.add_argument("--budget", type=float, default=270, help="--gpu: seconds after which no new case starts")
+    ap.add_argument("--cpu-test", action="store_true", help="--gpu's logic on the CPU with tiny models")
     ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
                                        "named MODE@base run it, in the same rounds as this checkout's")
     args = ap.parse_args(argv)
@@ -86,6 +91,8 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     if args.in_process:
         return in_process(args)
+    if args.gpu or args.cpu_test:
+        return gpu(args)
     what = "BertForMaskedLM training step (AdamW)" if args.workload == "mlm" else "BertModel forward + backward"
     print(f"step anatomy: {what}, {args.size}, batch {args.batch} x {args.seq}, dropout {args.dropout}; "
           f"{args.rounds} interleaved rounds of {args.steps} steps", flush=True)
@@ -145,6 +152,40 @@ def in_process(args) -> None:
                                    "ms / step more than unsharded (paired)"], rows)
     if args.json:
         write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu})
+
+
+def gpu(args) -> None:
+    """``--gpu``: each case of ``_gpu_anatomy.CASES`` in its own process, until ``--budget`` seconds have passed."""
+    import json
+    import subprocess
+    import tempfile
+
+    import _gpu_anatomy
+
+    cases = args.cases.split(",") if args.cases else list(_gpu_anatomy.CASES)
+    started, results = time.perf_counter(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            left = args.budget - (time.perf_counter() - started)
+            if left < 20:
+                print(f"{case}: skipped, the budget of {args.budget:.0f} s is spent", flush=True)
+                continue
+            out = Path(tmp) / f"{case}.json"
+            command = [sys.executable, str(Path(__file__).with_name("_gpu_anatomy.py")), case, str(out),
+                       str(args.rounds), str(args.steps)] + (["--cpu-test"] if args.cpu_test else [])
+            try:
+                done = subprocess.run(command, timeout=left + 60).returncode
+            except subprocess.TimeoutExpired:
+                done = "timed out"
+            if done != 0 or not out.exists():
+                print(f"{case}: FAILED ({done})", flush=True)
+                continue
+            results.append(json.loads(out.read_text()))
+            print_table(f"{case} so far", _gpu_anatomy.SUMMARY_HEADER, _gpu_anatomy.summary_rows(results[-1:]))
+            if args.json:  # after every case: a run cut short keeps what it measured
+                write_json(args.json, {"args": vars(args), "cases": results})
+    print_table(f"One GPU, world of one: hand loop / Trainer (median of {args.rounds} rounds of {args.steps} steps)",
+                _gpu_anatomy.SUMMARY_HEADER, _gpu_anatomy.summary_rows(results))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,234 @@
+"""The one-GPU half of ``benchmarks/step_anatomy.py`` (``--gpu``): shardlib at a world of one against the hand loops a
+user writes without it, eager and compiled, bf16 and fp16 (dynamic loss scaling), BERT-base MLM at two batches,
+ViT-base and T5-base at one batch each.
+
+Each case (``CASES``) runs in its own process (``python benchmarks/_gpu_anatomy.py CASE JSON``), so its memory and
+compiled graphs start clean; the variants of one case live in that process together and are timed in interleaved
+rounds:
+
+* ``hand_eager``: the unsharded model, ``zero_grad(set_to_none=True)``, autocast forward, ``backward`` (through
+  ``torch.amp.GradScaler`` in fp16), ``AdamW.step``, ``float(loss)`` (a logging loop reads its loss every step);
+* ``trainer_eager``: the same weights through ``shardlib.shard`` at a world of one and
+  ``Trainer(precision=...).train_step`` (which returns the float loss, so it syncs once per step too);
+* ``hand_compiled`` / ``trainer_compiled``: the same over ``torch.compile(model)`` / ``Trainer(compile=True)``.
+
+A variant's first step is timed on its own (the compile time, for the compiled ones), then a few warm-up steps, then
+``rounds`` rounds of ``steps`` steps per variant (order reversed every other round; ``torch.cuda.synchronize`` at
+both ends of a window). Ratios are paired per round: hand / trainer (> 1: the Trainer is faster). Three profiled
+steps per variant give the GPU kernel time per step (the sum of every CUDA kernel's time), kernels per step and the
+counts of the aten ops the issue's profile named (bmm against SDPA, sums, mm/addmm, casts).
+
+``--cpu-test`` runs the same logic on the CPU with tiny models (to check the script before a device run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+import _checkout  # noqa: E402,F401  (shardlib from this checkout)
+
+#: name: (family, batch, precision, variants); in the order a time-limited device run should reach them
+EAGER = ("hand_eager", "trainer_eager")
+ALL = EAGER + ("hand_compiled", "trainer_compiled")
+CASES = {
+    "bert-b32-bf16": ("bert", 32, "bf16", ALL),
+    "bert-b128-bf16": ("bert", 128, "bf16", ALL),
+    "bert-b32-fp16": ("bert", 32, "fp16", EAGER),
+    "vit-b32-bf16": ("vit", 32, "bf16", EAGER),
+    "t5-b16-bf16": ("t5", 16, "bf16", EAGER),
+    "bert-b32-fp16-compiled": ("bert", 32, "fp16", ALL),
+    "vit-b32-bf16-compiled": ("vit", 32, "bf16", ALL),
+}
+OPS = ("aten::bmm", "aten::scaled_dot_product", "aten::sum", "aten::mm", "aten::addmm", "aten::_to_copy")
+
+
+def build(family: str, batch: int, tiny: bool, device: str):
+    """(model, batches on ``device``): HF's base sizes (``tiny``: 2 layers, width 64), random weights, dropout on."""
+    import transformers
+
+    g = torch.Generator().manual_seed(1)
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256)
+    if family == "bert":
+        cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else {}))
+        model, seq = transformers.BertForMaskedLM(cfg), 32 if tiny else 128
+        data = []
+        for _ in range(4):
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+            labels = torch.where(torch.rand(batch, seq, generator=g) < 0.15, ids, torch.full_like(ids, -100))
+            data.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    elif family == "vit":
+        cfg = transformers.ViTConfig(num_labels=1000, **(dict(small, image_size=32, patch_size=8) if tiny else {}))
+        model = transformers.ViTForImageClassification(cfg)
+        data = [{"pixel_values": torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g),
+                 "labels": torch.randint(0, 1000, (batch,), generator=g)} for _ in range(4)]
+    elif family == "t5":
+        sizes = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, vocab_size=1000) if tiny else \
+            dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64)  # t5-base
+        cfg = transformers.T5Config(**sizes, decoder_start_token_id=0)
+        model = transformers.T5ForConditionalGeneration(cfg)
+        src, tgt = (32, 16) if tiny else (256, 64)
+        data = [{"input_ids": torch.randint(1, cfg.vocab_size, (batch, src), generator=g),
+                 "attention_mask": torch.ones(batch, src, dtype=torch.long),
+                 "labels": torch.randint(1, cfg.vocab_size, (batch, tgt), generator=g)} for _ in range(4)]
+    else:
+        raise ValueError(family)
+    return model.to(device), [{k: v.to(device) for k, v in b.items()} for b in data]
+
+
+class Variant:
+    """One way of training the case's model: a hand loop or ``Trainer.train_step``, eager or compiled."""
+
+    def __init__(self, name: str, family: str, batch: int, precision: str, tiny: bool, device: str, mesh):
+        import shardlib
+
+        torch.manual_seed(0)
+        model, self.data = build(family, batch, tiny, device)
+        self.i, self.device = 0, device
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
+        compiled = name.endswith("compiled")
+        self.trainer = None
+        if name.startswith("trainer"):
+            self.trainer = shardlib.Trainer(shardlib.shard(model, mesh), optimizer, precision=precision,
+                                            compile=compiled)
+        else:
+            self.model = torch.compile(model) if compiled else model
+            self.optimizer = optimizer(model.parameters())
+            self.scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
+
+    def step(self) -> float:
+        batch = self.data[self.i % len(self.data)]
+        self.i += 1
+        if self.trainer is not None:
+            return self.trainer.train_step(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device, dtype=self.dtype):
+            loss = self.model(**batch).loss
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        return loss.detach().item()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def window(variant: Variant, steps: int) -> float:
+    """Seconds per step over ``steps`` steps, synchronized at both ends."""
+    sync(variant.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        variant.step()
+    sync(variant.device)
+    return (time.perf_counter() - start) / steps
+
+
+def profiled(variant: Variant, steps: int = 3) -> dict:
+    """GPU kernel ms and kernels per step, wall ms per profiled step, and per step counts of the ``OPS``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if variant.device == "cuda" else [])
+    sync(variant.device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            variant.step()
+        sync(variant.device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA  # the GPU-side spans of annotations
+               and not (getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer."))]  # hold idle time
+    kernel_us = sum(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0) for e in kernels)
+    counts = dict.fromkeys(OPS, 0)
+    for row in prof.key_averages():
+        for op in OPS:
+            if row.key == op or (op.endswith("dot_product") and row.key.startswith(op)):
+                counts[op] += row.count
+    top = sorted(((e.name, getattr(e, "device_time_total", 0)) for e in kernels), key=lambda x: -x[1])
+    by_name: dict = {}
+    for name, us in top:
+        by_name[name] = by_name.get(name, 0) + us
+    return {"kernel_ms": kernel_us / 1e3 / steps, "kernels": len(kernels) / steps, "wall_ms": wall * 1e3 / steps,
+            "ops": {k: v / steps for k, v in counts.items()},
+            "top_kernels_ms": {k[:90]: v / 1e3 / steps for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:12]}}
+
+
+def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
+    import shardlib
+
+    family, batch, precision, names = CASES[case]
+    device = "cpu" if tiny else "cuda"
+    mesh = shardlib.init_mesh(backend="gloo" if tiny else None)
+    result = {"case": case, "family": family, "batch": batch, "precision": precision, "device": device,
+              "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
+              "first_step_s": {}, "seconds": {n: [] for n in names}, "profile": {}}
+    variants = {}
+    for name in names:
+        variants[name] = Variant(name, family, batch, precision, tiny, device, mesh)
+        result["first_step_s"][name] = window(variants[name], 1)  # the compile, for a compiled variant
+        window(variants[name], 3)  # warm-up: allocator, optimizer state, cuBLAS / autotuning
+        print(f"  {case} {name}: first step {result['first_step_s'][name]:.1f} s", flush=True)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            result["seconds"][name].append(window(variants[name], steps))
+        print(f"  {case} round {r + 1}: " + ", ".join(f"{n} {result['seconds'][n][-1] * 1e3:.2f} ms" for n in names),
+              flush=True)
+    for name in names:
+        result["profile"][name] = profiled(variants[name])
+    if device == "cuda":
+        result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def ratios(result: dict, hand: str, trainer: str) -> list[float]:
+    """Per round: hand step time / trainer step time (> 1: the Trainer is faster)."""
+    return [h / t for h, t in zip(result["seconds"][hand], result["seconds"][trainer])]
+
+
+def summary_rows(results: list[dict]) -> list[list[str]]:
+    """One row per (case, eager or compiled): step times, the paired ratio, compile time, kernel time per step."""
+    rows = []
+    for res in results:
+        for kind in ("eager", "compiled"):
+            hand, trainer = f"hand_{kind}", f"trainer_{kind}"
+            if hand not in res["seconds"]:
+                continue
+            ratio = ratios(res, hand, trainer)
+            ph, pt = res["profile"][hand], res["profile"][trainer]
+            rows.append([res["case"], kind, f"{1e3 * statistics.median(res['seconds'][hand]):.2f}",
+                         f"{1e3 * statistics.median(res['seconds'][trainer]):.2f}",
+                         f"{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}]",
+                         f"{res['first_step_s'][hand]:.1f} / {res['first_step_s'][trainer]:.1f}",
+                         f"{ph['kernel_ms']:.2f} / {pt['kernel_ms']:.2f}",
+                         f"{pt['kernel_ms'] / ph['kernel_ms']:.3f}" if ph["kernel_ms"] else "-"])
+    return rows
+
+
+SUMMARY_HEADER = ["case", "mode", "hand ms/step", "Trainer ms/step", "hand / Trainer (paired, median [range])",
+                  "first step s (hand / Trainer)", "kernel ms/step (hand / Trainer)", "Trainer / hand kernel time"]
+
+
+if __name__ == "__main__":  # one case in this process: python _gpu_anatomy.py CASE JSON [--cpu-test] [rounds steps]
+    args = [a for a in sys.argv[1:] if a != "--cpu-test"]
+    out = run_case(args[0], "--cpu-test" in sys.argv, int(args[2]) if len(args) > 2 else 7,
+                   int(args[3]) if len(args) > 3 else 10)
+    with open(args[1], "w") as f:
+        json.dump(out, f, indent=1)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
