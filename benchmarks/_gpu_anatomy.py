@@ -23,6 +23,7 @@ counts of the aten ops the issue's profile named (bmm against SDPA, sums, mm/add
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -36,17 +37,19 @@ import torch  # noqa: E402
 
 import _checkout  # noqa: E402,F401  (shardlib from this checkout)
 
-#: name: (family, batch, precision, variants); in the order a time-limited device run should reach them
+#: name: (family, batch, precision, variants, device); the CUDA ones in the order a time-limited device run reaches them
 EAGER = ("hand_eager", "trainer_eager")
 ALL = EAGER + ("hand_compiled", "trainer_compiled")
 CASES = {
-    "bert-b32-bf16": ("bert", 32, "bf16", ALL),
-    "bert-b128-bf16": ("bert", 128, "bf16", ALL),
-    "bert-b32-fp16": ("bert", 32, "fp16", EAGER),
-    "vit-b32-bf16": ("vit", 32, "bf16", EAGER),
-    "t5-b16-bf16": ("t5", 16, "bf16", EAGER),
-    "bert-b32-fp16-compiled": ("bert", 32, "fp16", ALL),
-    "vit-b32-bf16-compiled": ("vit", 32, "bf16", ALL),
+    "bert-b32-bf16": ("bert", 32, "bf16", ALL, "cuda"),
+    "bert-b128-bf16": ("bert", 128, "bf16", ALL, "cuda"),
+    "bert-b32-fp16": ("bert", 32, "fp16", EAGER, "cuda"),
+    "vit-b32-bf16": ("vit", 32, "bf16", EAGER, "cuda"),
+    "t5-b16-bf16": ("t5", 16, "bf16", EAGER, "cuda"),
+    "bert-b32-fp16-compiled": ("bert", 32, "fp16", ALL, "cuda"),
+    "vit-b32-bf16-compiled": ("vit", 32, "bf16", ALL, "cuda"),
+    # the CPU row: BERT-small MLM (4 layers, width 256), fp32, 8 x 128, one process with every core
+    "bert-small-b8-fp32-cpu": ("bert-small", 8, "fp32", ALL, "cpu"),
 }
 OPS = ("aten::bmm", "aten::scaled_dot_product", "aten::sum", "aten::mm", "aten::addmm", "aten::_to_copy")
 
@@ -57,8 +60,10 @@ def build(family: str, batch: int, tiny: bool, device: str):
 
     g = torch.Generator().manual_seed(1)
     small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256)
-    if family == "bert":
-        cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else {}))
+    if family.startswith("bert"):
+        sizes = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024) \
+            if family == "bert-small" else {}
+        cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else sizes))
         model, seq = transformers.BertForMaskedLM(cfg), 32 if tiny else 128
         data = []
         for _ in range(4):
@@ -93,7 +98,7 @@ class Variant:
         torch.manual_seed(0)
         model, self.data = build(family, batch, tiny, device)
         self.i, self.device = 0, device
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
         optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
         compiled = name.endswith("compiled")
         self.trainer = None
@@ -111,7 +116,7 @@ class Variant:
         if self.trainer is not None:
             return self.trainer.train_step(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device, dtype=self.dtype):
+        with torch.autocast(self.device, dtype=self.dtype) if self.dtype else contextlib.nullcontext():
             loss = self.model(**batch).loss
         if self.scaler is None:
             loss.backward()
@@ -171,9 +176,9 @@ def profiled(variant: Variant, steps: int = 3) -> dict:
 def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
     import shardlib
 
-    family, batch, precision, names = CASES[case]
-    device = "cpu" if tiny else "cuda"
-    mesh = shardlib.init_mesh(backend="gloo" if tiny else None)
+    family, batch, precision, names, device = CASES[case]
+    device = "cpu" if tiny else device
+    mesh = shardlib.init_mesh(backend="gloo" if device == "cpu" else None)
     result = {"case": case, "family": family, "batch": batch, "precision": precision, "device": device,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
               "first_step_s": {}, "seconds": {n: [] for n in names}, "profile": {}}
