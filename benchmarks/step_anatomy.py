@@ -222,15 +222,15 @@ def report(modes: list[str], seconds: dict, cpu: dict, faults: dict, anatomy: di
     print_table("Step time (median of rounds [range])", ["layout", "wall ms / step", "CPU ms / step (all ranks)",
                                                          "k page faults / step (all ranks)"]
                 + (["unsharded / layout, wall (paired)", "unsharded / layout, CPU (paired)"] if base else []), rows)
+    header = ["ms / step (profiled)"] + [title(m) for m in modes]
+    rows = [[c] + [f"{anatomy[m][c]:.0f}" for m in modes] for c in workload.ORDER]
+    rows.append(["**profiled wall**"] + [f"**{anatomy[m]['wall_ms']:.0f}**" for m in modes])
+    print_table("Anatomy (torch.profiler, self time per category, rank 0)", header, rows)
 
 
 def _spread(values, scale: float, fmt: str) -> str:
     med, lo, hi = median_spread(values)
     return f"{med * scale:{fmt}} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]"
-    header = ["ms / step (profiled)"] + [title(m) for m in modes]
-    rows = [[c] + [f"{anatomy[m][c]:.0f}" for m in modes] for c in workload.ORDER]
-    rows.append(["**profiled wall**"] + [f"**{anatomy[m]['wall_ms']:.0f}**" for m in modes])
-    print_table("Anatomy (torch.profiler, self time per category, rank 0)", header, rows)
 
 
 if __name__ == "__main__":
