@@ -208,7 +208,9 @@ def test_layout_auto_sets_the_training_arguments(tmp_path, capsys):
               "activation_checkpointing", "batch_size")
     assert [getattr(again, f) for f in fields] == [getattr(fresh, f) for f in fields]
     for bad, message in [(["--layout", "auto"], "needs --memory"), (["--memory", "1G"], "are for --layout auto")]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(SystemExit) as stop:  # as argparse ends on a bad flag: one line, no traceback
             parse_args(args=bad, launch=False, model=model)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(ValueError, match="needs the model"):
         parse_args(args=argv, launch=False)

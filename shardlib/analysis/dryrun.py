@@ -60,7 +60,9 @@ from .meta_autocast import autocast_on_meta
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
     Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
 )
-from .metarun import CollectiveRecorder, PlanInputError, example_batch, group_dims, meta_model, tensor_spec
+from .metarun import (
+    CollectiveRecorder, PlanInputError, example_batch, group_dims, meta_model, planned_policy, tensor_spec,
+)
 
 MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"  # shard(sequence_parallel=...)'s modes (True is Megatron too)
 
@@ -228,7 +230,9 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
     dp, pp, sp, tp = (sizes[d] for d in ("dp", "pp", "sp", "tp"))
     with fake_world(dp * pp * sp * tp, rank=index * sp * tp):
         mesh = init_mesh(dp, pp, tp, sp=sp)
-        shard(model, mesh, **shard_options)
+        # verify_plan=False: an inferred plan cannot be proven in a fake world (its collectives compute nothing);
+        # the shard() of a real run proves it before anything changes
+        shard(model, mesh, verify_plan=False, **shard_options)
         state = shard_state(model)
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())  # the Trainer's
         if activation_checkpointing:
@@ -312,13 +316,8 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
             tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
             microbatches=microbatches, precision=precision, device_type=device_type,
             activation_checkpointing=activation_checkpointing))
-    from shardlib.policies import policy_for
-
     base = meta_model(model_or_config, cls, dtype)
-    try:
-        policy = policy or policy_for(base)
-    except PlanError as exc:
-        raise PlanInputError(str(exc)) from None
+    policy = planned_policy(base, policy)
     inputs = example_batch(base, batch, seq)
     mode, mode_name = _mode(sequence_parallel, sp)
     sizes, stages, received, sharding = dict(dp=dp, pp=pp, sp=sp, tp=tp), [], (), None

@@ -93,6 +93,8 @@ class CollectiveRecorder(TorchDispatchMode):
             collective = _IS_COLLECTIVE[func] = func.namespace in _NAMESPACES and func._opname not in _NOT_COLLECTIVES
         if collective:
             self.records.append(self._describe(func, args, kwargs))
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return _meta_value(args[0])
         return func(*args, **kwargs)
 
     def _describe(self, func, args, kwargs) -> Collective:
@@ -126,6 +128,17 @@ class CollectiveRecorder(TorchDispatchMode):
                     best = (first, path)
             found = self._found[seq] = best[1]
         return found
+
+
+def _meta_value(t: torch.Tensor) -> bool:
+    """What a model reading a meta tensor's value (``.item()``, ``if t.all():``) gets: True for a boolean, as an
+    unpadded, unpacked training batch answers transformers' checks (``attention_mask.all()``: no padding; no packed
+    sequences), so the dry run follows that path. Any other value is refused: the dry run cannot know it."""
+    if t.dtype == torch.bool:
+        return True
+    raise PlanInputError(f"the model's forward reads the value of a {t.dtype} tensor of shape {tuple(t.shape)} "
+                         "(.item() or a Python condition on a tensor): the dry run runs on the meta device, where "
+                         "values do not exist")
 
 
 def group_dims(mesh) -> dict[str, tuple[str, int]]:
@@ -197,3 +210,15 @@ def meta_model(model_or_config, cls=None, dtype=None) -> nn.Module:
     if dtype is not None:
         model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     return model.train()
+
+
+def planned_policy(model: nn.Module, policy=None):
+    """The policy ``shard()`` would use for ``model`` (:func:`shardlib.sharding.sharder.resolve_policy`: the registered
+    one, else the plan inferred from its graph), its refusal a :class:`PlanInputError` in ``shard()``'s words."""
+    from ..sharding.plan import PlanError
+    from ..sharding.sharder import resolve_policy
+
+    try:
+        return resolve_policy(model, policy)
+    except PlanError as exc:
+        raise PlanInputError(str(exc)) from None

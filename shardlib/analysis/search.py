@@ -24,7 +24,7 @@ from .costmodel import Prediction, predict
 from .dryrun_report import size_text
 from .layertable import LayerTable
 from .layout import Layout
-from .metarun import PlanInputError, meta_model
+from .metarun import PlanInputError, meta_model, planned_policy
 from .profile import Profile, default_profile
 
 MODES = {"off": False, "megatron": "megatron", "all_to_all": "all_to_all"}
@@ -145,19 +145,13 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
     """Every layout of ``model_or_config`` on ``world`` ranks, priced (module docstring). ``memory_bytes``: the
     budget per rank (None: no budget). ``profile``: the machine (default: the built-in nominal one). Raises
     :class:`PlanInputError` for bad input and when no layout exists at all (saying which worlds would work)."""
-    from shardlib.policies import policy_for
-
     for name, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanInputError(f"{name} must be a positive integer, got {value!r}")
     started = time.perf_counter()
     full = meta_model(model_or_config, cls)
-    try:
-        policy = policy or policy_for(full)
-    except PlanError as exc:
-        raise PlanInputError(str(exc)) from None
     profile = profile or default_profile()
-    pricer = _Pricer(full, policy, profile.device)
+    pricer = _Pricer(full, planned_policy(full, policy), profile.device)
     result = SearchResult(world=world, memory_bytes=memory_bytes, profile=profile.machine)
     refused: dict[str, str] = {}
     fitting: set[Layout] = set()  # without checkpointing: their checkpointed twins are slower, never priced
@@ -187,11 +181,9 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
 def price(model_or_config, layouts: list[Layout], profile: Profile | None = None, *, cls=None,
           policy=None) -> list[Prediction | str]:
     """The search's prediction of each of ``layouts`` (the same tables and reports), or why it is refused."""
-    from shardlib.policies import policy_for
-
     full = meta_model(model_or_config, cls)
     profile = profile or default_profile()
-    pricer = _Pricer(full, policy or policy_for(full), profile.device)
+    pricer = _Pricer(full, planned_policy(full, policy), profile.device)
     out: list[Prediction | str] = []
     for layout in layouts:
         try:

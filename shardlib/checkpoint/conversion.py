@@ -186,9 +186,7 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
 
     from ..parallel.mesh import OfflineMesh
     from ..pipeline import stage_plan, tensor_owners
-    from ..policies import has_policy, policy_for
-    from ..sharding.inference import inferred_policy
-    from ..sharding.sharder import shard
+    from ..sharding.sharder import resolve_policy, shard
 
     source, destination = Path(source), Path(destination)
     if type(tp) is not int or type(pp) is not int or pp < 1 or tp < 1:
@@ -199,7 +197,7 @@ def convert(source: str | Path, destination: str | Path, *, tp: int, pp: int = 1
             model = getattr(transformers, class_name)(config)
         owners = None
         if pp > 1:  # before sharding: the cost model reads the full shapes
-            policy = policy_for(model) if has_policy(model) else inferred_policy(model)
+            policy = resolve_policy(model)
             owners = tensor_owners(model, stage_plan(model, policy.plan(model, tp).trunk, pp))
         shard(model, OfflineMesh(tp=tp))  # validates the layout: e.g. heads that the new tp does not divide
         entries = _entries(model, src, source, owners)

@@ -32,7 +32,7 @@ def example_batch(model: nn.Module, batch: int, seq: int, device="meta", *,
     """A training batch for ``model`` as its forward takes it (zeros; on the meta device only shapes matter):
     ``pixel_values`` for image models, else ``input_ids`` of ``batch`` x ``seq`` (x 2 choices), and the labels of
     the model's task found from transformers' auto-class mappings (token labels, one per example, answer spans,
-    masked patches); base models get no labels. ``generator``: random values in each input's valid range instead of
+    masked patches; a causal LM's are its inputs); base models get no labels. ``generator``: random values in each input's valid range instead of
     zeros (a real run: verifying a plan)."""
     config, task = model.config, task_of(model)
     forward = inspect.signature(model.forward).parameters
@@ -68,7 +68,13 @@ def example_batch(model: nn.Module, batch: int, seq: int, device="meta", *,
         ids[..., -1] = eos
     if "decoder_input_ids" in forward and task in ("", "SEQ_TO_SEQ_CAUSAL_LM", "PRETRAINING"):
         inputs["decoder_input_ids"] = ints(batch, seq, high=vocab)
-    if task in ("MASKED_LM", "CAUSAL_LM", "SEQ_TO_SEQ_CAUSAL_LM", "PRETRAINING"):
+    if task == "CAUSAL_LM":  # next-token prediction: the labels are the inputs (the model shifts them)
+        inputs["labels"] = inputs["input_ids"].clone()
+        if device == "meta" and "attention_mask" in forward:
+            # without a mask transformers looks for packed sequences in the position ids, a check of values that
+            # meta tensors cannot answer
+            inputs["attention_mask"] = torch.ones(shape, dtype=torch.long, device=device)
+    elif task in ("MASKED_LM", "SEQ_TO_SEQ_CAUSAL_LM", "PRETRAINING"):
         inputs["labels"] = ints(*shape, high=vocab)
     if task == "TOKEN_CLASSIFICATION":
         inputs["labels"] = ints(*shape, high=config.num_labels)

@@ -13,6 +13,9 @@ from functools import lru_cache
 from ..parallel.styles import Style
 
 
+INFERRED = "inferred"  # the name of an inferred plan's policy (shardlib.sharding.inference.inferred_policy)
+
+
 class PlanError(ValueError):
     """A plan that does not fit the model or the mesh; raised before the model is changed."""
 

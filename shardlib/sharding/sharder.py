@@ -22,7 +22,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.random import RNGStatesTracker, rng_streams
 from .adapters import peft_inner_model
 from .passes import Resolved, passes_for
-from .plan import PlanError
+from .plan import INFERRED, PlanError
 from .sequence import sequence_mode
 from .shard_report import ShardReport
 from .sharded import ShardState, shard_state
@@ -88,11 +88,9 @@ def shard(
 
 def _shard(wrapper: nn.Module, mesh: Mesh, policy, verify_plan: bool, options: dict) -> nn.Module:
     """:func:`shard`'s body: resolve, check everything, then install (inside the caller's transaction)."""
-    from shardlib.policies import has_policy, policy_for
-
     model = peft_inner_model(wrapper) or wrapper  # a peft model: its transformers model is sharded
-    inferred = policy == "auto" or (policy is None and not has_policy(model))
-    policy = _inferred_policy(model, asked=policy == "auto") if inferred else policy or policy_for(model)
+    policy = resolve_policy(model, policy)
+    inferred = is_inferred(policy)
     report = ShardReport(policy=policy.name, model_class=type(model).__name__, mesh=str(mesh))
     if inferred:
         from .inference import infer
@@ -167,19 +165,36 @@ def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel) ->
     return seconds
 
 
-def _inferred_policy(model: nn.Module, *, asked: bool):
-    """The inferred policy; when inference was not asked for but is the only way (no policy), its refusal says
-    both: which classes have policies, and why no plan could be inferred."""
-    from shardlib.policies import missing_policy
+def resolve_policy(model: nn.Module, policy=None):
+    """The policy ``shard(model, policy=policy)`` uses, and the one way every caller finds it (the dry run, the
+    search, ``--layout auto``, checkpoint conversion): ``policy`` itself when it is a Policy; for None the policy
+    registered for the model's class, else the plan inferred from its graph (cached per class and config
+    structure); for ``"auto"`` the inferred plan whatever is registered. When inference was not asked for but is
+    the only way, its refusal says both: which classes have policies, and why no plan could be inferred."""
+    from shardlib.policies import has_policy, missing_policy
 
     from .inference import inferred_policy
 
+    if policy is not None and policy != "auto":
+        return policy
+    if policy is None and has_policy(model):
+        from shardlib.policies import policy_for
+
+        return policy_for(model)
     try:
         return inferred_policy(model)
     except PlanError as exc:
-        if asked:
+        if policy == "auto":
             raise
         raise PlanError(f"{missing_policy(model)}; and its plan cannot be inferred from its graph: {exc}") from None
+
+
+def is_inferred(policy) -> bool:
+    """Whether ``policy`` is an inferred plan's (:func:`shardlib.sharding.inference.inferred_policy`): ``shard()``
+    then checks its heads on the model and proves it before use, whoever resolved it."""
+    return getattr(policy, "name", None) == INFERRED
+
+
 
 
 def report(model: nn.Module) -> ShardReport:

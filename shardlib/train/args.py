@@ -259,13 +259,26 @@ def parse_args(*extra, args: list[str] | None = None, defaults: dict | None = No
         if unknown:
             raise ValueError(f"parse_args(defaults=...) names no argument: {', '.join(unknown)}")
         parser.set_defaults(**defaults)  # --help shows them (HfArgumentParser prints defaults)
-    parsed = parser.parse_args_into_dataclasses(args=args)
+    parsed = _or_exit(lambda: parser.parse_args_into_dataclasses(args=args))
     argv = None
     if parsed[0].layout == "auto":
-        argv = _choose_layout(parsed[0], model, seq, list(sys.argv[1:] if args is None else args))
+        if model is None:  # the script's mistake, not its user's: a traceback shows where
+            raise ValueError("--layout auto needs the model to search layouts for: "
+                             "parse_args(..., model=config_or_path)")
+        argv = _or_exit(lambda: _choose_layout(parsed[0], model, seq, list(sys.argv[1:] if args is None else args)))
     if launch:
         launch_if_requested(parsed[0], argv)
     return parsed[0] if not extra else tuple(parsed)
+
+
+def _or_exit(parse):
+    """``parse()``; a ValueError (a bad value on the command line, or no layout for ``--layout auto``) ends the
+    program as argparse ends it for a bad flag: one line on stderr, exit status 2, no traceback."""
+    try:
+        return parse()
+    except ValueError as exc:
+        print(f"{os.path.basename(sys.argv[0]) or 'python'}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def _choose_layout(args: TrainingArguments, model, seq: int, argv: list[str]) -> list[str]:

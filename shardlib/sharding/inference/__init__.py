@@ -30,7 +30,7 @@ from torch import nn
 from ...parallel.random import preserved_rng
 from ...parallel.styles import as_tuple, style_name
 from ..examples import example_batch, task_of
-from ..plan import Plan, PlanError
+from ..plan import INFERRED, Plan, PlanError
 from .assemble import (
     Facts, attributes_read, build_plan, divided_attributes, entry_arguments, inputs_only_projected, layer_carries,
     pattern_of, stacks_of,
@@ -177,7 +177,7 @@ def inferred_policy(model: nn.Module):
     from shardlib.policies import Policy
 
     inferred = infer(model)
-    return Policy(name="inferred", model_classes=(type(model),), make_plan=lambda m, tp: inferred.plan)
+    return Policy(name=INFERRED, model_classes=(type(model),), make_plan=lambda m, tp: inferred.plan)
 
 
 __all__ = ["Inferred", "infer", "inferred_policy", "ExportError"]
