@@ -148,3 +148,30 @@ def test_single_node_run_listens_on_loopback_only(tmp_path):
         sockets = listening.split(",")
         assert f"0100007F:{int(port):04X}" in sockets  # the store, on 127.0.0.1:MASTER_PORT
         assert all(s.startswith("0100007F:") for s in sockets), sockets  # nothing on 0.0.0.0 / [::]
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "FutureWarning" in line or "DeprecationWarning" in line]
+
+
+def test_the_planner_warns_nothing(tmp_path):
+    """Every warning shown (PYTHONWARNINGS=default): the dry run and the search of `shardlib plan` print none of
+    torch's deprecations (shardlib calls all_gather_single / reduce_scatter_single where torch has them)."""
+    from transformers import BertConfig
+
+    BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=64,
+               architectures=["BertForMaskedLM"]).save_pretrained(tmp_path)
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "default"}
+    for args in (["--tp", "2", "--pp", "2"], ["--world", "4", "--memory", "1GiB"]):
+        done = subprocess.run([*SHARDLIB, "plan", str(tmp_path), *args], capture_output=True, text=True, timeout=240,
+                              env=env, cwd=ROOT)
+        assert done.returncode == 0 and not _warnings(done.stderr), done.stderr[-3000:]
+
+
+@ci_only("about 15 s; the planner's half runs in the dev profile")
+def test_a_launched_run_warns_nothing():
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "default"}
+    done = subprocess.run([*SHARDLIB, "run", "--nproc", "2", "examples/bert_tp_demo.py", "--layers", "2", "--hidden",
+                           "64", "--heads", "4", "--vocab", "1001", "--steps", "2", "--seq", "16"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert done.returncode == 0 and not _warnings(done.stderr), done.stderr[-3000:]
