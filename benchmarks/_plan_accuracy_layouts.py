@@ -34,6 +34,7 @@ class ModelSpec:
     layers_keys: tuple[str, ...] = ("num_hidden_layers",)
     dec_seq: int = 0
     extra: dict = field(default_factory=dict)
+    all_to_all: bool = True
 
     def config(self, layers: int | None = None):
         """The transformers config, with ``layers`` layers per stack (default: ``self.layers``)."""
@@ -62,13 +63,19 @@ MODELS: dict[str, ModelSpec] = {
         d_model=512, d_kv=64, d_ff=2048, num_heads=8, vocab_size=8192, decoder_start_token_id=0, pad_token_id=0,
         eos_token_id=1), "seq2seq", heads=8, layers=2, layers_keys=("num_layers", "num_decoder_layers"),
         dec_seq=SEQ),
+    # a small Llama sharded by its inferred plan (no hand policy): hidden 256, 4 query heads over 2 key/value heads
+    # (``heads``: the 2 that tp x sp must divide), SwiGLU 688, tied embeddings, 8192 vocabulary; next-token labels
+    "llama-256": ModelSpec("LlamaForCausalLM", "LlamaConfig", dict(
+        hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=8192,
+        max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0), "causal", heads=2, layers=4,
+        all_to_all=False),
 }
 
 
 def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
     """A generated global batch of ``n`` examples for ``spec``'s task, the same on every rank for one ``seed``:
-    random token ids, a full attention mask, and MLM labels at ``MLM_PROB`` of the positions (-100 elsewhere) or
-    T5 labels of ``spec.dec_seq`` tokens."""
+    random token ids, a full attention mask, and MLM labels at ``MLM_PROB`` of the positions (-100 elsewhere), a
+    causal LM's (its inputs) or T5 labels of ``spec.dec_seq`` tokens."""
     import torch
 
     g = torch.Generator().manual_seed(1000 + seed)
@@ -78,6 +85,8 @@ def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
         labelled = torch.rand(n, seq, generator=g) < MLM_PROB
         labelled[:, 0] = True  # every example carries at least one label
         batch["labels"] = torch.where(labelled, ids, torch.full_like(ids, -100))
+    elif spec.task == "causal":
+        batch["labels"] = ids.clone()
     else:
         batch["labels"] = torch.randint(2, spec.vocab, (n, spec.dec_seq), generator=g)
     return batch
@@ -116,6 +125,8 @@ def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str
         return f"{layout.world} ranks, not {world}"
     if spec.heads % (layout.tp * layout.sp):
         return f"{spec.heads} heads % (tp {layout.tp} x sp {layout.sp})"
+    if layout.sequence_parallel == "all_to_all" and not spec.all_to_all:
+        return "all-to-all SP wraps the attention modules a hand policy lists (an inferred plan lists none)"
     if (layout.sp > 1) != (layout.sequence_parallel == "all_to_all"):
         return "sp > 1 is all_to_all sequence parallelism, and all_to_all needs sp > 1"
     if layout.sequence_parallel == "megatron" and layout.tp == 1:
