@@ -32,8 +32,8 @@ def example_batch(model: nn.Module, batch: int, seq: int, device="meta", *,
     """A training batch for ``model`` as its forward takes it (zeros; on the meta device only shapes matter):
     ``pixel_values`` for image models, else ``input_ids`` of ``batch`` x ``seq`` (x 2 choices), and the labels of
     the model's task found from transformers' auto-class mappings (token labels, one per example, answer spans,
-    masked patches; a causal LM's are its inputs); base models get no labels. ``generator``: random values in each input's valid range instead of
-    zeros (a real run: verifying a plan)."""
+    masked patches; a causal LM's are its inputs); base models get no labels. ``generator``: random values in each
+    input's valid range instead of zeros (a real run: verifying a plan)."""
     config, task = model.config, task_of(model)
     forward = inspect.signature(model.forward).parameters
     dtype = next(model.parameters()).dtype
