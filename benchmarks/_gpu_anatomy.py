@@ -18,7 +18,8 @@ both ends of a window). Ratios are paired per round: hand / trainer (> 1: the Tr
 steps per variant give the GPU kernel time per step (the sum of every CUDA kernel's time), kernels per step and the
 counts of the aten ops the issue's profile named (bmm against SDPA, sums, mm/addmm, casts).
 
-``--cpu-test`` runs the same logic on the CPU with tiny models (to check the script before a device run).
+``--cpu-test`` runs the same logic on the CPU with tiny models (to check the script before a device run); the case
+``bert-small-b8-fp32-cpu`` is the CPU's own world of one (the issue's BERT-small fp32 row, eager and compiled).
 """
 
 from __future__ import annotations

@@ -28,10 +28,17 @@ before a change), so before and after are timed in the same rounds.
    multi-rank layout). The profiler adds its own cost, so these rows explain the step; the wall times of (1) are the
    figures.
 
+3. **One GPU** (``--gpu``, ``_gpu_anatomy.py``): the world of one against the hand loops a user writes without
+   shardlib, eager and compiled, bf16 and fp16, BERT-base MLM at 32 and 128 x 128, ViT-base and T5-base; step
+   time per round, GPU kernel time, first-step (compile) time. Each case in its own process; ``--budget`` seconds
+   after which no case starts (a device run's time is counted).
+
 How to run
 ----------
     .venv/bin/python benchmarks/step_anatomy.py                 # BERT-base MLM, 8 x 128, 5 rounds (~10 min idle)
     .venv/bin/python benchmarks/step_anatomy.py --quick         # BERT-small (~2 min): make bench
+    python benchmarks/step_anatomy.py --gpu --rounds 7 --steps 10 --budget 330 --json out.json   # one GPU, ~6 min
+    .venv/bin/python benchmarks/step_anatomy.py --cpu-test --rounds 2 --steps 2   # --gpu's logic, tiny, on CPU
     .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes unsharded,tp2@base,tp2 \
         --baseline /tmp/before                                   # after `git worktree add /tmp/before <commit>`
 """

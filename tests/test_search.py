@@ -214,3 +214,28 @@ def test_layout_auto_sets_the_training_arguments(tmp_path, capsys):
         assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(ValueError, match="needs the model"):
         parse_args(args=argv, launch=False)
+
+
+def test_a_pipeline_on_shared_cores_is_bound_by_its_total_work():
+    """With a core per rank the steady state is the slowest stage m times plus the bubble; with more ranks than
+    cores (CPU), waiting ranks lend their cores, so the mean stage m times, or the critical path at a full core's
+    speed, whichever is longer (docs/planning.md, "Time")."""
+    import dataclasses
+
+    from shardlib.analysis.costmodel import _schedule
+    from shardlib.analysis.layout import Layout
+    from shardlib.analysis.profile import default_profile
+
+    layout = Layout(dp=2, pp=2, microbatches=4, batch=2, seq=8)
+    unbalanced = [{"compute": 1.0}, {"compute": 3.0}]
+    own_cores = dataclasses.replace(default_profile(), device="cpu", cores=None)
+    assert sum(_schedule(unbalanced, layout, own_cores).values()) == 4 * 3.0 + 1.0
+    shared = dataclasses.replace(own_cores, cores=2)  # 4 ranks on 2 cores
+    assert sum(_schedule(unbalanced, layout, shared).values()) == 4 * 2.0  # the mean stage, no bubble left
+    one = dataclasses.replace(layout, microbatches=1)  # the critical path at a full core: (1 + 3) / 2
+    assert sum(_schedule(unbalanced, one, shared).values()) == 2.0
+    assert _schedule(unbalanced, one, shared)["pipeline bubble"] == 0.0
+    long_path = [{"compute": 1.0}, {"compute": 1.0}, {"compute": 1.0}, {"compute": 5.0}]  # 4 stages, 4 ranks
+    deep = Layout(pp=4, microbatches=2, batch=2, seq=8)
+    times = _schedule(long_path, deep, shared)  # mean 2 x 2 = 4; critical (8 + 5) / 2 = 6.5
+    assert times["compute"] == 4.0 and times["pipeline bubble"] == 2.5

@@ -187,6 +187,33 @@ def _bubble_share(layout: Layout, profile: Profile) -> float:
     return profile.cores / layout.world
 
 
+def _schedule(per_stage: list[dict[str, float]], layout: Layout, profile: Profile) -> dict[str, float]:
+    """Seconds of the forward and backward of ``m`` microbatches over the stages (microbatch times by term).
+
+    Ranks with a core each: the slowest stage ``m`` times, plus the rest of the first microbatch's way through the
+    other stages (the bubble). More ranks than cores (a CPU profile with ``cores``), where the profile measured
+    every rank at its all-busy speed: a rank that waits lends its share of the cores to the ranks that work, so a
+    pipeline is bound by its total work rather than by its slowest stage: ``m`` times the *mean* stage, or by the
+    schedule's critical path run at the speed of a rank that has a core to itself (``cores / ranks`` of the
+    all-busy times), whichever is longer; the excess over the mean is the bubble."""
+    totals = [sum(t.values()) for t in per_stage]
+    m = layout.microbatches
+    share = _bubble_share(layout, profile)
+    if len(totals) == 1 or share == 1.0:
+        slowest = max(range(len(totals)), key=totals.__getitem__)
+        terms = {k: v * m for k, v in per_stage[slowest].items()}
+        if len(totals) > 1:
+            terms["pipeline bubble"] = (sum(totals) - totals[slowest]) * share
+        return terms
+    terms: dict[str, float] = {}
+    for stage in per_stage:  # the mean stage, by term
+        for k, v in stage.items():
+            terms[k] = terms.get(k, 0.0) + v * m / len(per_stage)
+    critical = (sum(totals) + (m - 1) * max(totals)) * share
+    terms["pipeline bubble"] = max(0.0, critical - m * sum(totals) / len(totals))
+    return terms
+
+
 def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict | None = None) -> dict[str, float]:
     """Seconds of one training step by term (module docstring); the slowest stage's dp sync and optimizer step.
     ``cache``: a dict kept across calls for the same profile (the search's), holding each stage's microbatch time."""
@@ -198,12 +225,7 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
         if key not in cache:
             cache[key] = (s, _microbatch_time(report, s, profile, dtype))  # (s: keeps its id unique while cached)
         per_stage.append(cache[key][1])
-    totals = [sum(t.values()) for t in per_stage]
-    slowest = max(range(len(totals)), key=totals.__getitem__)
-    m = layout.microbatches
-    terms = {k: v * m for k, v in per_stage[slowest].items()}
-    if len(totals) > 1:
-        terms["pipeline bubble"] = (sum(totals) - totals[slowest]) * _bubble_share(layout, profile)
+    terms = _schedule(per_stage, layout, profile)
     tail = []
     for s in report.stages:
         sync = _dp_sync(s, layout, profile)
