@@ -25,9 +25,19 @@ def _config(family: str, cls: str):
     return inference_cases.make_model(cls, family, dtype=torch.float32).config
 
 
+#: heads whose forward reads values (BART's eos pooling: unique_consecutive; DeBERTa-v2's: nonzero), which the meta
+#: device cannot run: refused in one message naming the class and the op (each family's other classes plan)
+META_LIMITS = {"BartForSequenceClassification", "PLBartForSequenceClassification",
+               "DebertaV2ForSequenceClassification"}
+
+
 @pytest.mark.parametrize("family,cls", CASES, ids=[c for _, c in CASES])
 def test_every_inferred_family_is_planned_at_tp2(family, cls):
     """The dry run at tp=2 of every family's class: the inferred policy, each rank holding less than the model."""
+    if cls in META_LIMITS:
+        with pytest.raises(PlanInputError, match=f"{cls} cannot run on the meta device, so it cannot be planned: "):
+            shardlib.plan(_config(family, cls), cls=cls, tp=2, batch=2, seq=8)
+        return
     report = shardlib.plan(_config(family, cls), cls=cls, tp=2, batch=2, seq=8)
     assert report.policy == "inferred" and report.model_class == cls
     stage = report.stages[0]
