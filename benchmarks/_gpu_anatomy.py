@@ -7,7 +7,7 @@ compiled graphs start clean; the variants of one case live in that process toget
 rounds:
 
 * ``hand_eager``: the unsharded model, ``zero_grad(set_to_none=True)``, autocast forward, ``backward`` (through
-  ``torch.amp.GradScaler`` in fp16), ``AdamW.step``, ``float(loss)`` (a logging loop reads its loss every step);
+  ``torch.amp.GradScaler`` in fp16), ``AdamW.step``, ``loss.item()`` (a logging loop reads its loss every step);
 * ``trainer_eager``: the same weights through ``shardlib.shard`` at a world of one and
   ``Trainer(precision=...).train_step`` (which returns the float loss, so it syncs once per step too);
 * ``hand_compiled`` / ``trainer_compiled``: the same over ``torch.compile(model)`` / ``Trainer(compile=True)``.
@@ -61,16 +61,13 @@ def build(family: str, batch: int, tiny: bool, device: str):
 
     g = torch.Generator().manual_seed(1)
     small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256)
-    if family.startswith("bert"):
-        sizes = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024) \
-            if family == "bert-small" else {}
+    if family.startswith("bert"):  # the CPU anatomy's MLM batches (15% labelled) and BERT-small sizes
+        from _anatomy_workload import SIZES, batches
+
+        sizes = SIZES["bert-small"] if family == "bert-small" else {}
         cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else sizes))
-        model, seq = transformers.BertForMaskedLM(cfg), 32 if tiny else 128
-        data = []
-        for _ in range(4):
-            ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-            labels = torch.where(torch.rand(batch, seq, generator=g) < 0.15, ids, torch.full_like(ids, -100))
-            data.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+        model = transformers.BertForMaskedLM(cfg)
+        data = batches(4, batch, 32 if tiny else 128, cfg.vocab_size)
     elif family == "vit":
         cfg = transformers.ViTConfig(num_labels=1000, **(dict(small, image_size=32, patch_size=8) if tiny else {}))
         model = transformers.ViTForImageClassification(cfg)
@@ -165,10 +162,9 @@ def profiled(variant: Variant, steps: int = 3) -> dict:
         for op in OPS:
             if row.key == op or (op.endswith("dot_product") and row.key.startswith(op)):
                 counts[op] += row.count
-    top = sorted(((e.name, getattr(e, "device_time_total", 0)) for e in kernels), key=lambda x: -x[1])
     by_name: dict = {}
-    for name, us in top:
-        by_name[name] = by_name.get(name, 0) + us
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0) + getattr(e, "device_time_total", 0)
     return {"kernel_ms": kernel_us / 1e3 / steps, "kernels": len(kernels) / steps, "wall_ms": wall * 1e3 / steps,
             "ops": {k: v / steps for k, v in counts.items()},
             "top_kernels_ms": {k[:90]: v / 1e3 / steps for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:12]}}
