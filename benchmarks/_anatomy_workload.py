@@ -157,7 +157,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def serve(step: Step, command: str, steps: int = 1):
+def serve(step: Step, command: str, steps: int = 1, variants: str = ""):
     if command == "time":  # the median step of ``steps``: (slowest rank's wall, all ranks' CPU time, page faults)
         times = []
         for _ in range(steps):
@@ -170,7 +170,32 @@ def serve(step: Step, command: str, steps: int = 1):
         return sorted(times)[len(times) // 2]
     if command == "profile":
         return profile_steps(step, steps)
+    if command == "switch":
+        return switched_steps(step, variants, steps)
     raise ValueError(command)
+
+
+def switched_steps(step: Step, variants: str, pairs: int) -> dict[str, list[float]]:
+    """``pairs`` steps of each variant of ``_step_variants.SETS[variants]``, switched between consecutive steps
+    (order reversed every other pair, two warm-up steps each): {variant: [slowest rank's wall seconds]}."""
+    import _step_variants
+
+    chosen = _step_variants.SETS[variants]
+    names = list(chosen)
+    for name in names * 2:
+        chosen[name]()
+        step.run()
+    seconds = {name: [] for name in names}
+    for i in range(pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            chosen[name]()
+            if step.world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            step.run()
+            seconds[name].append(_over_ranks(time.perf_counter() - start, 0.0, 0, step.world)[0])
+    chosen[names[0]]()
+    return seconds
 
 
 def profile_steps(step: Step, steps: int) -> dict:

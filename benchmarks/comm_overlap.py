@@ -12,7 +12,12 @@ timed on rank 0:
 * ``sequential`` = all-reduce then GEMM; ``overlapped`` = the all-reduce started with ``async_op=True``, the GEMM,
   then the wait (shardlib.parallel.overlap's column-parallel backward). ``hidden`` = how much of the all-reduce's time
   the
-  overlap removed.
+  overlap removed;
+* a reduce-scatter at each of ``SWEEP_KIB`` per rank: gloo's against shardlib's (an all-to-all and a local sum);
+* sequence parallelism's pair, hidden the same way: ``reduce_scatter as all_to_all + sum`` (each rank sends the other
+  its half and adds what it receives: half the bytes of gloo's reduce-scatter), the all-gather started before the
+  input-gradient GEMM [1024, 1152] x [1152, 768] and waited after it (``all_gather under dgrad``), and the
+  all-to-all reduce-scatter under the weight-gradient GEMM (``reduce_scatter under wgrad``).
 
     .venv/bin/python benchmarks/comm_overlap.py [--steps 30]
 """
@@ -30,7 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _checkout  # noqa: E402,F401  (shardlib from this checkout)
 from _harness import loopback_ifname, run_rank, timed, wait_idle  # noqa: E402
+from shardlib.parallel.collectives import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE  # noqa: E402
 
 
 def _median_ms(fn, steps: int) -> float:
@@ -48,17 +55,59 @@ def _measure(steps: int) -> dict[str, float]:
         grad_out.t() @ saved
         work.wait()
 
+    weight = torch.randn(1152, 768)
+
+    def rs_by_all_to_all():
+        received = torch.empty_like(act)
+        dist.all_to_all_single(received, act)
+        return received.view(2, 512, 768).sum(0)
+
+    def gather_under_dgrad():
+        work = ALL_GATHER_SINGLE(full, half, async_op=True)
+        grad_out @ weight
+        work.wait()
+
+    def scatter_under_wgrad():
+        received = torch.empty_like(act)
+        work = dist.all_to_all_single(received, act, async_op=True)
+        grad_out.t() @ saved
+        work.wait()
+        received.view(2, 512, 768).sum(0)
+
     return {
         "all_reduce 3 MiB": _median_ms(lambda: dist.all_reduce(act), steps),
-        "all_gather 1.5 -> 3 MiB": _median_ms(lambda: dist.all_gather_into_tensor(full, half), steps),
-        "reduce_scatter 3 -> 1.5 MiB": _median_ms(lambda: dist.reduce_scatter_tensor(half, full), steps),
+        "all_gather 1.5 -> 3 MiB": _median_ms(lambda: ALL_GATHER_SINGLE(full, half), steps),
+        "reduce_scatter 3 -> 1.5 MiB": _median_ms(lambda: REDUCE_SCATTER_SINGLE(half, full), steps),
         "all_reduce 24 KiB": _median_ms(lambda: dist.all_reduce(small[0]), steps),
         "all_reduce 24 KiB x16": _median_ms(lambda: [dist.all_reduce(t) for t in small], steps),
         "all_reduce 16 x 24 KiB as one": _median_ms(lambda: dist.all_reduce(torch.cat(small)), steps),
         "wgrad GEMM": _median_ms(lambda: grad_out.t() @ saved, steps),
         "sequential": _median_ms(lambda: (dist.all_reduce(act), grad_out.t() @ saved), steps),
         "overlapped": _median_ms(overlapped, steps),
+        "reduce_scatter as all_to_all + sum": _median_ms(rs_by_all_to_all, steps),
+        "dgrad GEMM": _median_ms(lambda: grad_out @ weight, steps),
+        "all_gather under dgrad": _median_ms(gather_under_dgrad, steps),
+        "reduce_scatter under wgrad": _median_ms(scatter_under_wgrad, steps),
+        **_reduce_scatter_sizes(steps),
     }
+
+
+#: input bytes per rank of the reduce-scatter size sweep
+SWEEP_KIB = (16, 64, 256, 1024, 3072)
+
+
+def _reduce_scatter_sizes(steps: int) -> dict[str, float]:
+    """gloo's reduce-scatter against shardlib's (an all-to-all and a local sum on gloo) at each of SWEEP_KIB."""
+    from shardlib.parallel.collectives import start_reduce_scatter
+
+    out = {}
+    for kib in SWEEP_KIB:
+        x = torch.randn(kib * 256)
+        half = torch.empty(x.numel() // 2)
+        out[f"reduce_scatter {kib} KiB gloo"] = _median_ms(lambda: REDUCE_SCATTER_SINGLE(half, x), steps)
+        out[f"reduce_scatter {kib} KiB shardlib"] = _median_ms(
+            lambda: start_reduce_scatter(x, 0, dist.group.WORLD).wait(), steps)
+    return out
 
 
 def _worker(rank: int, store_path: str, steps: int, queue) -> None:
@@ -85,11 +134,22 @@ def main() -> None:
                            start_method="spawn")
     r = queue.get()
     for name, ms in r.items():
+        if name.startswith("reduce_scatter ") and "KiB" in name:
+            continue
         print(f"  {name:32s} {ms:8.2f} ms")
     hidden = (r["sequential"] - r["overlapped"]) / r["all_reduce 3 MiB"]
     print(f"\n  overlap hid {100 * hidden:.0f}% of the 3 MiB all-reduce behind the weight-gradient GEMM")
     print(f"  16 small all-reduces cost {r['all_reduce 24 KiB x16'] / r['all_reduce 16 x 24 KiB as one']:.1f}x "
           "one bucketed all-reduce of the same bytes")
+    print(f"  reduce-scatter by all-to-all + sum: {r['reduce_scatter as all_to_all + sum']:.2f} ms against gloo's "
+          f"{r['reduce_scatter 3 -> 1.5 MiB']:.2f} ms")
+    print("\n  | input per rank | " + " | ".join(f"{k} KiB" for k in SWEEP_KIB) + " |")
+    print("  |---|" + "---:|" * len(SWEEP_KIB))
+    for impl in ("gloo", "shardlib"):
+        print(f"  | reduce-scatter, {impl}, ms | "
+              + " | ".join(f"{r[f'reduce_scatter {k} KiB {impl}']:.2f}" for k in SWEEP_KIB) + " |")
+    for pair, gemm in (("all_gather under dgrad", "dgrad GEMM"), ("reduce_scatter under wgrad", "wgrad GEMM")):
+        print(f"  {pair}: {r[pair] - r[gemm]:+.2f} ms over the GEMM alone")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,12 @@ before a change), so before and after are timed in the same rounds.
    multi-rank layout). The profiler adds its own cost, so these rows explain the step; the wall times of (1) are the
    figures.
 
-3. **One GPU** (``--gpu``, ``_gpu_anatomy.py``): the world of one against the hand loops a user writes without
+3. **Switched variants** (``--switch SET``, ``_step_variants.SETS``): one layout (the first of ``--modes``), its
+   ranks started once, the set's variants of the code switched between consecutive steps (``--rounds`` pairs); each
+   variant's median step and the median over pairs of variant / first variant with its quartiles. A pair of steps
+   seconds apart sees the same neighbours, so this resolves a change of 2-3% that rounds minutes apart cannot.
+
+4. **One GPU** (``--gpu``, ``_gpu_anatomy.py``): the world of one against the hand loops a user writes without
    shardlib, eager and compiled, bf16 and fp16, BERT-base MLM at 32 and 128 x 128, ViT-base and T5-base; step
    time per round, GPU kernel time, first-step (compile) time. Each case in its own process; ``--budget`` seconds
    after which no case starts (a device run's time is counted).
@@ -39,6 +44,7 @@ How to run
     .venv/bin/python benchmarks/step_anatomy.py --quick         # BERT-small (~2 min): make bench
     python benchmarks/step_anatomy.py --gpu --rounds 7 --steps 10 --budget 330 --json out.json   # one GPU, ~6 min
     .venv/bin/python benchmarks/step_anatomy.py --cpu-test --rounds 2 --steps 2   # --gpu's logic, tiny, on CPU
+    .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes tp2_sp --switch reduce-scatter --rounds 12
     .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes unsharded,tp2@base,tp2 \
         --baseline /tmp/before                                   # after `git worktree add /tmp/before <commit>`
 """
@@ -83,6 +89,8 @@ def main(argv=None) -> None:
                                            "priority order; bert-small-b8-fp32-cpu is the CPU's world of one)")
     ap.add_argument("--budget", type=float, default=270, help="--gpu: seconds after which no new case starts")
     ap.add_argument("--cpu-test", action="store_true", help="--gpu's logic on the CPU with tiny models")
+    ap.add_argument("--switch", help="a set of _step_variants.SETS: its variants switched step by step in the ranks of "
+                    "the first of --modes (--rounds pairs)")
     ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
                                        "named MODE@base run it, in the same rounds as this checkout's")
     args = ap.parse_args(argv)
@@ -91,6 +99,8 @@ def main(argv=None) -> None:
     if args.dropout is None:
         args.dropout = 0.1 if args.workload == "mlm" else 0.0
     modes = args.modes.split(",")
+    if args.switch:
+        return switched(args, modes[0])
     if any("@" in m for m in modes) and not args.baseline:
         ap.error("a mode@baseline needs --baseline CHECKOUT")
     unknown = [m for m in modes if m.partition("@")[0] not in workload.MODES]
@@ -129,6 +139,35 @@ def main(argv=None) -> None:
         write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu, "minor_faults": faults,
                                "anatomy_ms": anatomy})
     print(f"total wall time {time.perf_counter() - started:.0f} s")
+
+
+def switched(args, mode: str) -> None:
+    """``--switch``: the variants of one set alternated step by step in the same ranks (module docstring, 3)."""
+    import statistics
+
+    import _step_variants
+
+    if args.switch not in _step_variants.SETS:
+        raise SystemExit(f"unknown --switch {args.switch!r}; known: {', '.join(_step_variants.SETS)}")
+    print(f"switched variants {args.switch!r}: {mode}, {args.workload}, {args.size}, batch {args.batch} x {args.seq};"
+          f" {args.rounds} pairs of steps", flush=True)
+    setup = functools.partial(workload.setup, mode=mode, size=args.size, batch=args.batch, seq=args.seq,
+                              dropout=args.dropout, workload=args.workload)
+    pool = RankPool(workload.MODES[mode][0], setup, workload.serve)
+    try:
+        seconds = pool.call("switch", steps=args.rounds, variants=args.switch)[0]
+    finally:
+        pool.close()
+    names = list(seconds)
+    rows = []
+    for name in names:
+        ratios = [a / b for a, b in zip(seconds[name], seconds[names[0]])]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        rows.append([name, "%.0f [%.0f-%.0f]" % tuple(1e3 * v for v in median_spread(seconds[name])),
+                     f"{statistics.median(ratios):.3f} [{quartiles[0]:.3f}-{quartiles[2]:.3f}]"])
+    print_table(None, ["variant", "wall ms / step [range]", f"/ {names[0]}, per pair: median [quartiles]"], rows)
+    if args.json:
+        write_json(args.json, {"args": vars(args), "seconds": seconds})
 
 
 def in_process(args) -> None:

@@ -52,6 +52,16 @@ class SizedCounter(CollectiveCounter):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _as_planned(seen):
+    """Counts ({op: n}) or sizes ([(op, dim, bytes)]) with the ops named as the plan names them: on gloo shardlib's
+    reduce-scatter runs as an all-to-all (``collectives.start_reduce_scatter``), and these Megatron runs have no
+    other all-to-all; the plan names the collective, not gloo's wire op."""
+    rename = {"all_to_all_single": "reduce_scatter_tensor"}
+    if isinstance(seen, dict):
+        return {rename.get(op, op): n for op, n in seen.items()}
+    return [(rename.get(op, op), *rest) for op, *rest in seen]
+
+
 def _unique_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors if t is not None}.values())
 
@@ -99,8 +109,9 @@ def real_step(spec: dict) -> dict:
     result |= {"gradients": _unique_bytes(p.grad for p in model.parameters())}
     optimizer = torch.optim.AdamW(model.parameters())
     optimizer.step()
-    result |= {"optimizer": _state_bytes(optimizer), "counts": {"forward": forward.counts, "backward": backward.counts},
-               "sizes": {"forward": sorted(forward.sizes), "backward": sorted(backward.sizes)}}
+    result |= {"optimizer": _state_bytes(optimizer),
+               "counts": {"forward": _as_planned(forward.counts), "backward": _as_planned(backward.counts)},
+               "sizes": {"forward": sorted(_as_planned(forward.sizes)), "backward": sorted(_as_planned(backward.sizes))}}
     for zero in (2, 3) if not spec["sp"] else (2,):
         zero_model = _real_model(spec, mesh)
         trainer = shardlib.Trainer(zero_model, torch.optim.AdamW, zero=zero)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from ..parallel.collectives import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 from ..parallel.flat import DEFAULT_BUCKET_BYTES, Bucket, flat_buckets
 
 MASTER_KEY = "master"
@@ -233,7 +234,9 @@ class FlatZero(InnerOptimizer):
         bucket.arrived.clear()
         self._reduced.add(bucket.index)
         out = torch.empty(bucket.hi - bucket.lo, dtype=flat.dtype, device=flat.device)
-        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        # gloo's own reduce-scatter, not collectives.start_reduce_scatter's all-to-all (half the bytes on gloo): that
+        # receives a whole bucket, and the bucket in flight must cost bucket / dp beside the flat copy (ZeRO-2's peak)
+        work = REDUCE_SCATTER_SINGLE(out, flat, group=self.group, async_op=True)
         self._inflight = (bucket, flat, out, work)
 
     def _settle(self) -> None:
@@ -298,7 +301,7 @@ class FlatZero(InnerOptimizer):
 
     def gather_params(self) -> None:
         """Every rank's updated shard back into every bucket: one all-gather per bucket, all started at once."""
-        works = [dist.all_gather_single(b.data, b.data[b.lo:b.hi].clone(), group=self.group, async_op=True)
+        works = [ALL_GATHER_SINGLE(b.data, b.data[b.lo:b.hi].clone(), group=self.group, async_op=True)
                  for b in self.buckets]
         for work in works:
             work.wait()
@@ -353,7 +356,7 @@ class FlatZero(InnerOptimizer):
                 if key in state:
                     shard[piece.at:piece.at + piece.stop - piece.start].copy_(state[key])
             flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-            dist.all_gather_single(flat, shard, group=self.group)
+            ALL_GATHER_SINGLE(flat, shard, group=self.group)
             flats[key] = flat
         return flats, keys
 

@@ -1,0 +1,60 @@
+"""Variants of shardlib's code that ``step_anatomy.py --switch SET`` alternates between consecutive steps of the same
+ranks (``_anatomy_workload.switched_steps``): the finest A/B this noisy machine allows, for a change worth a few
+percent of a step (a step-to-step pair sees the same neighbours; rounds minutes apart do not).
+
+Each set maps a variant's name to a function that installs it in the running process (the first is the baseline);
+a variant must leave what every layout computes unchanged, or name the memory it trades.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+
+def _sequence_parallel_states():
+    from shardlib.sharding.sequence import SequenceParallel
+
+    with warnings.catch_warnings():  # isinstance on some library's lazy module objects warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, SequenceParallel)]
+
+
+def _reduce_scatter_by_gloo():
+    """Sequence parallelism's reduce-scatter as gloo runs it (the code before 2026-11-27)."""
+    import torch.distributed as dist
+
+    from shardlib.parallel import collectives as C
+
+    def start(x, dim, group):
+        n = C.group_size(group)
+        x = C.to_rank_major(x, dim, n)
+        out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+        work = C.REDUCE_SCATTER_SINGLE(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return C.Pending(work, lambda: out)
+
+    return start
+
+
+def _switch_reduce_scatter(use_gloo: bool):
+    from shardlib.parallel import collectives as C
+
+    original = _ORIGINALS.setdefault("start_reduce_scatter", C.start_reduce_scatter)
+    C.start_reduce_scatter = _reduce_scatter_by_gloo() if use_gloo else original
+
+
+def _save_gathered_inputs(full: bool):
+    """``full``: layers save the gathered sequence entering q/k/v and the MLP (tp x the bytes) instead of this rank's
+    shard, so backward gathers nothing again and no saved-tensor hook runs: the price of Megatron's trade."""
+    for sp in _sequence_parallel_states():
+        sp.saving_managed_outside = full
+
+
+_ORIGINALS: dict = {}
+
+SETS = {
+    # gloo's reduce-scatter (an all-reduce's cost) against shardlib's all-to-all + local sum
+    "reduce-scatter": {"gloo": lambda: _switch_reduce_scatter(True), "all-to-all": lambda: _switch_reduce_scatter(False)},
+    # Megatron's saved shards gathered again in backward against saving the gathered inputs whole
+    "sp-saved-inputs": {"shards": lambda: _save_gathered_inputs(False), "whole": lambda: _save_gathered_inputs(True)},
+}
