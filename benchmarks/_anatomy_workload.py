@@ -31,9 +31,14 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
     "world1": (1, 2, {}),
     "tp2": (2, 1, {}),
     "tp2_sp": (2, 1, {"sequence_parallel": True}),
+    "tp2_shm": (2, 1, {}),
+    "tp2_sp_shm": (2, 1, {"sequence_parallel": True}),
 }
+#: init_mesh options of a layout (default: none): the ``_shm`` layouts move tensors through shared memory
+MESH_OPTIONS = {"tp2_shm": {"transport": "shm"}, "tp2_sp_shm": {"transport": "shm"}}
 TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one", "tp2": "shardlib tp=2",
-          "tp2_sp": "shardlib tp=2 + SP"}
+          "tp2_sp": "shardlib tp=2 + SP", "tp2_shm": "shardlib tp=2, shm transport",
+          "tp2_sp_shm": "shardlib tp=2 + SP, shm transport"}
 SIZES = {
     "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
     "bert-small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
@@ -111,7 +116,7 @@ class Step:
             if workload == "mlm":
                 self.optimizer = make_optimizer(model.parameters())
         else:
-            mesh = shardlib.init_mesh(tp=world)
+            mesh = shardlib.init_mesh(tp=world, **MESH_OPTIONS.get(mode, {}))
             self.model = shardlib.shard(model, mesh, **options)
             if workload == "mlm" and not hand_loop:
                 self.trainer = shardlib.Trainer(self.model, make_optimizer)

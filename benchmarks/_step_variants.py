@@ -50,11 +50,23 @@ def _save_gathered_inputs(full: bool):
         sp.saving_managed_outside = full
 
 
+def _switch_transport(use_shm: bool):
+    """The tp group's tensors through shared memory (a layout whose mesh attached it: ``tp2_shm``, ``tp2_sp_shm``)
+    or through gloo."""
+    from shardlib.parallel import shm
+
+    stashed = _ORIGINALS.setdefault("shm_groups", dict(shm._GROUPS))
+    shm._GROUPS.clear()
+    if use_shm:
+        shm._GROUPS.update(stashed)
+
+
 _ORIGINALS: dict = {}
 
 SETS = {
     # gloo's reduce-scatter (an all-reduce's cost) against shardlib's all-to-all + local sum
     "reduce-scatter": {"gloo": lambda: _switch_reduce_scatter(True), "all-to-all": lambda: _switch_reduce_scatter(False)},
     # Megatron's saved shards gathered again in backward against saving the gathered inputs whole
+    "transport": {"gloo": lambda: _switch_transport(False), "shm": lambda: _switch_transport(True)},
     "sp-saved-inputs": {"shards": lambda: _save_gathered_inputs(False), "whole": lambda: _save_gathered_inputs(True)},
 }

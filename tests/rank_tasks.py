@@ -16,6 +16,7 @@ above atol, so a wrong update cannot pass.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import sys
@@ -70,9 +71,31 @@ def shard_options(spec: dict) -> dict:
     return {"sequence_parallel": spec.get("sp", False), "kernels": shardlib.kernels.Kernels(**spec.get("kernels", {}))}
 
 
+@contextlib.contextmanager
+def transport(spec: dict, mesh):
+    """``spec["transport"] == "shm"``: the mesh's tp and sp groups exchange through shared memory inside the block
+    (attached on every rank of each group, detached after, so the pool's cached meshes stay as they were)."""
+    groups = [mesh.group(d) for d in ("sp", "tp") if mesh.size(d) > 1] if spec.get("transport") == "shm" else []
+    from shardlib.parallel import shm
+
+    for group in groups:
+        shm.attach(group, timeout_s=60)
+    try:
+        yield
+    finally:
+        for group in groups:
+            shm.detach(group)
+
+
 def equivalence(spec: dict) -> dict:
-    """Outputs, every gradient and the weights after one AdamW step: sharded == unsharded."""
+    """Outputs, every gradient and the weights after one AdamW step: sharded == unsharded (over the spec's
+    transport)."""
     mesh = spec_mesh(spec)
+    with transport(spec, mesh):
+        return _equivalence(spec, mesh)
+
+
+def _equivalence(spec: dict, mesh) -> dict:
     dtype = DTYPES[spec["dtype"]]
     family = cases(spec)
     ref = family.make_model(spec)

@@ -30,9 +30,8 @@ import functools
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from .collectives import Group, all_reduce
+from .collectives import Group, all_reduce, start_all_reduce
 
 
 class _Bucket:
@@ -81,7 +80,7 @@ class _Bucket:
             self.flat = [all_reduce(g, self.sync.group) for g in grads]
             return
         self.flat = torch.cat([g.reshape(-1) for g in grads])
-        self.work = dist.all_reduce(self.flat, group=self.sync.group, async_op=True)
+        self.work = start_all_reduce(self.flat, self.sync.group)
 
     def finish(self) -> None:
         """Wait for the bucket's all-reduce and add each reduced gradient into its parameter's ``.grad``."""

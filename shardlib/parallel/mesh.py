@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import shm
+
 DIM_NAMES = ("dp", "pp", "sp", "tp")
 
 #: Default bound on every collective wait (seconds). A hung or dead rank turns into an error after this long.
@@ -63,6 +65,9 @@ class Mesh:
     sp: int = 1
     #: the bound on every collective wait, seconds (``init_mesh(timeout_s=...)``; :mod:`shardlib.parallel.timeouts`)
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S, compare=False)
+    #: how the tp and sp groups move tensors: "c10d" (the process group's backend) or "shm" (shared memory, ranks
+    #: on one host: :mod:`shardlib.parallel.shm`)
+    transport: str = field(default="c10d", compare=False)
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def group(self, dim: str) -> dist.ProcessGroup:
@@ -140,12 +145,20 @@ def init_mesh(
     sp: int = 1,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    transport: str | None = None,
 ) -> Mesh:
     """Return a validated dp x pp x sp x tp :class:`Mesh` over all ranks (``dp=None`` infers dp from WORLD_SIZE).
 
     Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible), then
     the all-to-all sequence-parallel peers (``sp``, which also move activations every layer).
+
+    ``transport``: "c10d" (default) or "shm": the tp and sp groups of CPU ranks on one host exchange tensors
+    through shared memory instead of gloo's loopback sockets (:mod:`shardlib.parallel.shm`); None reads the
+    ``SHARDLIB_TRANSPORT`` environment variable (so a launched job opts in without code changes).
     """
+    transport = transport or os.environ.get("SHARDLIB_TRANSPORT") or "c10d"
+    if transport not in TRANSPORTS:
+        raise MeshError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
     created = not dist.is_initialized()
     init_distributed(backend, timeout_s)
     world = dist.get_world_size()
@@ -157,13 +170,24 @@ def init_mesh(
         raise MeshError(f"{exc}{_hint(world)}") from None
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
-    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s)
+    if transport == "shm" and device_type != "cpu":
+        raise MeshError(f"transport='shm' moves CPU tensors between ranks of one host; this mesh runs on "
+                        f"{dist.get_backend()} ({device_type}): leave transport at 'c10d'")
+    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s, transport=transport)
     # DeviceMesh creates its dimension groups with torch's default timeout (30 min for gloo), not the world's:
     # bound every wait on them too, so a dead peer ends a pipeline recv or a TP all-reduce with an error
     for dim in DIM_NAMES:
         if mesh.size(dim) > 1 and dist.get_backend() != FAKE_BACKEND:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.group(dim))
+    if transport == "shm" and dist.get_backend() != FAKE_BACKEND:
+        for dim in ("sp", "tp"):
+            if mesh.size(dim) > 1:
+                shm.attach(mesh.group(dim), timeout_s)
     return mesh
+
+
+#: values of ``init_mesh(transport=...)``
+TRANSPORTS = ("c10d", "shm")
 
 
 FAKE_BACKEND = "fake"

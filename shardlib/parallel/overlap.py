@@ -28,10 +28,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from .casting import autocast_dtype, autocast_off, cast_for_linear
-from .collectives import Group
+from .collectives import Group, start_all_reduce
 
 
 class _ColumnLinear(torch.autograd.Function):
@@ -51,7 +50,7 @@ class _ColumnLinear(torch.autograd.Function):
         grad_x = work = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # a fresh tensor: reduced in place
-            work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+            work = start_all_reduce(grad_x, ctx.group)
         g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_w = g2.t().mm(x2) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -87,7 +86,7 @@ class _RowLinear(torch.autograd.Function):
             if stop > start:
                 block = out[start:stop]  # contiguous rows: reduced in place
                 torch.mm(x2[start:stop], weight.t(), out=block)
-                works.append(dist.all_reduce(block, group=group, async_op=True))
+                works.append(start_all_reduce(block, group))
         for work in works:
             work.wait()  # bounded by the process group's timeout
         return out.view(*x.shape[:-1], weight.shape[0])
