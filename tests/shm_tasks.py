@@ -81,3 +81,23 @@ def late_rank_is_named(spec: dict) -> str:
         shm.detach(group)
         del transport
         dist.barrier(group=group)
+
+
+def dead_peer_worker(rank: int, store_path: str, out_path: str) -> None:
+    """Rank 1 exits right after the segment is mapped; rank 0's next collective must end at once, naming it."""
+    import os
+    import time
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    shm.attach(dist.group.WORLD, timeout_s=60)
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        C.all_reduce(torch.ones(4), dist.group.WORLD)
+        message = "no error"
+    except shm.SharedMemoryError as exc:
+        message = str(exc)
+    with open(out_path, "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{message}")
+    os._exit(0)  # the dead peer would make the group's teardown wait

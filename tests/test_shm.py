@@ -43,3 +43,16 @@ def test_bad_transport_is_refused():
 
     with pytest.raises(shardlib.MeshError, match="transport='tcp'"):
         shardlib.init_mesh(tp=1, transport="tcp")
+
+
+def test_a_dead_peer_ends_the_wait_at_once(tmp_path):
+    """Two fresh processes (not the pool: a rank dies): the survivor's wait ends within seconds, not the 60 s
+    timeout, naming the dead rank."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "out.txt"
+    mp.start_processes(shm_tasks.dead_peer_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2,
+                       start_method="spawn")
+    seconds, message = out.read_text().split("\n", 1)
+    assert message == "shared-memory collective 1: the process of rank(s) [1] of the group is gone"
+    assert float(seconds) < 10

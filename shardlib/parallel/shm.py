@@ -17,7 +17,8 @@ the rank copies its input into its slot of parity s % 2, stores s in its flag, a
 then it reads every rank's slot and computes its result (sums in rank order, so every rank of an all-reduce gets
 the same bits). A slot of parity s % 2 is written again only at operation s + 2, which a rank reaches only after
 every rank's flag said s + 1, i.e. after every rank finished reading operation s: one wait per operation, no second
-barrier. Stores become visible in program order on x86-64 (total store order; the flag is stored after the data by
+barrier. A wait ends at once when a late rank's process is gone (as gloo's closed socket ends its wait). Stores
+become visible in program order on x86-64 (total store order; the flag is stored after the data by
 a later torch call), which is why the transport refuses other machines. Every wait is bounded by the mesh's timeout
 and names the ranks that did not arrive.
 
@@ -71,6 +72,16 @@ def detach(group) -> None:
     _GROUPS.pop(group.group_name, None)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _host_id() -> int:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -87,7 +98,7 @@ class SharedMemoryGroup:
     def __init__(self, group, timeout_s: float, slot_bytes: int):
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.timeout_s, self.slot_bytes, self.seq = timeout_s, slot_bytes, 0
-        self._check_one_host(group)
+        self.pids = self._check_one_host(group)
         header = self.n * _FLAG_STRIDE * 8
         total = header + 2 * self.n * slot_bytes
         path = self._rendezvous(group, total)
@@ -104,12 +115,14 @@ class SharedMemoryGroup:
         if platform.machine().lower() not in ("x86_64", "amd64"):
             raise SharedMemoryError(f"transport='shm' relies on x86-64's store order; this machine is "
                                     f"{platform.machine()}: use the default transport")
-        hosts = torch.empty(self.n, dtype=torch.int64)
+        every = torch.empty(2 * self.n, dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13: old name
-        gather(hosts, torch.tensor([_host_id()]), group=group)
-        if len(set(hosts.tolist())) > 1:
+        gather(every, torch.tensor([_host_id(), os.getpid()]), group=group)
+        hosts, pids = every[0::2].tolist(), every[1::2].tolist()
+        if len(set(hosts)) > 1:
             raise SharedMemoryError(f"transport='shm' needs every rank of a group on one host; group "
-                                    f"{group.group_name} spans {len(set(hosts.tolist()))} hosts")
+                                    f"{group.group_name} spans {len(set(hosts))} hosts")
+        return pids
 
     def _rendezvous(self, group, total: int) -> str:
         """The segment's path: created and sized by the group's first rank, its name broadcast to the others."""
@@ -141,17 +154,28 @@ class SharedMemoryGroup:
         return [self.slots[s % 2, i, :nbytes].view(x.dtype).view(x.shape) for i in range(self.n)]
 
     def _wait_all(self, s: int) -> None:
-        flags, spins, deadline = self.flags, 0, None
+        """Until every rank's flag says ``s``: spinning briefly, then yielding the core (ranks may share cores);
+        a rank whose process is gone ends the wait at once (as gloo's closed socket would), a live one that does not
+        arrive after the timeout."""
+        flags, spins, deadline, next_check = self.flags, 0, None, 0.0
         while flags.min().item() < s:
             spins += 1
-            if spins > 100:  # the others are still computing: give the core away (ranks may share cores)
-                time.sleep(0 if spins < 1000 else 5e-5)
-                if deadline is None:
-                    deadline = time.monotonic() + self.timeout_s
-                elif time.monotonic() > deadline:
-                    late = [i for i, f in enumerate(flags.tolist()) if f < s]
-                    raise SharedMemoryError(f"shared-memory collective {s}: ranks {late} of the group did not "
-                                            f"arrive within {self.timeout_s:.0f} s")
+            if spins <= 100:
+                continue
+            time.sleep(0 if spins < 1000 else 5e-5)
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now < next_check:
+                continue
+            next_check = now + 0.2
+            late = [i for i, f in enumerate(flags.tolist()) if f < s]
+            dead = [i for i in late if not _alive(self.pids[i])]
+            if dead:
+                raise SharedMemoryError(f"shared-memory collective {s}: the process of rank(s) {dead} of the group "
+                                        f"is gone")
+            if now > deadline:
+                raise SharedMemoryError(f"shared-memory collective {s}: ranks {late} of the group did not arrive "
+                                        f"within {self.timeout_s:.0f} s")
 
     # --------------------------------------------------------------------------------------------- collectives
     def all_reduce(self, out: torch.Tensor, op: str = "sum") -> torch.Tensor:
