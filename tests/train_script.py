@@ -82,6 +82,10 @@ def kill_mid_save(trainer, step: int, die=kill_self) -> None:
 def main():
     args, mine = parse_args(ScriptArgs)
     mesh = mesh_from_args(args)
+    if mesh.transport != "c10d":
+        from shardlib.parallel import shm
+
+        print(f"TRANSPORT {mesh.transport}: {shm.for_group(mesh.tp_group) is not None}", flush=True)
     torch.manual_seed(args.seed)
     config = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                         intermediate_size=64, hidden_dropout_prob=mine.dropout,

@@ -44,6 +44,9 @@ class TrainingArguments:
                               metadata={"help": "data-parallel replicas (default: inferred from the world size)"})
     sequence_parallel: Optional[Literal["megatron", "all_to_all"]] = field(
         default=None, metadata={"help": "Megatron SP on the tp group, or all-to-all over --sp ranks"})
+    transport: Optional[Literal["c10d", "shm"]] = field(default=None, metadata={
+        "help": "how tp/sp ranks exchange tensors: c10d (the backend) or shm (shared memory, CPU ranks on one host; "
+                "default: SHARDLIB_TRANSPORT, else c10d)"})
     nproc: Optional[int] = field(default=None, metadata={
         "help": "start this many local ranks when the script was not started by a launcher"})
     max_restarts: int = field(default=0, metadata={
@@ -295,4 +298,4 @@ def _choose_layout(args: TrainingArguments, model, seq: int, argv: list[str]) ->
 
 def mesh_from_args(args: TrainingArguments, **options):
     """:func:`shardlib.init_mesh` with the argument's sizes (a world of one without a launcher)."""
-    return init_mesh(args.dp, args.pp, args.tp, sp=args.sp, **options)
+    return init_mesh(args.dp, args.pp, args.tp, sp=args.sp, transport=args.transport, **options)
