@@ -10,9 +10,9 @@ import rank_tasks
 import shm_tasks
 from strategies import bert_specs
 
-#: the BERT property already runs its full budget over gloo (test_bert_equivalence); over shared memory a quarter
+#: the BERT property already runs its full budget over gloo (test_bert_equivalence); over shared memory an eighth
 #: of it searches the transport's own cases (sizes against the slot, tp=2 and 4, SP kinds)
-EXAMPLES = max(10, settings().max_examples // 4)
+EXAMPLES = max(10, settings().max_examples // 8)
 
 
 @settings(max_examples=EXAMPLES)

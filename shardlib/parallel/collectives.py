@@ -7,7 +7,9 @@ communication, no autograd node). The wire operations are c10d's synchronous col
 (``torch.distributed._functional_collectives``) under ``torch.compile`` / ``torch.export``, which trace them; both
 are counted by ``torch.distributed.tensor.debug.CommDebugMode``. Every wait is bounded by the process group's
 timeout. On gloo a reduce-scatter is an all-to-all and a local sum (:func:`start_reduce_scatter`: gloo's own
-costs a whole all-reduce).
+costs a whole all-reduce). A group attached to the shared-memory transport (``init_mesh(transport="shm")``,
+:mod:`.shm`) runs its eager all-reduces, all-gathers and reduce-scatters through it instead, each complete when
+the call returns (no c10d op is issued, so ``CommDebugMode`` does not count them).
 
 Why not the functional collectives in eager mode too: on gloo their eager path (an ``AsyncCollectiveTensor`` whose
 work is registered and waited on later) crashed a rank about once in 1,000 test tasks, always inside its wait
