@@ -66,7 +66,8 @@ _ORIGINALS: dict = {}
 SETS = {
     # gloo's reduce-scatter (an all-reduce's cost) against shardlib's all-to-all + local sum
     "reduce-scatter": {"gloo": lambda: _switch_reduce_scatter(True), "all-to-all": lambda: _switch_reduce_scatter(False)},
-    # Megatron's saved shards gathered again in backward against saving the gathered inputs whole
+    # gloo's loopback sockets against the shared-memory transport (layouts tp2_shm, tp2_sp_shm)
     "transport": {"gloo": lambda: _switch_transport(False), "shm": lambda: _switch_transport(True)},
+    # Megatron's saved shards gathered again in backward against saving the gathered inputs whole
     "sp-saved-inputs": {"shards": lambda: _save_gathered_inputs(False), "whole": lambda: _save_gathered_inputs(True)},
 }
