@@ -159,6 +159,8 @@ def init_mesh(
     transport = transport or os.environ.get("SHARDLIB_TRANSPORT") or "c10d"
     if transport not in TRANSPORTS:
         raise MeshError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if transport == "shm":
+        shm.check_platform()  # before anything is set up
     created = not dist.is_initialized()
     init_distributed(backend, timeout_s)
     world = dist.get_world_size()
@@ -171,6 +173,8 @@ def init_mesh(
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
     if transport == "shm" and device_type != "cpu":
+        if created:
+            dist.destroy_process_group()
         raise MeshError(f"transport='shm' moves CPU tensors between ranks of one host; this mesh runs on "
                         f"{dist.get_backend()} ({device_type}): leave transport at 'c10d'")
     mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s, transport=transport)
@@ -180,9 +184,18 @@ def init_mesh(
         if mesh.size(dim) > 1 and dist.get_backend() != FAKE_BACKEND:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.group(dim))
     if transport == "shm" and dist.get_backend() != FAKE_BACKEND:
-        for dim in ("sp", "tp"):
-            if mesh.size(dim) > 1:
-                shm.attach(mesh.group(dim), timeout_s)
+        attached = []
+        try:
+            for dim in ("sp", "tp"):
+                if mesh.size(dim) > 1:
+                    shm.attach(mesh.group(dim), timeout_s)
+                    attached.append(mesh.group(dim))
+        except Exception:  # a group spanning hosts: leave nothing attached, and no world this call created
+            for group in attached:
+                shm.detach(group)
+            if created:
+                dist.destroy_process_group()
+            raise
     return mesh
 
 

@@ -72,6 +72,13 @@ def detach(group) -> None:
     _GROUPS.pop(group.group_name, None)
 
 
+def check_platform() -> None:
+    """Refuse a machine whose stores may become visible out of order (module docstring)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise SharedMemoryError(f"transport='shm' relies on x86-64's store order; this machine is "
+                                f"{platform.machine()}: use the default transport")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -97,6 +104,8 @@ class SharedMemoryGroup:
 
     def __init__(self, group, timeout_s: float, slot_bytes: int):
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.n < 2:
+            raise ValueError(f"group {group.group_name} has one rank: nothing to exchange through shared memory")
         self.timeout_s, self.slot_bytes, self.seq = timeout_s, slot_bytes, 0
         self.pids = self._check_one_host(group)
         header = self.n * _FLAG_STRIDE * 8
@@ -111,14 +120,13 @@ class SharedMemoryGroup:
         self.flags = self.mem[:header].view(torch.int64)[::_FLAG_STRIDE]
         self.slots = self.mem[header:].view(2, self.n, slot_bytes)
 
-    def _check_one_host(self, group) -> None:
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            raise SharedMemoryError(f"transport='shm' relies on x86-64's store order; this machine is "
-                                    f"{platform.machine()}: use the default transport")
-        every = torch.empty(2 * self.n, dtype=torch.int64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13: old name
-        gather(every, torch.tensor([_host_id(), os.getpid()]), group=group)
-        hosts, pids = every[0::2].tolist(), every[1::2].tolist()
+    def _check_one_host(self, group) -> list[int]:
+        """Every rank's process id; refused unless the whole group runs on this host."""
+        check_platform()
+        every = torch.zeros(self.n, 2, dtype=torch.int64)  # row i: rank i's (host, pid), summed over the group
+        every[self.rank] = torch.tensor([_host_id(), os.getpid()])
+        dist.all_reduce(every, group=group)
+        hosts, pids = every[:, 0].tolist(), every[:, 1].tolist()
         if len(set(hosts)) > 1:
             raise SharedMemoryError(f"transport='shm' needs every rank of a group on one host; group "
                                     f"{group.group_name} spans {len(set(hosts))} hosts")
@@ -182,7 +190,7 @@ class SharedMemoryGroup:
         """Reduce ``out`` (contiguous) over the group into itself; the same bits on every rank."""
         views = self.exchange(out)
         if op in ("sum", "avg"):
-            torch.add(views[0], views[1], out=out) if self.n > 1 else out.copy_(views[0])
+            torch.add(views[0], views[1], out=out)
             for v in views[2:]:
                 out.add_(v)
             if op == "avg":
@@ -202,7 +210,7 @@ class SharedMemoryGroup:
         """The sum over ranks of ``x``'s chunk ``rank`` along ``dim`` (summed in rank order), contiguous."""
         chunk = x.shape[dim] // self.n
         parts = [v.narrow(dim, self.rank * chunk, chunk) for v in self.exchange(x.contiguous())]
-        out = parts[0] + parts[1] if self.n > 1 else parts[0].clone()
+        out = parts[0] + parts[1]  # a new tensor: the slots are reused two operations later
         for p in parts[2:]:
             out.add_(p)
-        return out.contiguous()
+        return out
