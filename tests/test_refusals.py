@@ -318,16 +318,16 @@ def _used_sgd(params):
      TypeError, "optimizer\\(params\\) gave a str, not a torch.optim.Optimizer"),
     (lambda o: o.build_optimizer(_used_sgd([nn.Parameter(torch.zeros(2))]), master_weights=True, zero=0),
      ValueError, "SGD built by optimizer\\(params\\) already holds state"),
-    (lambda o: o.check_zero(2, False, OfflineMesh(dp=2), None, _sgd, base=torch.optim.LBFGS([nn.Parameter(
+    (lambda o: o.check_zero(2, False, OfflineMesh(dp=2), _sgd, base=torch.optim.LBFGS([nn.Parameter(
         torch.zeros(2))])), ValueError, "zero=2 partitions every parameter by elements .* LBFGS is not one of them"),
-    (lambda o: o.check_zero(1, True, OfflineMesh(dp=2), None, _sgd), ValueError,
+    (lambda o: o.check_zero(1, True, OfflineMesh(dp=2), _sgd), ValueError,
      "offload=True is FSDP2's CPUOffloadPolicy and needs zero=3 \\(got zero=1\\)"),
-    (lambda o: o.check_zero(3, True, OfflineMesh(dp=2), None, _sgd), ValueError,
+    (lambda o: o.check_zero(3, True, OfflineMesh(dp=2), _sgd), ValueError,
      "offload=True moves zero=3's parameters, gradients and optimizer state from the GPU to host memory, but this "
      "mesh runs on 'cpu', where they already are"),
-    (lambda o: o.check_zero(1, False, OfflineMesh(dp=2), None, None), ValueError,
+    (lambda o: o.check_zero(1, False, OfflineMesh(dp=2), None), ValueError,
      r"zero=1 partitions an optimizer: pass Trainer\(model, optimizer=lambda params: ...\)"),
-    (lambda o: o.check_zero(3, False, OfflineMesh(dp=2), None, _sgd, master_weights=True), ValueError,
+    (lambda o: o.check_zero(3, False, OfflineMesh(dp=2), _sgd, master_weights=True), ValueError,
      "zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype"),
     (lambda o: o.MasterWeightsOptimizer([nn.Parameter(torch.zeros(2).half())], torch.optim.SGD, lr=0.1).state_dict(),
      NotImplementedError, r"save through shardlib.checkpoint.save\(model, dir, optimizer=...\)"),

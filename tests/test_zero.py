@@ -31,10 +31,9 @@ def _check(result: dict, stages, what: str, rtol: float = 1e-12) -> None:
 @pytest.mark.parametrize("layout", ["dp4", "dp2_tp2", "pp2_dp2"])
 def test_every_zero_stage_equals_zero0_in_float64(pool, layout):
     """BERT, 3 steps of 2 microbatches with clipping, buckets of 4 KiB (several per rank, so the hooks reduce some
-    during backward and the rest after): zero 1, 2 (and 3 without a pipeline) equal zero=0 (losses, gradient norms,
-    every parameter and optimizer state); each rank holds 1/dp of the state (AdamW's two moments; its step counts
-    are per piece)."""
-    stages = (1, 2) if "pp" in LAYOUTS[layout] else (1, 2, 3)
+    during backward and the rest after): zero 1, 2 and 3 equal zero=0 (losses, gradient norms, every parameter and
+    optimizer state); each rank holds 1/dp of the state (AdamW's two moments; its step counts are per piece)."""
+    stages = (1, 2, 3)
     spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": LAYOUTS[layout], "stages": list(stages),
             "bucket_mb": 4 / 1024}
     ranks = pool.run(zero_tasks.zero_equivalence, spec)
@@ -55,6 +54,28 @@ def test_zero_composes_with_tied_stages_and_sequence_parallelism(pool, family, l
             "layout": LAYOUTS[layout], "shard": shard, "stages": [1, 2], "bucket_mb": 4 / 1024}
     for rank in pool.run(zero_tasks.zero_equivalence, spec):
         _check(rank, (1, 2), f"{family} {layout} {shard}")
+
+
+@pytest.mark.parametrize("family, schedule, options", [
+    ("t5", "gpipe", {}), ("bert_mlm", "1f1b", {"activation_checkpointing": True}),
+    ("bert4", "interleaved_1f1b", {}), ("vit", "1f1b", {"precision": "bf16"})],
+    ids=["t5-tied-gpipe", "bert-mlm-tied-1f1b-checkpointing", "bert-interleaved", "vit-bf16"])
+def test_zero3_with_pipeline_stages(pool, family, schedule, options):
+    """zero=3 at pp=2 x dp=2, 3 steps of 2 microbatches (interleaved: 4) with clipping, against zero=0 at the same
+    layout: T5 and BERT's MLM head tie weights across the two stages (their gradients summed over pp as dp shards),
+    activation checkpointing re-gathers each layer in its recompute, the interleaved schedule runs two stages per
+    rank. float64 (bf16: float32 weights, both sides rounding alike, 1e-5). Between steps each rank holds at most
+    0.6 of its stages' parameter bytes (1/dp = 0.5 and FSDP2's padding of uneven rows)."""
+    base = {"t5": T5, "bert_mlm": {**BERT, "cls": "BertForMaskedLM"}, "vit": VIT,
+            "bert4": {**BERT, "config": {**BERT["config"], "layers": 4}}}[family]
+    bf16 = options.get("precision") == "bf16"
+    spec = {**base, **RUN, "dtype": "float32" if bf16 else "float64", "steps": 3, "layout": LAYOUTS["pp2_dp2"],
+            "stages": [3], "trainer": {"schedule": schedule, **options},
+            "shard": {"stages_per_rank": 2} if schedule == "interleaved_1f1b" else {},
+            "microbatches": 4 if schedule == "interleaved_1f1b" else 2}
+    for rank in pool.run(zero_tasks.zero_equivalence, spec, timeout_s=300):
+        _check(rank, (3,), f"{family} {schedule} {options}", rtol=1e-5 if bf16 else 1e-12)
+        assert rank[3]["param_bytes"] <= 0.6 * rank["param_bytes"], (rank[3]["param_bytes"], rank["param_bytes"])
 
 
 @pytest.mark.parametrize("options, stages", [({"precision": "bf16"}, (2,)), ({"activation_checkpointing": True}, (2,)),
@@ -90,17 +111,19 @@ def pools():
 
 @pytest.mark.parametrize("layout, stages", [
     ({"dp": 2}, (1, 2, 3)),
-    pytest.param({"dp": 2, "pp": 2, "tp": 2}, (1, 2), marks=ci_only("about 60 s: eight ranks on two cores; pp=2 x "
-                                                                    "dp=2 and dp=2 x tp=2 run in the dev profile"))],
-    ids=["dp2", "pp2_dp2_tp2"])
+    pytest.param({"dp": 2, "pp": 2, "tp": 2}, (1, 2, 3), marks=ci_only("about 90 s: eight ranks on two cores; pp=2 x "
+                                                                       "dp=2 and dp=2 x tp=2 run in the dev profile"))],
+    ids=["dp2", "pp2_dp2_tp2_sp"])
 def test_zero_at_dp2_alone_and_on_the_full_mesh(pools, layout, stages):
-    """dp=2 on two ranks (zero 1, 2, 3) and pp=2 x dp=2 x tp=2 on eight (zero 1, 2), 3 steps of 2 microbatches with
-    clipping: equal to zero=0 in float64."""
+    """dp=2 on two ranks (zero 1, 2, 3) and pp=2 x dp=2 x tp=2 with Megatron sequence parallelism inside each stage
+    on eight (zero 1, 2, 3), 3 steps of 2 microbatches with clipping: equal to zero=0 in float64; at zero=3 each
+    rank holds at most 0.6 of its stage's parameter bytes between steps."""
     spec = {**BERT, **RUN, "dtype": "float64", "steps": 3, "layout": layout, "stages": list(stages),
-            "bucket_mb": 4 / 1024}
+            "bucket_mb": 4 / 1024, "shard": {"sequence_parallel": "megatron"} if "tp" in layout else {}}
     world = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1)
-    for rank in pools(world).run(zero_tasks.zero_equivalence, spec, timeout_s=300):
+    for rank in pools(world).run(zero_tasks.zero_equivalence, spec, timeout_s=400):
         _check(rank, stages, str(layout))
+        assert rank[3]["param_bytes"] <= 0.6 * rank["param_bytes"], (rank[3]["param_bytes"], rank["param_bytes"])
 
 
 def test_zero2_gradient_peak_is_a_shard_and_two_buckets(pool):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardlib
-from shardlib.train.fsdp import whole
+from shardlib.train.fsdp import local, whole
 from shardlib.train.optim import held_state_bytes, param_state
 from shardlib.train.zero import FlatZero
 
@@ -39,7 +39,10 @@ def _train(spec: dict, options: dict) -> dict:
               for key, v in param_state(trainer.optimizer, p).items() if torch.is_tensor(v)}
     held = held_state_bytes(trainer.optimizer, trainer.params)
     buckets = len(trainer.optimizer.buckets) if isinstance(trainer.optimizer, FlatZero) else 0
-    return {"losses": losses, "norms": norms, "params": params, "states": states, "held": held, "buckets": buckets}
+    # what the model's parameters hold between steps on this rank (zero=3: each one's dp shard, unless left gathered)
+    param_bytes = sum(local(p).numel() * p.element_size() for p in trainer.params)
+    return {"losses": losses, "norms": norms, "params": params, "states": states, "held": held, "buckets": buckets,
+            "param_bytes": param_bytes}
 
 
 def _worst(a, b) -> float:
@@ -67,9 +70,10 @@ def _worst_of_kind(got: dict, base: dict, by_key: bool) -> float:
 def zero_equivalence(spec: dict) -> dict:
     """Each ZeRO stage in ``spec["stages"]`` against zero=0 at the same layout, same seed and batches: the worst
     relative difference of the step losses, the gradient norms, every parameter and every optimizer state tensor
-    (gathered whole over dp: the checkpoint path) after the steps; the optimizer bytes each rank holds."""
+    (gathered whole over dp: the checkpoint path) after the steps; the optimizer and parameter bytes each rank
+    holds after them."""
     base = _train(spec, {})
-    result = {"full": base["held"]}
+    result = {"full": base["held"], "param_bytes": base["param_bytes"]}
     for stage in spec["stages"]:
         got = _train(spec, {"zero": stage, "bucket_mb": spec.get("bucket_mb", 25.0)})
         assert got["params"].keys() == base["params"].keys() and got["states"].keys() == base["states"].keys(), \
@@ -77,7 +81,7 @@ def zero_equivalence(spec: dict) -> dict:
         result[stage] = {"losses": _worst(got["losses"], base["losses"]), "norms": _worst(got["norms"], base["norms"]),
                          "params": _worst_of_kind(got["params"], base["params"], False),
                          "states": _worst_of_kind(got["states"], base["states"], True),
-                         "held": got["held"], "buckets": got["buckets"]}
+                         "held": got["held"], "buckets": got["buckets"], "param_bytes": got["param_bytes"]}
     return result
 
 

@@ -42,10 +42,11 @@ class PipelineRunner:
     ``forward_step(model, batch)``, when given, replaces ``model(**batch)`` on every stage (see
     :class:`shardlib.pipeline.split.StageModule`). ``autocast_dtype``: autocast around every stage's forward.
     ``rng_tracker``: the model's dropout streams, left untouched by torch's shape-inference forward.
+    ``after_cut``: see :class:`shardlib.pipeline.split.StageModule`.
     """
 
     def __init__(self, split: PipelineSplit, schedule: str = "1f1b", *, autocast_dtype: torch.dtype | None = None,
-                 forward_step: Callable | None = None, rng_tracker=None):
+                 forward_step: Callable | None = None, rng_tracker=None, after_cut: Callable | None = None):
         check_schedule(schedule, split)
         self.split, self.schedule_name = split, schedule
         self._schedules: dict = {}
@@ -54,6 +55,7 @@ class PipelineRunner:
             stage.autocast_dtype = autocast_dtype
             stage.forward_step = forward_step
             stage.rng_tracker = rng_tracker
+            stage.after_cut = after_cut
 
     @property
     def last_stage(self):

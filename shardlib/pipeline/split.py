@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..parallel.collectives import all_reduce_flat
 from ..parallel.random import preserved_rng
@@ -172,16 +173,21 @@ class PipelineSplit:
         return [p for p in self.model.parameters() if stages.get(id(p), set()) & local]
 
     @torch.no_grad()
-    def sync_tied_grads(self) -> None:
+    def sync_tied_grads(self, local_shape=None) -> None:
         """Sum the gradients of parameters used on several pipeline ranks over the pp group (flattened per dtype;
-        ranks that do not hold a parameter contribute zeros)."""
+        ranks that do not hold a parameter contribute zeros). Parameters sharded over dp by FSDP2 (zero=3) sum their
+        local shards (every rank of a pp group has the same dp coordinate); ``local_shape(shape)`` is the shape of
+        such a shard, for the zeros of the ranks that do not hold it."""
         grads = []
         device = next((p.device for p in self.local_parameters()), torch.device("cpu"))
         for name, shape, dtype, ranks in self.tied:
             p = self.model.get_parameter(name) if self.pp_rank in ranks else None
             if p is not None and p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad if p is not None else torch.zeros(shape, dtype=dtype, device=device))
+            if p is not None:
+                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+            else:
+                grads.append(torch.zeros(local_shape(shape) if local_shape else shape, dtype=dtype, device=device))
         all_reduce_flat(grads, self.group)
 
     # -- one stage's forward ----------------------------------------------------------------------------
@@ -287,6 +293,9 @@ class StageModule(nn.Module):
         # first step is such a step, then draws the masks the uninterrupted run drew)
         self.shape_inference_pending = False
         self.rng_tracker = None
+        # ``after_cut(model, boundary_tensors) -> boundary_tensors``: what the model's own forward hooks would have
+        # done after its forward, which the cut (an exception raised in a hook) skipped (FSDP2's root post-forward)
+        self.after_cut = None
 
     def forward(self, *received, **batch):
         split = self.split
@@ -304,7 +313,7 @@ class StageModule(nn.Module):
             try:
                 out = split.model(**kwargs) if self.forward_step is None else self.forward_step(split.model, kwargs)
             except StageExit as stop:
-                return stop.tensors
+                return stop.tensors if self.after_cut is None else self.after_cut(split.model, stop.tensors)
         if not self.route.is_last:
             raise RuntimeError(f"pipeline stage {self.index} ran to the end of the model without reaching its cut")
         if torch.is_tensor(out):

@@ -13,13 +13,21 @@ shared by two groups.
 * Sequence parallelism composes: FSDP2's pre-forward hook runs before shardlib's (it is prepended), so the per-
   parameter gradient hooks of Megatron SP / all-to-all SP see the unsharded parameters and run before the
   reduce-scatter (tested against zero=0 in float64).
-* Not with pipeline stages (refused by :func:`shardlib.train.optim.check_zero`): torch's pipeline schedules would
-  have to unshard and reshard every stage around each microbatch, which shardlib's runner does not drive.
+* Pipeline stages (pp > 1): the layers of this rank's stages are its layer groups, the root group holds the rest of
+  what its stages use (embeddings, heads, tied weights); the other stages' parameters (meta tensors here) are
+  ``ignored_params``. Each microbatch's backward ends with FSDP2's final callback (reduce-scatter, reshard), and the
+  next forward or backward gathers again, so between steps a rank holds 1/dp of its stages' parameters. A stage
+  that is not the last ends the HF forward with an exception raised in a hook at its cut
+  (:mod:`shardlib.pipeline.split`), so the root's post-forward hook never runs: the runner calls it
+  (:func:`complete_root_forward`), which registers the root's pre-backward unshard on the boundary tensors, and
+  tied parameters are summed over pp as dp-local shards (:func:`local_shape` for a rank not holding one).
 * ``offload=True``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, the
   step on CPU); refused on a mesh without CUDA, where everything already is in host memory.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -46,13 +54,32 @@ def apply_fsdp(model: nn.Module, *, offload: bool = False) -> list[FSDPModule]:
     unbucket(model)  # FSDP2 reads a layer's gradients right after its backward
     modules = []
     for stack in state.plan.trunk:
-        for layer in model.get_submodule(stack.layers):
+        for layer in model.get_submodule(stack.layers):  # under a pipeline, this rank's stages' layers
             modules.append(fully_shard(layer, mesh=dp_mesh, offload_policy=policy))
-    modules.append(fully_shard(model, mesh=dp_mesh, offload_policy=policy))
+    other_stages = {p for p in model.parameters() if p.is_meta}  # a pipeline's other stages (PipelineSplit)
+    modules.append(fully_shard(model, mesh=dp_mesh, offload_policy=policy, ignored_params=other_stages or None))
     for module in modules:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM for the factor
     return modules
+
+
+def complete_root_forward(model: nn.Module, boundary: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Run the FSDP2 root's post-forward hook that a pipeline stage's cut skipped (module docstring): it ends the
+    root's forward pass and, with grad enabled, registers its pre-backward unshard on the ``boundary`` tensors the
+    stage sends. torch has no public call for it (``FSDPModule`` exposes unshard / reshard, not the hook's
+    bookkeeping of the iteration's forward root and training state); the zero=3 x pipeline equality tests fail if
+    its meaning changes."""
+    with warnings.catch_warnings():  # boundary tensors may be views (T5's sliced position bias): none is modified
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
+        return fully_shard.state(model)._post_forward(model, (), boundary)
+
+
+def local_shape(shape: torch.Size, dp: int, dp_rank: int) -> torch.Size:
+    """The shape of dp rank ``dp_rank``'s FSDP2 shard of a tensor of ``shape`` (``Shard(0)``: ``torch.chunk``'s
+    rows, the last ranks' possibly fewer or none)."""
+    rows = -(-shape[0] // dp) if shape else 0
+    return torch.Size((max(0, min(rows, shape[0] - dp_rank * rows)), *shape[1:])) if shape else shape
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def build_optimizer(base: Optimizer, *, master_weights: bool, zero: int, dp_grou
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool = False, base=None) -> None:
+def check_zero(zero, offload: bool, mesh, optimizer, master_weights: bool = False, base=None) -> None:
     """``zero`` and ``offload`` against the mesh and the user's ``base`` optimizer, before anything is built
     (one-line errors)."""
     if zero not in ZERO_STAGES or isinstance(zero, bool):
@@ -183,10 +183,6 @@ def check_zero(zero, offload: bool, mesh, split, optimizer, master_weights: bool
                          f"(dp={mesh.dp}, pp={mesh.pp}, sp={mesh.sp}, tp={mesh.tp}): use zero=0")
     if zero and optimizer is None:
         raise ValueError(f"zero={zero} partitions an optimizer: pass Trainer(model, optimizer=lambda params: ...)")
-    if zero == 3 and split is not None:
-        raise ValueError("zero=3 (FSDP2) does not compose with shardlib's pipeline stages (pp > 1): torch's schedules "
-                         "would have to unshard every stage per microbatch; use zero=1 or 2 with pipelines "
-                         "(docs/training.md)")
     if zero == 3 and master_weights:
         raise ValueError("zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype; give the "
                          "model fp32 weights and train with precision='fp16' or 'bf16' (autocast) instead")

@@ -20,6 +20,7 @@ checkpoints to :meth:`Trainer.fit` (:mod:`shardlib.train.loop`). Each layer can 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Callable
@@ -37,7 +38,7 @@ from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
 from ..parallel.gradsync import late_gradients
 from .dataparallel import data_parallel
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, complete_root_forward, local_shape
 from .gradients import StepGradients
 from .nonfinite import check_skip_options, make_guard
 from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
@@ -100,7 +101,7 @@ class Trainer:
         check_precision(precision, params, master_weights, loss_scaler)
         # the user's optimizer is built first (torch optimizers allocate their state lazily): zero checks its class
         base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
-        check_zero(zero, offload, state.mesh, state.pipeline, optimizer, master_weights, base)
+        check_zero(zero, offload, state.mesh, optimizer, master_weights, base)
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
         check_skip_options(skip_nonfinite, max_consecutive_skips)
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
@@ -125,7 +126,8 @@ class Trainer:
             compile_model(model, **(compile if isinstance(compile, dict) else {}))
         if zero == 3:
             apply_fsdp(model, offload=offload)
-            params = list(model.parameters())  # dp-sharded DTensors now
+            # dp-sharded DTensors now (a pipeline's other stages: meta tensors FSDP2 ignores)
+            params = self.split.local_parameters() if self.split else list(model.parameters())
         self.params = params
         self.optimizer = None
         if optimizer is not None:  # zero=3: over FSDP2's sharded parameters
@@ -139,7 +141,8 @@ class Trainer:
         if self.split is not None:
             self.runner = PipelineRunner(self.split, schedule, autocast_dtype=AUTOCAST_DTYPES[precision],
                                          forward_step=self._stage_forward_step if self.custom_forward else None,
-                                         rng_tracker=state.rng_tracker)
+                                         rng_tracker=state.rng_tracker,
+                                         after_cut=complete_root_forward if zero == 3 else None)
         self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False  # the last step had an inf/nan gradient somewhere and was skipped
@@ -285,7 +288,8 @@ class Trainer:
         """Sum the gradients over tied pipeline stages, then over data-parallel replicas (under zero=1/2 into the
         pieces each dp rank steps): :class:`~shardlib.train.dataparallel.DataParallel` ``.finish_grads``."""
         if self.split is not None:
-            self.split.sync_tied_grads()
+            shard = functools.partial(local_shape, dp=self.mesh.dp, dp_rank=self.mesh.local_rank("dp"))
+            self.split.sync_tied_grads(shard if self.zero == 3 else None)
         self.data_parallel.finish_grads()
 
     def grad_norm(self) -> torch.Tensor:
@@ -308,7 +312,9 @@ class Trainer:
         parts = microbatch_count(check_batch(batch), self.microbatches)
         with torch.no_grad():
             if self.split is not None:
-                return self.runner.eval(batch, parts)
+                outputs = self.runner.eval(batch, parts)
+                self.data_parallel.after_eval()
+                return outputs
             outputs = []
             for mb in split_batch(batch, parts):
                 with self._autocast(mb):
