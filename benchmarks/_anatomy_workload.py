@@ -33,12 +33,25 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
     "tp2_sp": (2, 1, {"sequence_parallel": True}),
     "tp2_shm": (2, 1, {}),
     "tp2_sp_shm": (2, 1, {"sequence_parallel": True}),
+    # data parallel (each rank the whole model on the same batch): ZeRO-1 with its parameter all-gathers waited for
+    # in the step, or overlapped with the next forward (issue 35), against zero=0 (DDP)
+    **{f"dp{n}{suffix}": (n, 1, {}) for n in (2, 4) for suffix in ("_zero0", "_zero1", "_zero1_overlap")},
 }
-#: init_mesh options of a layout (default: none): the ``_shm`` layouts move tensors through shared memory
-MESH_OPTIONS = {"tp2_shm": {"transport": "shm"}, "tp2_sp_shm": {"transport": "shm"}}
+#: what ``step_anatomy.py`` runs without ``--modes``
+DEFAULT_MODES = ("unsharded", "world1", "tp2", "tp2_sp", "tp2_shm", "tp2_sp_shm")
+#: init_mesh options of a layout (default: tp over its ranks): the ``_shm`` layouts move tensors through shared
+#: memory, the ``dp`` ones are data parallel
+MESH_OPTIONS = {"tp2_shm": {"tp": 2, "transport": "shm"}, "tp2_sp_shm": {"tp": 2, "transport": "shm"},
+                **{m: {"dp": MODES[m][0]} for m in MODES if m.startswith("dp")}}
+#: Trainer options of a layout (default: none)
+TRAINER_OPTIONS = {**{m: {"zero": 1} for m in MODES if m.endswith("_zero1")},
+                   **{m: {"zero": 1, "overlap_param_gather": True} for m in MODES if m.endswith("_overlap")}}
 TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one", "tp2": "shardlib tp=2",
           "tp2_sp": "shardlib tp=2 + SP", "tp2_shm": "shardlib tp=2, shm transport",
-          "tp2_sp_shm": "shardlib tp=2 + SP, shm transport"}
+          "tp2_sp_shm": "shardlib tp=2 + SP, shm transport",
+          **{f"dp{n}_zero0": f"shardlib dp={n}, zero=0" for n in (2, 4)},
+          **{f"dp{n}_zero1": f"shardlib dp={n}, zero=1" for n in (2, 4)},
+          **{f"dp{n}_zero1_overlap": f"shardlib dp={n}, zero=1, overlapped gathers" for n in (2, 4)}}
 SIZES = {
     "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
     "bert-small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
@@ -116,10 +129,10 @@ class Step:
             if workload == "mlm":
                 self.optimizer = make_optimizer(model.parameters())
         else:
-            mesh = shardlib.init_mesh(tp=world, **MESH_OPTIONS.get(mode, {}))
+            mesh = shardlib.init_mesh(**MESH_OPTIONS.get(mode, {"tp": world}))
             self.model = shardlib.shard(model, mesh, **options)
             if workload == "mlm" and not hand_loop:
-                self.trainer = shardlib.Trainer(self.model, make_optimizer)
+                self.trainer = shardlib.Trainer(self.model, make_optimizer, **TRAINER_OPTIONS.get(mode, {}))
             elif workload == "mlm":  # the sharded model in the unsharded model's hand loop
                 self.optimizer = make_optimizer(self.model.parameters())
 

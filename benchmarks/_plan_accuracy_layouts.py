@@ -97,16 +97,15 @@ def _layout(dp=1, pp=1, tp=1, sp=1, mode="off", zero=0, mb=1, schedule="1f1b", c
                   schedule=schedule, activation_checkpointing=ckpt, batch=GLOBAL_BATCH // (dp * mb), seq=SEQ)
 
 
-# Every mesh of 4 ranks, each dimension alone and in pairs; ZeRO 0-3 where dp > 1 (3 only without pp, which the
-# Trainer refuses), microbatches 4 under pp (both schedules; 1 under GPipe: 1F1B needs at least one microbatch per
-# stage), activation checkpointing on a few.
+# Every mesh of 4 ranks, each dimension alone and in pairs; ZeRO 0-3 where dp > 1, microbatches 4 under pp (both
+# schedules; 1 under GPipe: 1F1B needs at least one microbatch per stage), activation checkpointing on a few.
 _CANDIDATES = [
     _layout(dp=4), _layout(dp=4, zero=1), _layout(dp=4, zero=2), _layout(dp=4, zero=3), _layout(dp=4, ckpt=True),
     _layout(tp=4), _layout(tp=4, mode="megatron"),
     _layout(dp=2, tp=2), _layout(dp=2, tp=2, mode="megatron", zero=1), _layout(dp=2, tp=2, zero=3),
     _layout(pp=4, mb=4), _layout(pp=4, mb=4, schedule="gpipe"),
     _layout(dp=2, pp=2, schedule="gpipe"), _layout(dp=2, pp=2, mb=4, zero=1),
-    _layout(dp=2, pp=2, mb=4, schedule="gpipe", zero=2, ckpt=True),
+    _layout(dp=2, pp=2, mb=4, schedule="gpipe", zero=2, ckpt=True), _layout(dp=2, pp=2, mb=4, zero=3),
     _layout(pp=2, tp=2, mb=4, mode="megatron"),
     _layout(sp=4, mode="all_to_all"), _layout(dp=2, sp=2, mode="all_to_all", zero=1),
     _layout(tp=2, sp=2, mode="all_to_all"), _layout(pp=2, sp=2, mode="all_to_all", mb=4, ckpt=True),
@@ -116,7 +115,7 @@ _CANDIDATES = [
 def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str | None:
     """Why ``layout`` cannot run ``spec`` at ``layers`` layers per stack on ``world`` ranks, else None. The checks
     of shardlib and torch that depend on the layout alone: heads divisible by tp x sp (docs/sequence-parallel.md),
-    ``check_zero`` (zero needs dp > 1; zero=3 no pp), a layer per pipeline stage (``pipeline/stages.py``; T5's
+    ``check_zero`` (zero needs dp > 1), a layer per pipeline stage (``pipeline/stages.py``; T5's
     trunk is encoder + decoder), torch's 1F1B refusing fewer microbatches than stages (only at the first step:
     the Trainer accepts it; measured), the global batch split; and what this module's layouts mean (sp > 1 is
     all_to_all, megatron needs tp > 1). Every candidate below ran under the Trainer for every model of MODELS at
@@ -133,8 +132,6 @@ def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str
         return "megatron sequence parallelism runs on the tp group"
     if layout.zero and layout.dp == 1:
         return "zero needs dp > 1"
-    if layout.zero == 3 and layout.pp > 1:
-        return "zero=3 (FSDP2) does not compose with pp"
     if layout.pp > 1 and layout.pp > layers * (2 if spec.task == "seq2seq" else 1):
         return f"{layout.pp} stages from {layers} layers"
     if layout.pp > 1 and layout.schedule != "gpipe" and layout.microbatches < layout.pp:
@@ -146,7 +143,7 @@ def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str
 
 def layouts(model_name: str, world: int = 4, layers: int | None = None) -> list[Layout]:
     """The measured layouts of ``model_name`` on ``world`` ranks: the candidates above that shardlib accepts for
-    this model (20 for each of MODELS at its default layers)."""
+    this model (21 for each of MODELS at its default layers)."""
     spec = MODELS[model_name]
     n = spec.layers if layers is None else layers
     return [lay for lay in _CANDIDATES if refusal(lay, spec, n, world) is None]

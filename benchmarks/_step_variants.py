@@ -61,6 +61,19 @@ def _switch_transport(use_shm: bool):
         shm._GROUPS.update(stashed)
 
 
+def _overlap_param_gathers(overlap: bool):
+    """ZeRO-1/2's parameter all-gathers waited for at the end of the step, or left to each bucket's first reader
+    (a Trainer built with ``overlap_param_gather=True``: layouts ``dp*_zero1_overlap``)."""
+    from shardlib.train.zero import FlatZero
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizers = [o for o in gc.get_objects() if isinstance(o, FlatZero)]
+    for optimizer in optimizers:
+        optimizer.wait_params()
+        optimizer.overlap_param_gather = overlap
+
+
 _ORIGINALS: dict = {}
 
 SETS = {
@@ -68,6 +81,8 @@ SETS = {
     "reduce-scatter": {"gloo": lambda: _switch_reduce_scatter(True), "all-to-all": lambda: _switch_reduce_scatter(False)},
     # gloo's loopback sockets against the shared-memory transport (layouts tp2_shm, tp2_sp_shm)
     "transport": {"gloo": lambda: _switch_transport(False), "shm": lambda: _switch_transport(True)},
+    # ZeRO's parameter all-gathers waited for in the step against overlapped with the next forward
+    "param-gather": {"in-step": lambda: _overlap_param_gathers(False), "overlapped": lambda: _overlap_param_gathers(True)},
     # Megatron's saved shards gathered again in backward against saving the gathered inputs whole
     "sp-saved-inputs": {"shards": lambda: _save_gathered_inputs(False), "whole": lambda: _save_gathered_inputs(True)},
 }

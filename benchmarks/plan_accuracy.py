@@ -5,6 +5,7 @@ profile of this machine) beside the measured peak RSS growth per rank and median
 
     python benchmarks/plan_accuracy.py                      # calibrate, then every model, 3 interleaved rounds
     python benchmarks/plan_accuracy.py --models bert-256 --rounds 3 --profile prof.json
+    python benchmarks/plan_accuracy.py --models bert-256 --only pp2       # the pipeline layouts alone
 
 Targets (issue 25): predicted peak within 10% of measured for every layout; predicted step times rank the layouts
 with Spearman rho >= 0.8; the layout predicted fastest within 10% of the measured fastest. Measurements: the rounds
@@ -167,6 +168,8 @@ def main() -> int:
     parser.add_argument("--profile", help="a profile JSON (default: calibrate this machine first)")
     parser.add_argument("--out", default="benchmarks/results/plan_accuracy.json")
     parser.add_argument("--plot", default="docs/img/plan_accuracy.png")
+    parser.add_argument("--only", metavar="WORDS", help="measure only the layouts whose name holds every word "
+                                                         "(e.g. 'pp2' or 'zero3 pp2')")
     parser.add_argument("--reprice", metavar="JSON", help="price the measurements of an earlier run's JSON again "
                                                            "(with --profile), measuring nothing")
     args = parser.parse_args()
@@ -188,7 +191,8 @@ def main() -> int:
         return 0
     results = []
     for name in args.models.split(","):
-        chosen = layouts(name, layers=args.layers)
+        chosen = [lay for lay in layouts(name, layers=args.layers)
+                  if all(word in lay.name().split() for word in (args.only or "").split())]
         t0 = time.perf_counter()
         predicted = predictions(name, chosen, profile, args.layers)
         print(f"{name}: {len(chosen)} layouts priced in {time.perf_counter() - t0:.1f} s", flush=True)

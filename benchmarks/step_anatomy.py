@@ -69,7 +69,7 @@ from _rank_pool import RankPool  # noqa: E402
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="bert-base", choices=sorted(workload.SIZES))
-    ap.add_argument("--modes", default=",".join(workload.MODES))
+    ap.add_argument("--modes", default=",".join(workload.DEFAULT_MODES), help="of: " + ", ".join(workload.MODES))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--workload", default="mlm", choices=("mlm", "encoder"),

@@ -95,10 +95,12 @@ def real_step(spec: dict) -> dict:
     result = {"pp": mesh.local_rank("pp"), "dp": mesh.local_rank("dp"),
               "parameters": shardlib.report(model).local_bytes}
     if spec["pp"] > 1:
-        trainer = shardlib.Trainer(model, torch.optim.AdamW, microbatches=2, schedule="gpipe")
+        trainer = shardlib.Trainer(model, torch.optim.AdamW, microbatches=2, schedule="gpipe",
+                                   zero=spec.get("zero", 0))
         trainer.train_step(_batch(2 * BATCH))
         params = shardlib.shard_state(model).pipeline.local_parameters()
-        return result | {"gradients": _unique_bytes(p.grad for p in params),
+        return result | {"held parameters": _unique_bytes(local(p) for p in params),
+                         "gradients": _unique_bytes(local(p.grad) for p in params if p.grad is not None),
                          "optimizer": _state_bytes(trainer.optimizer)}
     dims = {mesh.group(d).group_name: d for d in ("dp", "pp", "tp") if mesh.size(d) > 1}
     batch = _batch(BATCH)
@@ -185,6 +187,19 @@ def test_pipeline_stage_bytes_equal_a_real_pipeline(pool):
     assert report.stages[0].layers == ["bert.encoder.layer.0"] and report.stages[1].sends == []
     step = report.stages[0].step
     assert [(c.op, c.dim) for c in step] == [("all_reduce", "pp")]  # the tied word embeddings' gradient
+
+
+def test_zero3_pipeline_stage_bytes_equal_a_real_pipeline(pool):
+    """pp=2 x dp=2 at zero=3: each stage's FSDP2 shards of parameters, gradients and AdamW state after a Trainer
+    step, as the dry run predicts them for that stage and dp rank."""
+    report = shardlib.plan(BertConfig(**BERT), pp=2, dp=2, batch=BATCH, seq=SEQ)
+    reals = pool.run(real_step, {"tp": 1, "pp": 2, "sp": False, "zero": 3})
+    for real in reals:
+        stage = report.stages[real["pp"]]
+        zero3 = next(z for z in stage.zero if z.zero == 3)
+        assert (real["held parameters"], real["gradients"], real["optimizer"]) == \
+            (zero3.parameters[real["dp"]], zero3.gradients[real["dp"]], zero3.optimizer[real["dp"]])
+        assert real["held parameters"] < 0.6 * stage.parameter_bytes
 
 
 def test_t5_every_layer_of_a_stack_gets_its_own_collectives():

@@ -329,13 +329,17 @@ def _used_sgd(params):
      r"zero=1 partitions an optimizer: pass Trainer\(model, optimizer=lambda params: ...\)"),
     (lambda o: o.check_zero(3, False, OfflineMesh(dp=2), _sgd, master_weights=True), ValueError,
      "zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype"),
+    (lambda o: o.check_zero(0, False, OfflineMesh(dp=2), _sgd, overlap=True), ValueError,
+     "overlap_param_gather overlaps zero=1/2's parameter all-gather with the next forward; zero=0 has none"),
+    (lambda o: o.check_zero(1, False, OfflineMesh(dp=2), _sgd, overlap=True, compiled=True), ValueError,
+     "overlap_param_gather waits for each bucket in module forward hooks, which torch.compile would trace"),
     (lambda o: o.MasterWeightsOptimizer([nn.Parameter(torch.zeros(2).half())], torch.optim.SGD, lr=0.1).state_dict(),
      NotImplementedError, r"save through shardlib.checkpoint.save\(model, dir, optimizer=...\)"),
     (lambda o: o.MasterWeightsOptimizer([nn.Parameter(torch.zeros(2).half())], torch.optim.SGD,
                                         lr=0.1).load_state_dict({}),
      NotImplementedError, r"load through shardlib.checkpoint.load\(model, dir, optimizer=...\)"),
 ], ids=["not-an-optimizer", "used-optimizer", "zero-not-elementwise", "offload-without-zero3", "offload-without-cuda",
-        "zero-without-optimizer", "zero3-master-weights", "master-save",
+        "zero-without-optimizer", "zero3-master-weights", "overlap-without-zero12", "overlap-compiled", "master-save",
         "master-load"])
 def test_optimizer_refusals(call, error, message):
     from shardlib.train import optim

@@ -11,7 +11,7 @@ from the code a real rank runs, not from a model of it:
   state (``torch.optim.AdamW`` stepped once on the meta gradients of the Trainer's parameter list: exp_avg,
   exp_avg_sq and the step tensor of every parameter that got a gradient, as a real step allocates them); with
   dp > 1 also under ZeRO 1 and 2 (the Trainer's flat buckets, an exact 1/dp of every bucket's elements per rank;
-  zero-2 gradients: the rank's gradient shards, which persist over the step) and, without a pipeline, 3
+  zero-2 gradients: the rank's gradient shards, which persist over the step) and 3
   (FSDP2's local shards: dim 0 of every tensor cut like ``torch.chunk``; computed from that rule, not run);
 * collectives: one forward and backward of a generated batch (meta tensors, :func:`~shardlib.analysis.metarun.
   example_batch`) per pipeline stage, each stage on its own rank's sharded model, run by its
@@ -183,12 +183,11 @@ def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh, l
                     optimizer[r] += shaped * overlap // p.numel() + other
     zero = [ZeroBytes(1, [_nbytes(params)] * dp, [_nbytes(trainable)] * dp, optimizer),
             ZeroBytes(2, [_nbytes(params)] * dp, gradients, optimizer)]
-    if mesh.pp == 1:
-        zero.append(ZeroBytes(
-            3, [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in params) for r in ranks],
-            [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in trainable) for r in ranks],
-            [sum(_fsdp_local(state[id(p)][0], p, dp, r) + state[id(p)][1] for p in params if id(p) in state)
-             for r in ranks]))
+    zero.append(ZeroBytes(  # under a pipeline: FSDP2 over the stage's parameters (shardlib.train.fsdp)
+        3, [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in params) for r in ranks],
+        [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in trainable) for r in ranks],
+        [sum(_fsdp_local(state[id(p)][0], p, dp, r) + state[id(p)][1] for p in params if id(p) in state)
+         for r in ranks]))
     return zero
 
 

@@ -2,7 +2,7 @@
 (:mod:`shardlib.analysis.costmodel`) and ranked by predicted step time among those that fit a memory budget.
 
 Enumeration (:func:`candidate_layouts`): dp x pp x sp x tp = world; sequence parallelism off, Megatron (tp > 1) or
-all-to-all (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1; 3 not with a pipeline: the Trainer refuses it); microbatches
+all-to-all (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1); microbatches
 dividing the global batch's share of a dp rank (1, 2, 4, 8 without a pipeline; pp, 2 pp, 4 pp with one); the 1F1B
 and GPipe schedules; activation checkpointing off and on. What ``shard()`` refuses (heads or a vocabulary that tp
 does not divide, a sequence all-to-all cannot split, more stages than layers) is dropped with its reason, as is
@@ -86,7 +86,7 @@ def candidate_layouts(world: int, global_batch: int, seq: int, *, checkpointing=
         if global_batch % dp:
             continue
         for m in _microbatch_counts(global_batch // dp, pp):
-            for zero in ([0, 1, 2] + ([3] if pp == 1 else [])) if dp > 1 else [0]:
+            for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                 for schedule in ("1f1b", "gpipe") if pp > 1 else ("1f1b",):
                     for ckpt in checkpointing:
                         layouts.append(Layout(dp=dp, pp=pp, tp=tp, sp=sp, sequence_parallel=mode, zero=zero,

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..parallel.layout import Layout, layout_of
 from ..safetensors_io import CheckpointError
-from ..sharding.sharded import shard_state
+from ..sharding.sharded import settle_parameters, shard_state
 from ..sharding.state import _pipeline
 from ..train.fsdp import whole
 from ..train.optim import param_state
@@ -37,7 +37,9 @@ def fill_local(read_into, layout: Layout, rank: int, out: torch.Tensor, what: st
 
 
 def tensors_to_load(model: nn.Module):
-    """(tensor, [names]) for every distinct parameter and persistent buffer: tied tensors once, with all names."""
+    """(tensor, [names]) for every distinct parameter and persistent buffer: tied tensors once, with all names (once
+    the parameters hold their values: ZeRO's overlapped gathers settled)."""
+    settle_parameters(model)
     seen: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         owner, _, attr = name.rpartition(".")

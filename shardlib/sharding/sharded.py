@@ -22,9 +22,20 @@ class ShardState:
     report: object  # shardlib.sharding.shard_report.ShardReport
     rng_tracker: object  # shardlib.parallel.random.RNGStatesTracker
     pipeline: object = None
+    #: waits for parameter values still being written by a collective (a Trainer's ZeRO-1/2 all-gathers with
+    #: ``overlap_param_gather``): :func:`settle_parameters` calls it before a reader outside a forward
+    settle: object = None
 
     def attach(self, model: nn.Module) -> None:
         setattr(model, _ATTR, self)
+
+
+def settle_parameters(model: nn.Module) -> None:
+    """Wait until the model's parameters hold their values (a no-op unless a collective is still writing them):
+    what every reader of the parameters outside a forward (checkpoint save and load, exports) calls first."""
+    state = getattr(model, _ATTR, None)
+    if state is not None and state.settle is not None:
+        state.settle()
 
 
 def shard_state(model: nn.Module, *, required: bool = True) -> ShardState | None:

@@ -95,6 +95,8 @@ class TrainingArguments:
                                                    "(FSDP2)"})
     offload: bool = field(default=False, metadata={"help": "zero=3: parameters and optimizer state in CPU memory"})
     bucket_mb: float = field(default=25.0, metadata={"help": "zero=1/2: MiB per flat gradient bucket"})
+    overlap_param_gather: bool = field(default=False, metadata={
+        "help": "zero=1/2: the parameter all-gathers after a step run on into the next forward"})
     activation_checkpointing: bool = False
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (pipeline stages: their layers)"})
     layout: Optional[Literal["auto"]] = field(default=None, metadata={
@@ -144,6 +146,7 @@ class TrainingArguments:
         """Keyword arguments of :class:`shardlib.train.Trainer` (after the model and the optimizer)."""
         return {"microbatches": self.microbatches_per_step(), "schedule": self.schedule, "max_grad_norm": self.max_grad_norm,
                 "precision": self.precision, "zero": self.zero, "offload": self.offload, "bucket_mb": self.bucket_mb,
+                "overlap_param_gather": self.overlap_param_gather,
                 "master_weights": self.master_weights, "loss_scaler": self.loss_scaler(),
                 "activation_checkpointing": self.activation_checkpointing, "compile": self.compile,
                 "skip_nonfinite": self.skip_nonfinite, "max_consecutive_skips": self.max_consecutive_skips}

@@ -173,9 +173,10 @@ def build_optimizer(base: Optimizer, *, master_weights: bool, zero: int, dp_grou
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def check_zero(zero, offload: bool, mesh, optimizer, master_weights: bool = False, base=None) -> None:
-    """``zero`` and ``offload`` against the mesh and the user's ``base`` optimizer, before anything is built
-    (one-line errors)."""
+def check_zero(zero, offload: bool, mesh, optimizer, master_weights: bool = False, base=None, *,
+               overlap: bool = False, compiled: bool = False) -> None:
+    """``zero``, ``offload`` and ``overlap`` (``overlap_param_gather``) against the mesh and the user's ``base``
+    optimizer, before anything is built (one-line errors)."""
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
     if zero and mesh.dp == 1:
@@ -193,5 +194,11 @@ def check_zero(zero, offload: bool, mesh, optimizer, master_weights: bool = Fals
     if offload and device != "cuda":
         raise ValueError(f"offload=True moves zero=3's parameters, gradients and optimizer state from the GPU to host "
                          f"memory, but this mesh runs on {device!r}, where they already are: leave offload off")
+    if overlap and zero not in (1, 2):
+        raise ValueError(f"overlap_param_gather overlaps zero=1/2's parameter all-gather with the next forward; "
+                         f"zero={zero} has none" + (" (FSDP2 prefetches its own gathers)" if zero == 3 else ""))
+    if overlap and compiled:
+        raise ValueError("overlap_param_gather waits for each bucket in module forward hooks, which torch.compile "
+                         "would trace; use one or the other")
     if zero in (1, 2) and base is not None:
         check_elementwise(type(base), zero)

@@ -43,6 +43,7 @@ from .gradients import StepGradients
 from .nonfinite import check_skip_options, make_guard
 from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
+from .zero import install_gather_waits
 
 
 def as_loss(result, where: str) -> torch.Tensor:
@@ -75,7 +76,9 @@ class Trainer:
     non-finite gradient norm when clipping raises, and without clipping nothing is checked). ``master_weights``:
     the optimizer steps fp32 copies of fp16/bf16 weights. ``zero``: 1 partitions the optimizer state over dp, 2 the
     gradients too (both by elements of flat buckets of ``bucket_mb`` MiB, :mod:`shardlib.train.zero`), 3 the
-    parameters too (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only).
+    parameters too (FSDP2); ``offload``: keep zero=3's parameters and optimizer state in CPU memory (CUDA only);
+    ``overlap_param_gather``: zero=1/2's parameter all-gathers run on into the next forward, each bucket waited for
+    by its first reader (:mod:`shardlib.train.zero`).
     ``compile``: ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages
     compile their layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
 
@@ -92,7 +95,7 @@ class Trainer:
                  schedule: str = "1f1b", max_grad_norm: float | None = None,
                  precision: str = "fp32", loss_scaler=None, master_weights: bool = False, zero: int = 0,
                  offload: bool = False, bucket_mb: float = 25.0, activation_checkpointing: bool = False,
-                 compile: bool | dict = False, skip_nonfinite: bool = False,
+                 compile: bool | dict = False, overlap_param_gather: bool = False, skip_nonfinite: bool = False,
                  max_consecutive_skips: int | None = None,
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward_step: Callable | None = None):
@@ -101,7 +104,8 @@ class Trainer:
         check_precision(precision, params, master_weights, loss_scaler)
         # the user's optimizer is built first (torch optimizers allocate their state lazily): zero checks its class
         base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
-        check_zero(zero, offload, state.mesh, optimizer, master_weights, base)
+        check_zero(zero, offload, state.mesh, optimizer, master_weights, base, overlap=overlap_param_gather,
+                   compiled=bool(compile))
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
         check_skip_options(skip_nonfinite, max_consecutive_skips)
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
@@ -133,7 +137,9 @@ class Trainer:
         if optimizer is not None:  # zero=3: over FSDP2's sharded parameters
             self.optimizer = build_optimizer(base or base_optimizer(optimizer, params), master_weights=master_weights,
                                              zero=zero, dp_group=self.mesh.group("dp") if zero else None,
-                                             **self._zero_options(model, bucket_mb))
+                                             **self._zero_options(model, bucket_mb, overlap_param_gather))
+            if overlap_param_gather:
+                install_gather_waits(model, self.optimizer)
         self.data_parallel = data_parallel(model, self.mesh, self.split, zero, self.optimizer, params,
                                            self.custom_forward)
         self.gradients = StepGradients(model, self.mesh, self.split, params, self.optimizer, zero)
@@ -148,12 +154,12 @@ class Trainer:
         self.last_step_skipped = False  # the last step had an inf/nan gradient somewhere and was skipped
         self._total = 1.0
 
-    def _zero_options(self, model: nn.Module, bucket_mb: float) -> dict:
-        """:class:`~shardlib.train.zero.FlatZero`'s layout options under zero=1/2."""
+    def _zero_options(self, model: nn.Module, bucket_mb: float, overlap_param_gather: bool) -> dict:
+        """:class:`~shardlib.train.zero.FlatZero`'s options under zero=1/2."""
         if self.zero not in (1, 2):
             return {}
         return {"late": late_gradients(model, self.split), "order": list(model.parameters()),
-                "bucket_bytes": int(bucket_mb * 2**20)}
+                "bucket_bytes": int(bucket_mb * 2**20), "overlap_param_gather": overlap_param_gather}
 
     # -- overridable ------------------------------------------------------------------------------------------
     def forward_step(self, model: nn.Module, batch: dict):

@@ -30,8 +30,12 @@ Gradients (Megatron's distributed optimizer, DeepSpeed ZeRO-2, ColossalAI's LowL
   alone, as without dp): one all-reduce of one flag per parameter.
 
 After the step each bucket's updated shard is all-gathered back into the bucket (one collective per bucket, all
-started at once), so every rank's parameters are whole again. (Not overlapped with the next forward: Megatron's
-per-bucket waits before first use would make every reader of the parameters between steps wait too.)
+started at once, the buckets of the first layers first), so every rank's parameters are whole again. By default the
+step waits for them. With ``overlap_param_gather`` (Megatron's option of that name) it returns with them in flight
+and each bucket is waited for by its first reader (:func:`install_gather_waits`): the forward pre-hook of every
+module holding one of its parameters, any ``state_dict()`` of such a module, shardlib's checkpoint save and load
+(:func:`shardlib.sharding.sharded.settle_parameters`), and the optimizer's own next step or state access. Code that
+reads a parameter's values some other way between steps calls :meth:`FlatZero.wait_params` first.
 
 Checkpoints are written in zero=0's format (each parameter's state whole, tp-local): :meth:`FlatZero.param_state`
 all-gathers a bucket's state once (a collective: every dp rank walks the same tensors), dp rank 0 writes; a load
@@ -52,8 +56,9 @@ from torch.optim import Optimizer
 
 from ..parallel.collectives import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 from ..parallel.flat import DEFAULT_BUCKET_BYTES, Bucket, flat_buckets
+from ..sharding.sharded import shard_state
+from .zero_state import MASTER_KEY, StateByParameter
 
-MASTER_KEY = "master"
 #: optimizers whose state and update are per element: exact on 1-D pieces of the parameters
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop,
@@ -104,18 +109,20 @@ class InnerOptimizer(Optimizer):
         raise NotImplementedError("save through shardlib.checkpoint.save(model, dir, optimizer=...)")
 
 
-class FlatZero(InnerOptimizer):
+class FlatZero(StateByParameter, InnerOptimizer):
     """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) of ``optimizer_class`` over ``groups`` (the user's parameter
     groups) on the dp ``group`` (module docstring). ``late``: ids of parameters reduced after backward;
     ``order``: the model's parameters in registration order (buckets follow its reverse)."""
 
     def __init__(self, groups: list[dict], optimizer_class: type, defaults: dict, *, stage: int, group,
                  master_weights: bool = False, late: set[int] = frozenset(), order: list | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_param_gather: bool = False):
         # Optimizer.__init__ is not called on purpose: the parameter groups and the state live in the inner
         # optimizer over this rank's pieces (as in MasterWeightsOptimizer)
         check_elementwise(optimizer_class, stage)
         self.stage, self.group, self.master_weights = stage, group, master_weights
+        self.overlap_param_gather = overlap_param_gather
+        self._gathering: dict[int, object] = {}  # bucket index -> its parameter all-gather in flight
         self.dp, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.buckets = flat_buckets([p for g in groups for p in g["params"]], self.dp, bucket_bytes, late, order)
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
@@ -290,6 +297,7 @@ class FlatZero(InnerOptimizer):
     # -- step -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        self.wait_params()  # the pieces are views into the buckets the last gathers write
         self._gathered.clear()
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         if self.master_weights:
@@ -300,93 +308,47 @@ class FlatZero(InnerOptimizer):
         return loss
 
     def gather_params(self) -> None:
-        """Every rank's updated shard back into every bucket: one all-gather per bucket, all started at once."""
-        works = [ALL_GATHER_SINGLE(b.data, b.data[b.lo:b.hi].clone(), group=self.group, async_op=True)
-                 for b in self.buckets]
-        for work in works:
-            work.wait()
+        """Every rank's updated shard back into every bucket: one all-gather per bucket, all started at once, the
+        first layers' buckets (the last ones) first; waited for here, or with ``overlap_param_gather`` by each
+        bucket's first reader (module docstring)."""
+        for b in reversed(self.buckets):
+            self._gathering[b.index] = ALL_GATHER_SINGLE(b.data, b.data[b.lo:b.hi].clone(), group=self.group,
+                                                         async_op=True)
+        if not self.overlap_param_gather:
+            self.wait_params()
 
-    # -- state by model parameter (checkpoints) ---------------------------------------------------------------
-    def param_state(self, param) -> dict:
-        """The whole (tp-local) optimizer state of ``param``, gathered over dp: a collective on the dp group (every
-        dp rank must ask for the same parameters in the same order). Master weights under ``MASTER_KEY``."""
-        located = self._bucket_of.get(id(param))
-        if located is None:
-            return {}
-        bucket, i = located
-        if bucket.index not in self._gathered:
-            if len(self._gathered) == 2:  # an eager and a late bucket alternate in registration order
-                self._gathered.pop(next(iter(self._gathered)))
-            self._gathered[bucket.index] = self._gather_state(bucket)
-        flats, keys = self._gathered[bucket.index]
-        a, b = bucket.span(i)
-        return {key: flats[key][a:b].view_as(param).clone() if value is None else value
-                for key, value in keys.get(i, {}).items()}
-
-    def _gather_state(self, bucket: Bucket) -> tuple[dict, dict]:
-        """The bucket's element-wise state tensors whole (one all-gather per state key) and, per parameter index,
-        its state keys: None for an element-wise tensor (in the first dict), else the value (``step``), from the
-        ranks that hold a piece of it."""
-        mine, described = {}, {}
-        for i, p in enumerate(bucket.params):
-            piece = self._piece_of.get(id(p))
-            if piece is None:
-                continue
-            state = dict(self.inner.state.get(piece.tensor, {}))
-            if self.master_weights:
-                state[MASTER_KEY] = piece.tensor
-            mine[i] = (piece, state)
-            described[i] = {k: (str(v.dtype).removeprefix("torch."), None if _elementwise(v, piece) else v.tolist())
-                            for k, v in state.items() if torch.is_tensor(v)}
-        everyone: list = [None] * self.dp
-        dist.all_gather_object(everyone, described, group=self.group)
-        element_dtypes, keys = {}, {}
-        for described_by_rank in everyone:
-            for i, by_key in described_by_rank.items():
-                for key, (dtype, value) in by_key.items():
-                    if value is None:
-                        element_dtypes[key] = getattr(torch, dtype)
-                        keys.setdefault(i, {})[key] = None
-                    else:
-                        keys.setdefault(i, {})[key] = torch.tensor(value, dtype=getattr(torch, dtype))
-        flats = {}
-        for key in sorted(element_dtypes):  # the same order on every rank
-            shard = torch.zeros(bucket.hi - bucket.lo, dtype=element_dtypes[key], device=bucket.data.device)
-            for piece, state in mine.values():
-                if key in state:
-                    shard[piece.at:piece.at + piece.stop - piece.start].copy_(state[key])
-            flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-            ALL_GATHER_SINGLE(flat, shard, group=self.group)
-            flats[key] = flat
-        return flats, keys
-
-    def set_param_state(self, param, state: dict) -> None:
-        """Keep this rank's piece of ``param``'s whole (tp-local) state; a master weight missing from ``state`` (a
-        checkpoint saved without master weights) is taken from the parameter."""
-        piece = self._piece_of.get(id(param))
-        if piece is None:
+    def wait_params(self, indices=None) -> None:
+        """Wait for the parameter all-gathers in flight of the buckets ``indices`` (default: all of them)."""
+        if not self._gathering:
             return
-        self._gathered.clear()
-        mine = {}
-        for key, value in state.items():
-            if key == MASTER_KEY:
-                continue
-            if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
-                value = value.reshape(-1)[piece.start:piece.stop].to(piece.tensor.device).clone()
-            mine[key] = value
-        if self.master_weights:
-            with torch.no_grad():
-                source = state.get(MASTER_KEY, param)
-                piece.tensor.copy_(source.reshape(-1)[piece.start:piece.stop])
-        if mine:
-            self.inner.state[piece.tensor] = mine
+        for index in list(self._gathering) if indices is None else indices:
+            work = self._gathering.pop(index, None)
+            if work is not None:
+                work.wait()  # bounded by the process group's timeout
 
     def __repr__(self) -> str:
         return f"FlatZero(stage={self.stage}, dp={self.dp}, buckets={len(self.buckets)}, {self.inner!r})"
 
 
-def _elementwise(value: torch.Tensor, piece: Piece) -> bool:
-    return value.dim() > 0 and value.shape == piece.tensor.shape
+def install_gather_waits(model: nn.Module, zero: FlatZero) -> None:
+    """With ``overlap_param_gather``: make each bucket's first reader wait for its all-gather (module docstring). A
+    module holding parameters of buckets B waits for B in its forward pre-hook and its ``state_dict`` pre-hook (a
+    tied parameter: every module holding it); shardlib's readers outside a forward wait for all of them."""
+    bucket_of = {id(p): b.index for b in zero.buckets for p in b.params}
+    me = weakref.ref(zero)
+    for module in model.modules():
+        mine = tuple(sorted({bucket_of[id(p)] for p in module._parameters.values()
+                             if p is not None and id(p) in bucket_of}))
+        if mine:
+            module.register_forward_pre_hook(functools.partial(_wait_for_buckets, me, mine))
+            module.register_state_dict_pre_hook(functools.partial(_wait_for_buckets, me, mine))
+    shard_state(model).settle = functools.partial(_wait_for_buckets, me, None)
+
+
+def _wait_for_buckets(zero_ref: weakref.ref, indices, *hook_args) -> None:
+    zero = zero_ref()
+    if zero is not None:
+        zero.wait_params(indices)
 
 
 def _arrived(zero_ref: weakref.ref, bucket_index: int, i: int, param) -> None:
