@@ -118,6 +118,19 @@ def test_zero_checkpoint_resumes_without_zero_and_back(pool, tmp_path, saved, re
     assert worst < 1e-6, f"saved {saved}, resumed {resumed}: worst relative difference {worst:.2e}"
 
 
+def test_zero3_pipeline_fit_evaluates_between_steps(pool):
+    """fit at pp=2 x dp=2 with zero=3 and an evaluation every 2 steps (a forward without backward on both stages,
+    after which training goes on): the losses and evaluations equal zero=0's (float32 rounding, rtol 1e-5)."""
+    spec = {**BERT, **RUN, "dtype": "float32", "steps": 4, "layout": {"dp": 2, "pp": 2}, "eval_samples": 16,
+            "eval_interval": 2, "metrics": True}
+    base = pool.run(train_tasks.fit_run, spec)[0]
+    got = pool.run(train_tasks.fit_run, {**spec, "trainer": {"zero": 3}})[0]
+    assert len(got["evals"]) == len(base["evals"]) >= 2
+    for a, b in zip(got["losses"] + [e["loss"] for e in got["evals"]],
+                    base["losses"] + [e["loss"] for e in base["evals"]]):
+        assert close(a, b, 1e-5), (got, base)
+
+
 def test_bad_precision_and_zero_settings_are_refused_before_anything_changes():
     import torch
     from transformers import BertConfig, BertForSequenceClassification

@@ -71,17 +71,19 @@ def test_overlapped_parameter_gathers_equal_zero0(pool, family, layout):
 
 @pytest.mark.parametrize("family, schedule, options", [
     ("t5", "gpipe", {}), ("bert_mlm", "1f1b", {"activation_checkpointing": True}),
-    ("bert4", "interleaved_1f1b", {}), ("vit", "1f1b", {"precision": "bf16"})],
-    ids=["t5-tied-gpipe", "bert-mlm-tied-1f1b-checkpointing", "bert-interleaved", "vit-bf16"])
+    ("bert4", "interleaved_1f1b", {}), ("vit", "1f1b", {"precision": "bf16"}),
+    pytest.param("bert", "1f1b", {"compile": {"backend": "aot_eager"}}, marks=ci_only("about 30 s: two compiles"))],
+    ids=["t5-tied-gpipe", "bert-mlm-tied-1f1b-checkpointing", "bert-interleaved", "vit-bf16", "bert-compiled"])
 def test_zero3_with_pipeline_stages(pool, family, schedule, options):
     """zero=3 at pp=2 x dp=2, 3 steps of 2 microbatches (interleaved: 4) with clipping, against zero=0 at the same
     layout: T5 and BERT's MLM head tie weights across the two stages (their gradients summed over pp as dp shards),
     activation checkpointing re-gathers each layer in its recompute, the interleaved schedule runs two stages per
-    rank. float64 (bf16: float32 weights, both sides rounding alike, 1e-5). Between steps each rank holds at most
-    0.6 of its stages' parameter bytes (1/dp = 0.5 and FSDP2's padding of uneven rows)."""
-    base = {"t5": T5, "bert_mlm": {**BERT, "cls": "BertForMaskedLM"}, "vit": VIT,
+    rank, compiled stage layers are sharded after compiling (torchtitan's order). float64 (bf16 and compiled: float32
+    weights, both sides rounding alike, 1e-5). Between steps each rank holds at most 0.6 of its stages' parameter
+    bytes (1/dp = 0.5 and FSDP2's padding of uneven rows)."""
+    base = {"t5": T5, "bert": BERT, "bert_mlm": {**BERT, "cls": "BertForMaskedLM"}, "vit": VIT,
             "bert4": {**BERT, "config": {**BERT["config"], "layers": 4}}}[family]
-    bf16 = options.get("precision") == "bf16"
+    bf16 = options.get("precision") == "bf16" or "compile" in options
     spec = {**base, **RUN, "dtype": "float32" if bf16 else "float64", "steps": 3, "layout": LAYOUTS["pp2_dp2"],
             "stages": [3], "trainer": {"schedule": schedule, **options},
             "shard": {"stages_per_rank": 2} if schedule == "interleaved_1f1b" else {},
