@@ -141,6 +141,17 @@ def test_zero_at_dp2_alone_and_on_the_full_mesh(pools, layout, stages):
         assert rank[3]["param_bytes"] <= 0.6 * rank["param_bytes"], (rank[3]["param_bytes"], rank["param_bytes"])
 
 
+@ci_only("about 60 s: eight ranks on two cores; pp=2 x dp=2 covers the tied weights in the dev profile")
+def test_zero3_ties_over_four_stages(pools):
+    """BertForMaskedLM at pp=4 x dp=2 with zero=3: the word embeddings (stage 0) and the tied decoder (stage 3) are
+    summed over a pp group whose middle ranks do not hold them (they send zeros shaped like the dp shard,
+    ``fsdp.local_shape``): equal to zero=0 in float64."""
+    spec = {**BERT, "cls": "BertForMaskedLM", "config": {**BERT["config"], "layers": 4}, **RUN, "dtype": "float64",
+            "steps": 2, "layout": {"dp": 2, "pp": 4}, "stages": [3], "microbatches": 4}
+    for rank in pools(8).run(zero_tasks.zero_equivalence, spec, timeout_s=400):
+        _check(rank, (3,), "pp4 dp2")
+
+
 def test_zero2_gradient_peak_is_a_shard_and_two_buckets(pool):
     """One step of 2 microbatches at dp=4, BERT in buckets of 2 KiB: the most gradient bytes a rank holds at once
     under zero=2 is at most full / dp + 2 buckets; zero=1 holds the full gradients."""

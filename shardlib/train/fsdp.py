@@ -78,8 +78,10 @@ def complete_root_forward(model: nn.Module, boundary: tuple[torch.Tensor, ...]) 
 def local_shape(shape: torch.Size, dp: int, dp_rank: int) -> torch.Size:
     """The shape of dp rank ``dp_rank``'s FSDP2 shard of a tensor of ``shape`` (``Shard(0)``: ``torch.chunk``'s
     rows, the last ranks' possibly fewer or none)."""
-    rows = -(-shape[0] // dp) if shape else 0
-    return torch.Size((max(0, min(rows, shape[0] - dp_rank * rows)), *shape[1:])) if shape else shape
+    if not shape:
+        return shape
+    rows = -(-shape[0] // dp)
+    return torch.Size((max(0, min(rows, shape[0] - dp_rank * rows)), *shape[1:]))
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
