@@ -170,6 +170,40 @@ def profiled(variant: Variant, steps: int = 3) -> dict:
             "top_kernels_ms": {k[:90]: v / 1e3 / steps for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:12]}}
 
 
+def host_probe(variant: Variant, steps: int = 10) -> dict:
+    """Where a variant's host time goes: the synchronizing CUDA calls of one step (``torch.cuda``'s sync debug mode:
+    where each was made) and a ``cProfile`` of ``steps`` steps (the 20 functions with the most own time, ms/step)."""
+    import cProfile
+    import pstats
+    import warnings
+
+    syncs: dict[str, int] = {}
+    if variant.device == "cuda":
+        sync(variant.device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                variant.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                where = f"{os.path.basename(w.filename)}:{w.lineno}"
+                syncs[where] = syncs.get(where, 0) + 1
+    profiler = cProfile.Profile()
+    sync(variant.device)
+    profiler.enable()
+    for _ in range(steps):
+        variant.step()
+    sync(variant.device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ...)
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:20]
+    return {"syncs": syncs, "total_ms": sum(v[2] for v in stats.values()) * 1e3 / steps,
+            "top_own_ms": {f"{os.path.basename(k[0])}:{k[1]}({k[2]})": v[2] * 1e3 / steps for k, v in top}}
+
+
 def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
     import shardlib
 
@@ -190,8 +224,11 @@ def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
             result["seconds"][name].append(window(variants[name], steps))
         print(f"  {case} round {r + 1}: " + ", ".join(f"{n} {result['seconds'][n][-1] * 1e3:.2f} ms" for n in names),
               flush=True)
+    result["host_probe"] = {}
     for name in names:
         result["profile"][name] = profiled(variants[name])
+        if not name.endswith("compiled"):
+            result["host_probe"][name] = host_probe(variants[name])
     if device == "cuda":
         result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result

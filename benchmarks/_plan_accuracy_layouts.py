@@ -69,16 +69,30 @@ MODELS: dict[str, ModelSpec] = {
         hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=8192,
         max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0), "causal", heads=2, layers=4,
         all_to_all=False),
+    # the three models issue 36 names for one GPU (plan_accuracy_gpu.py): ViT-base (224 px, 1000 classes), BERT-large
+    # widths (24 layers, hidden 1024, sequence 512 by --seq) and T5-base (12 + 12 layers, d_model 768; the decoder as
+    # long as the encoder, as the dry run's T5 batch)
+    "vit-base": ModelSpec("ViTForImageClassification", "ViTConfig", dict(num_labels=1000), "image", heads=12,
+                          layers=12),
+    "bert-large": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=1024, num_attention_heads=16,
+                            intermediate_size=4096, vocab_size=30522), "mlm", heads=16, layers=24),
+    "t5-base": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(
+        d_model=768, d_kv=64, d_ff=3072, num_heads=12, vocab_size=32128, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1), "seq2seq", heads=12, layers=12, layers_keys=("num_layers", "num_decoder_layers")),
 }
 
 
 def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
     """A generated global batch of ``n`` examples for ``spec``'s task, the same on every rank for one ``seed``:
     random token ids, a full attention mask, and MLM labels at ``MLM_PROB`` of the positions (-100 elsewhere), a
-    causal LM's (its inputs) or T5 labels of ``spec.dec_seq`` tokens."""
+    causal LM's (its inputs), T5 labels of ``spec.dec_seq`` tokens (0: ``seq``), or images and class labels."""
     import torch
 
     g = torch.Generator().manual_seed(1000 + seed)
+    if spec.task == "image":
+        size = spec.config(1).image_size
+        return {"pixel_values": torch.randn(n, 3, size, size, generator=g),
+                "labels": torch.randint(0, spec.config_kwargs["num_labels"], (n,), generator=g)}
     ids = torch.randint(2, spec.vocab, (n, seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones(n, seq, dtype=torch.long)}
     if spec.task == "mlm":
@@ -88,7 +102,7 @@ def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
     elif spec.task == "causal":
         batch["labels"] = ids.clone()
     else:
-        batch["labels"] = torch.randint(2, spec.vocab, (n, spec.dec_seq), generator=g)
+        batch["labels"] = torch.randint(2, spec.vocab, (n, spec.dec_seq or seq), generator=g)
     return batch
 
 

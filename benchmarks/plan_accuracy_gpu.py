@@ -39,12 +39,12 @@ MIB = 2 ** 20
 SEQ = 128
 
 
-def one_gpu_layouts(batches=(8, 32)) -> list[Layout]:
-    return [Layout(batch=b, seq=SEQ, precision=p, activation_checkpointing=c)
-            for b, p, c in itertools.product(batches, ("fp32", "bf16", "fp16"), (False, True))]
+def one_gpu_layouts(batches=(8, 32), seq=SEQ, precisions=("fp32", "bf16", "fp16"), checkpointing=(False, True)):
+    return [Layout(batch=b, seq=seq, precision=p, activation_checkpointing=c)
+            for b, p, c in itertools.product(batches, precisions, checkpointing)]
 
 
-def measure(spec, layout: Layout, layers: int, device, mesh, steps: int) -> dict:
+def measure(spec, layout: Layout, layers: int, device, mesh, steps: int, terms: bool = False) -> dict:
     import torch
     import transformers
 
@@ -82,8 +82,15 @@ def measure(spec, layout: Layout, layers: int, device, mesh, steps: int) -> dict
         trainer.train_step(batch)
         sync()
         times.append(time.perf_counter() - start)
+    out = {"peak": peak, "static": static, "warmup_steps": warm + 1, "step_s": statistics.median(times)}
+    if terms and cuda:  # what the step is made of (benchmarks/_gpu_time_terms.py), and the host-bound tiny step
+        from _gpu_time_terms import host_step_s, kernel_terms
+
+        out["terms"] = kernel_terms(lambda: trainer.train_step(batch))
+        tiny = {k: v.to(device) for k, v in make_batch(spec, 1, min(16, layout.seq)).items()}
+        out["host_step_s"] = host_step_s(lambda: trainer.train_step(tiny))
     del trainer, model, batch
-    return {"peak": peak, "static": static, "warmup_steps": warm + 1, "step_s": statistics.median(times)}
+    return out
 
 
 def main() -> int:
@@ -92,6 +99,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--batches", default="8,32", help="microbatch sizes, comma-separated")
+    parser.add_argument("--precisions", default="fp32,bf16,fp16")
+    parser.add_argument("--checkpointing", default="off,on", help="activation checkpointing: off, on or both")
+    parser.add_argument("--terms", action="store_true", help="also profile each layout's kernels by class and time "
+                        "it at a tiny batch in the first round, and time the fixed costs (_gpu_time_terms.py)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (gloo): checks the logic, no peaks")
     parser.add_argument("--profile", help="a one-rank profile JSON (default: calibrate this device first)")
     parser.add_argument("--profile-out", help="where to write the calibrated profile")
@@ -125,7 +138,12 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(0)
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    spec, chosen = MODELS[args.model], one_gpu_layouts()
+    spec, chosen = MODELS[args.model], layouts_of(args)
+    if args.terms and device.type == "cuda":
+        from _gpu_time_terms import micro_costs
+
+        args.micro = micro_costs(device)
+        print("fixed costs: " + ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in args.micro.items()), flush=True)
     started = time.perf_counter()
     predicted = price(spec.config(args.layers), chosen, profile, cls=spec.cls)
     print(f"{len(chosen)} layouts priced in {time.perf_counter() - started:.1f} s", flush=True)
@@ -134,13 +152,19 @@ def main() -> int:
     for r in range(args.rounds):
         for i, layout in enumerate(chosen):
             try:
-                runs[i].append(measure(spec, layout, args.layers, device, mesh, args.steps))
+                runs[i].append(measure(spec, layout, args.layers, device, mesh, args.steps, args.terms and r == 0))
             except Exception as exc:  # noqa: BLE001 - one layout failing must not hide the others
                 runs[i].append({"error": f"{type(exc).__name__}: {exc}"[:300]})
             last = runs[i][-1]
             shown = last.get("error") or (f"{(last['peak'] or 0) / MIB:.0f} MiB, {last['step_s'] * 1e3:.1f} ms")
             print(f"  [round {r + 1}/{args.rounds}] {layout.name():<28} batch {layout.batch:>2}: {shown}", flush=True)
     return report(args, chosen, predicted, runs, profile)
+
+
+def layouts_of(args) -> list[Layout]:
+    checkpointing = {"off": (False,), "on": (True,), "off,on": (False, True)}[args.checkpointing]
+    return one_gpu_layouts(tuple(int(b) for b in args.batches.split(",")), args.seq, tuple(args.precisions.split(",")),
+                           checkpointing)
 
 
 def reprice(args) -> int:
@@ -151,8 +175,8 @@ def reprice(args) -> int:
 
     earlier = json.loads(open(args.reprice).read())
     profile = load_profile(args.profile, world_size=1) if args.profile else Profile.from_dict(earlier["profile"])
-    for key in ("model", "layers", "rounds", "steps"):
-        setattr(args, key, earlier[key])
+    for key in ("model", "layers", "rounds", "steps", "micro"):
+        setattr(args, key, earlier.get(key))
     chosen = [Layout(**m["layout"]) for m in earlier["measured"]]
     spec = MODELS[args.model]
     predicted = price(spec.config(args.layers), chosen, profile, cls=spec.cls)
@@ -211,6 +235,7 @@ def report(args, chosen, predicted, runs, profile) -> int:
     if args.json:
         write_json(args.json, dict(profile=profile.to_dict(), points=points, summary=summary, model=args.model,
                                    layers=args.layers, rounds=args.rounds, steps=args.steps, device=_device_name(),
+                                   micro=getattr(args, "micro", None),
                                    measured=[{"layout": la.to_dict(), "runs": r} for la, r in zip(chosen, runs)]))
     return 0
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Device check (one GPU, ~5 min): what a step is made of, for the cost model's time terms (issue 36, item 5) and the
+# world of one's host time (issue 34). Run from the repo root with $OUT set; everything comes back in $OUT:
+#   gpu_profile.json               shardlib calibrate --world 1 --backend nccl
+#   anatomy_vit.json               step_anatomy.py --gpu for ViT-base eager (hand loop / Trainer, with host probes)
+#   terms_<model>.json, log.txt    plan_accuracy_gpu.py --terms: predicted vs measured step and peak, kernel time
+#                                  by class, the host-bound tiny step and the fixed costs (re-price them anywhere:
+#                                  plan_accuracy_gpu.py --reprice terms_<model>.json)
+set -x
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
+mkdir -p /tmp/sc && echo "import sys; sys.path.insert(0, '$PWD/benchmarks'); import _checkout" > /tmp/sc/sitecustomize.py
+export PYTHONPATH=/tmp/sc:$PWD OMP_NUM_THREADS=4 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+timeout 60 python3 -c "from shardlib.analysis.calibrate import calibrate; calibrate(1, backend='nccl').save('$OUT/gpu_profile.json')"
+timeout 90 python3 benchmarks/step_anatomy.py --gpu --cases vit-b32-bf16 --rounds 9 --steps 10 --budget 60 \
+    --json "$OUT/anatomy_vit.json" 2>&1 | grep -v Warning | tail -12
+terms() {  # name layers seq batches precisions checkpointing rounds
+    timeout 150 python3 benchmarks/plan_accuracy_gpu.py --model "$1" --layers "$2" --seq "$3" --batches "$4" \
+        --precisions "$5" --checkpointing "$6" --rounds "$7" --terms --profile "$OUT/gpu_profile.json" \
+        --json "$OUT/terms_$1.json" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" | tail -4
+}
+terms vit-base 12 128 64 fp32,bf16 off 3
+terms bert-large 24 512 8 fp32,bf16 off 3
+terms t5-base 12 256 16 fp32,bf16 off 3
+terms bert-768 12 128 8,32 fp32,bf16,fp16 off,on 2
+terms t5-small 6 128 8,32 fp32,bf16,fp16 off,on 2
