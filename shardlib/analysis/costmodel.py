@@ -230,7 +230,7 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
     for s in report.stages:
         sync = _dp_sync(s, layout, profile)
         traffic = s.memory.optimizer_traffic / (layout.dp if layout.zero else 1)
-        tail.append(sync | {"optimizer step": profile.elementwise_seconds(traffic)})
+        tail.append(sync | {"optimizer step": profile.optimizer_seconds(traffic)})
     worst = max(tail, key=lambda t: sum(t.values()))
     for k, v in worst.items():
         terms[k] = terms.get(k, 0.0) + v

@@ -43,7 +43,8 @@ COLLECTIVES = {
 _OP_NAMES = {alias: op for op, aliases in COLLECTIVES.items() for alias in aliases}
 _FIELDS = ("shardlib_profile", "machine", "backend", "device", "world_size", "gemm", "memory_bytes_per_s",
            "collectives")
-_OPTIONAL = ("op_seconds", "cores")  # older profiles lack them: 0 s per op, cores unknown
+#: older profiles lack them: 0 s per op, the optimizer at the element-wise bandwidth, cores unknown
+_OPTIONAL = ("op_seconds", "optimizer_bytes_per_s", "cores")
 _MAX_FILE_BYTES = 16 << 20  # a profile is a few KiB; anything this large is not one
 
 
@@ -95,6 +96,7 @@ class Profile:
     collectives: dict[str, dict[int, LinkFit]]
     op_seconds: float = 0.0  # optional: the fixed cost of one eager op (dispatch, Python), all ranks busy
     cores: int | None = None  # optional: the CPU cores the ranks shared (CPU profiles): idle ranks free them
+    optimizer_bytes_per_s: float = 0.0  # optional: an AdamW step's counted traffic per second (0: element-wise's)
 
     # ---------------------------------------------------------------------------------------------- lookups
     def gemm_seconds(self, flops: float, dtype: str = "float32") -> float:
@@ -121,6 +123,11 @@ class Profile:
         """Seconds of elementwise work that reads and writes ``nbytes`` bytes in all."""
         return max(nbytes, 0.0) / self.memory_bytes_per_s
 
+    def optimizer_seconds(self, nbytes: float) -> float:
+        """Seconds of an optimizer step that moves ``nbytes`` (its counted traffic): at the AdamW rate calibrated,
+        else (older profiles) at the element-wise bandwidth."""
+        return max(nbytes, 0.0) / (self.optimizer_bytes_per_s or self.memory_bytes_per_s)
+
     def collective_seconds(self, op: str, group_size: int, nbytes: float) -> float:
         """Seconds of collective ``op`` (a name of :data:`COLLECTIVES`, e.g. ``all_gather_into_tensor``) over a
         group of ``group_size`` ranks, ``nbytes`` being this rank's input. A group of one costs nothing. A group
@@ -146,6 +153,8 @@ class Profile:
             lines.append(f"  gemm {dtype:<9} {min(rates):7.1f} - {max(rates):.1f} GFLOP/s per rank "
                          f"({points[0][0] / 1e6:.0f} - {points[-1][0] / 1e6:.0f} MFLOP GEMMs)")
         lines.append(f"  elementwise    {self.memory_bytes_per_s / 1e9:7.2f} GB/s per rank")
+        if self.optimizer_bytes_per_s:
+            lines.append(f"  AdamW step     {self.optimizer_bytes_per_s / 1e9:7.2f} GB/s per rank")
         if self.op_seconds:
             lines.append(f"  eager op       {self.op_seconds * 1e6:7.1f} us each" +
                          (f" ({self.cores} cores shared)" if self.cores else ""))
@@ -167,7 +176,7 @@ class Profile:
             "memory_bytes_per_s": self.memory_bytes_per_s,
             "collectives": {op: {str(n): fit._asdict() for n, fit in sorted(fits.items())}
                             for op, fits in self.collectives.items()},
-            "op_seconds": self.op_seconds, "cores": self.cores,
+            "op_seconds": self.op_seconds, "cores": self.cores, "optimizer_bytes_per_s": self.optimizer_bytes_per_s,
         }
 
     @classmethod
@@ -260,10 +269,13 @@ class _Reader:
         op_seconds = data.get("op_seconds", 0.0)
         if op_seconds != 0:
             op_seconds = self.positive(op_seconds, "op_seconds")
+        optimizer = data.get("optimizer_bytes_per_s", 0.0)
+        if optimizer != 0:
+            optimizer = self.positive(optimizer, "optimizer_bytes_per_s")
         cores = data.get("cores")
         if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
             self.fail(f"field 'cores' must be a positive integer or null, got {_shown(cores)}")
-        return Profile(op_seconds=float(op_seconds), cores=cores,
+        return Profile(op_seconds=float(op_seconds), cores=cores, optimizer_bytes_per_s=float(optimizer),
                        machine=values["machine"], backend=self.choice(values["backend"], "backend", BACKENDS),
                        device=self.choice(values["device"], "device", DEVICES), world_size=world,
                        gemm=self.gemm(values["gemm"]),
