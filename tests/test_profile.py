@@ -92,6 +92,18 @@ def test_elementwise_seconds():
     assert Profile.from_dict(VALID).elementwise_seconds(3e10) == pytest.approx(3.0)
 
 
+def test_optimizer_seconds_at_the_adamw_rate_else_elementwise(tmp_path):
+    older = Profile.from_dict(VALID)  # no AdamW rate measured: the element-wise bandwidth
+    assert older.optimizer_bytes_per_s == 0.0 and older.optimizer_seconds(3e10) == pytest.approx(3.0)
+    measured = Profile.from_dict({**VALID, "optimizer_bytes_per_s": 5e9})
+    assert measured.optimizer_seconds(3e10) == pytest.approx(6.0)
+    assert "AdamW step        5.00 GB/s per rank" in measured.summary()
+    measured.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == measured
+    assert "field 'optimizer_bytes_per_s' must be a positive number" in _refusal(
+        tmp_path, {**VALID, "optimizer_bytes_per_s": -1.0})
+
+
 def test_collective_seconds_names_and_group_sizes():
     profile = Profile.from_dict(_changed("collectives.all_to_all.2", {"latency_s": 1e-3, "bytes_per_s": 1e8}))
     assert profile.collective_seconds("all_reduce", 2, 1e9) == pytest.approx(1e-4 + 1.0)
@@ -180,6 +192,7 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in numbers)
     assert set(profile.gemm) == {"float32", "bfloat16"} and len(profile.gemm["float32"]) >= 2
     assert all(set(fits) == {2} for fits in profile.collectives.values())
+    assert math.isfinite(profile.optimizer_bytes_per_s) and profile.optimizer_bytes_per_s > 0
     profile.save(tmp_path / "measured.json")
     assert load_profile(tmp_path / "measured.json", world_size=2) == profile
 

@@ -52,7 +52,6 @@ class ModuleWork:
     traffic: int = 0
     saved: int = 0
     ops: int = 0  # every op dispatched (each has a fixed cost in eager mode)
-    views: int = 0  # of them, views (no kernel, no new storage: a cheaper dispatch)
 
     @property
     def flops(self) -> int:
@@ -64,7 +63,6 @@ class ModuleWork:
         self.traffic += other.traffic * times
         self.saved += other.saved * times
         self.ops += other.ops * times
-        self.views += other.views * times
 
 
 class SavedCounter:
@@ -137,9 +135,7 @@ class WorkRecorder(TorchDispatchMode):
                                    "gemm" if func._overloadpacket in flop_registry else
                                    "view" if func.is_view else "other")
         self.work[self.where()].ops += 1
-        if kind == "view":
-            self.work[self.where()].views += 1
-        elif kind == "gemm":
+        if kind == "gemm":
             flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
             gemms = self.work[self.where()].gemms
             gemms[flops] = gemms.get(flops, 0) + 1

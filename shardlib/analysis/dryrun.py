@@ -261,7 +261,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
     peak, peak_with_gradients = work.peaks([p.grad for p in params if p.grad is not None])
     memory = MemoryCounts(work.saved_bytes(), peak, peak_with_gradients, step.peaks([])[0],
                           sum(w.traffic for w in step.work.values()))
-    per_layer = [LayerWork(layer, sorted(w.gemms.items()), w.traffic, w.saved, w.ops, w.views)
+    per_layer = [LayerWork(layer, sorted(w.gemms.items()), w.traffic, w.saved, w.ops)
                  for layer, w in by_layer(work.work, layers).items()]
     per_microbatch = [c for c in recorder.records if c.phase != "step"]
     info = StageInfo(index=index, layers=layers, modules=modules, parameter_bytes=state.report.local_bytes,

@@ -65,15 +65,13 @@ class ZeroBytes:
 class LayerWork:
     """The compute of one trunk layer (``layer``: its path; "" for the rest of the stage) in one microbatch,
     forward and backward: ``gemms`` (FLOPs of one matrix multiply or attention call, calls), ``traffic`` (bytes the
-    other ops read and write), ``saved`` (bytes saved for backward), ``ops`` (every op run), ``views`` (of them,
-    views)."""
+    other ops read and write), ``saved`` (bytes saved for backward), ``ops`` (every op run)."""
 
     layer: str
     gemms: list[tuple[int, int]]
     traffic: int
     saved: int
     ops: int = 0
-    views: int = 0
 
     @property
     def flops(self) -> int:

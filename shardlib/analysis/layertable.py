@@ -240,7 +240,7 @@ class LayerTable:
         one, two = (run.by_root[_shallow_path(root, self.depth)] for run in self.runs)
         work = LayerWork(root, _gemms_at(one.work.gemms, two.work.gemms, b),
                          _affine(one.work.traffic, two.work.traffic, b), _affine(one.work.saved, two.work.saved, b),
-                         two.work.ops, two.work.views)
+                         two.work.ops)
         inputs = [TensorSpec(y.shape, y.dtype, _affine(x.bytes, y.bytes, b), y.requires_grad)
                   for x, y in zip(one.inputs, two.inputs)]
         return work, _collectives_at(one.collectives, two.collectives, b), inputs
@@ -249,7 +249,7 @@ class LayerTable:
         b, last = layout.batch, index == layout.pp - 1
         roots = list(plan.modules[index]) + ([""] if last else [])
         layers = list(plan.layers[index])
-        outside = LayerWork("", [], 0, 0)
+        outside = LayerWork("", [], 0, 0, 0)
         work, collectives = [], []
         for root in roots:
             w, c, _ = self._root_at(root, b)
@@ -261,7 +261,6 @@ class LayerTable:
                 outside.traffic += w.traffic
                 outside.saved += w.saved
                 outside.ops += w.ops
-                outside.views += w.views
                 collectives.append(LayerCollectives("", c))
         work.append(outside)
         merged = [c for entry in collectives if not entry.layer for c in entry.collectives]
