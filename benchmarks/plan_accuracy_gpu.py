@@ -11,6 +11,10 @@ print the cost model's prediction (the layout search's own pricing, ``shardlib.a
 * the measured step: the median of ``--steps`` calls of ``Trainer.train_step`` on a batch already on the device,
   each between two ``torch.cuda.synchronize()``; rounds interleave the layouts, the figure is the median over rounds.
 
+``--terms`` adds what each step is made of (``_gpu_time_terms.py``: kernel time by class, the host-bound step at a
+tiny batch, the fixed costs); ``--model vit-base|bert-large|t5-base`` with ``--seq``, ``--batches``,
+``--precisions`` and ``--checkpointing`` measure the other models of issue 36 (``benchmarks/gpu_time_check.sh``).
+
     python benchmarks/plan_accuracy_gpu.py                       # BERT-base (12 layers, MLM), 3 rounds
     python benchmarks/plan_accuracy_gpu.py --json out.json --profile-out gpu.json
     .venv/bin/python benchmarks/plan_accuracy_gpu.py --cpu --layers 2 --rounds 1   # the logic on CPU (no peaks)

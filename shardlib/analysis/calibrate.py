@@ -203,7 +203,8 @@ def _rank_main(rank: int, config: dict) -> None:
         data = {"shardlib_profile": 1, "machine": _machine_name(device, settings.threads), "backend": backend,
                 "device": device.type, "world_size": world_size, "gemm": _gemm_rates(clock, settings.shapes),
                 "memory_bytes_per_s": _bandwidth(clock), "collectives": _collective_fits(clock, settings),
-                "op_seconds": _op_seconds(clock), "optimizer_bytes_per_s": _optimizer_bandwidth(clock), "cores": os.cpu_count() if device.type == "cpu" else None}
+                "op_seconds": _op_seconds(clock), "optimizer_bytes_per_s": _optimizer_bandwidth(clock),
+                "cores": os.cpu_count() if device.type == "cpu" else None}
         if rank == 0:
             Profile.from_dict(data, source="calibration").save(config["out"])
         dist.barrier()
@@ -248,27 +249,6 @@ class _Clock:
         times = [self._timed(run, iters) for _ in range(self.settings.repeats)]
         return self.agreed(statistics.median(times))
 
-    def device_seconds(self, run) -> float:
-        """Seconds of the device's work in one ``run()`` (CUDA): iterations queued behind a sleeping kernel, so
-        that the device runs them back to back whatever the host's launch time, timed by CUDA events; sized to
-        ``target_s`` (at most 200), the median of ``repeats`` timings, agreed over ranks."""
-        run()
-        once = self._device_timed(run, 1)
-        iters = max(1, min(200, round(self.settings.target_s / max(once, 1e-7))))
-        return self.agreed(statistics.median(self._device_timed(run, iters) for _ in range(self.settings.repeats)))
-
-    def _device_timed(self, run, iters: int) -> float:
-        cuda = self.torch.cuda
-        begin, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        self.sync()
-        cuda._sleep(40_000_000)  # ~20 ms of a 2 GHz GPU: longer than the host takes to queue 200 iterations
-        begin.record()
-        for _ in range(iters):
-            run()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end) / 1e3 / iters
-
     def _timed(self, run, iters: int) -> float:
         """Seconds per ``run()`` from a common start (a barrier) until every rank is done (a barrier): a rank the
         scheduler ran late stretches every rank's time, as it stretches a training step."""
@@ -285,14 +265,11 @@ def _gemm_rates(clock: _Clock, shapes) -> dict[str, list[list[float]]]:
     """dtype -> [[flops per GEMM, flops per second], ...] over ``shapes`` (by increasing flops), each rank
     multiplying at once; stops at the first size whose GEMM would take longer than :data:`GEMM_MAX_S`.
 
-    On a GPU a shape (m, k, n) is timed as the three GEMMs of a linear layer in training, on the device alone
-    (:meth:`_Clock.device_seconds`): forward ``x @ W.T``, input gradient ``dy @ W`` and weight gradient ``dy.T @ x``.
-    Their transposes run different kernels (measured on an H100 in float32: 10-20% apart), and the host's time to
-    launch them is priced apart (``op_seconds``): without both, a model's GEMMs were priced 5-20% fast and tiny
-    ones at the host's launch rate. On a CPU, whose cores both dispatch and multiply, ``a @ b`` as timed."""
+    (Tried on an H100, 2026-11-27, and not kept: each shape timed as a linear's three training GEMMs on the device
+    alone. Models' GEMM kernels ran 5-37% longer than either calibration priced them; the device-only rates were
+    further off in bf16 and no nearer in fp32: docs/benchmarks.md, "Time terms on one H100".)"""
     torch = clock.torch
-    cuda = clock.device.type == "cuda"
-    dtypes = ("float32", "bfloat16", "float16") if cuda else ("float32", "bfloat16")
+    dtypes = ("float32", "bfloat16", "float16") if clock.device.type == "cuda" else ("float32", "bfloat16")
     rates: dict[str, list[list[float]]] = {}
     for name in dtypes:
         points = rates[name] = []
@@ -301,16 +278,6 @@ def _gemm_rates(clock: _Clock, shapes) -> dict[str, list[list[float]]]:
             if points and flops / points[-1][1] > GEMM_MAX_S:
                 break
             dtype = getattr(torch, name)
-            if cuda:
-                x, w, dy = (torch.randn(*shape, dtype=dtype, device=clock.device) for shape in ((m, k), (n, k), (m, n)))
-
-                def linear(x=x, w=w, dy=dy):
-                    x @ w.t()
-                    dy @ w
-                    dy.t() @ x
-
-                points.append([flops, 3 * flops / clock.device_seconds(linear)])
-                continue
             a = torch.randn(m, k, dtype=dtype, device=clock.device)
             b = torch.randn(k, n, dtype=dtype, device=clock.device)
             c = torch.empty(m, n, dtype=dtype, device=clock.device)
@@ -322,7 +289,8 @@ def _optimizer_bandwidth(clock: _Clock, nbytes: int = 64 << 20, tensors: int = 1
     """Bytes per second of an AdamW step (``foreach``, the default, as the Trainer builds it) over ``tensors``
     float32 parameters of ``nbytes`` in all: the memory traffic the dry run counts for that step (the same
     :class:`~.counting.WorkRecorder` over the same step) per second of it. Its multi-tensor kernels move their
-    bytes slower than one large ``add_`` (an H100: 1.43x the time the element-wise bandwidth gives)."""
+    bytes slower than one large ``add_``: an H100 1.86 against 2.53 TB/s (its optimizer kernels then took 0.97-1.01x
+    the time priced, 1.36-1.44x with the element-wise rate), this 2-core CPU 8 against 23 GB/s."""
     from .dryrun import _adamw_state
 
     torch = clock.torch
@@ -331,8 +299,7 @@ def _optimizer_bandwidth(clock: _Clock, nbytes: int = 64 << 20, tensors: int = 1
         p.grad = torch.full_like(p, 1e-3)
     traffic = sum(w.traffic for w in _adamw_state(params)[1].work.values())
     optimizer = torch.optim.AdamW(params, foreach=True)
-    timed = clock.device_seconds if clock.device.type == "cuda" else clock.seconds
-    return traffic / timed(optimizer.step)
+    return traffic / clock.seconds(optimizer.step)
 
 
 def _bandwidth(clock: _Clock, nbytes: int = 32 << 20) -> float:
