@@ -73,7 +73,9 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 # ``late_imports``: their memory would count as the model's)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "torch.utils.checkpoint",
            "torch.profiler._cupti_monitor", "transformers", "transformers.models.bert.modeling_bert",
-           "transformers.models.t5.modeling_t5", "transformers.models.vit.modeling_vit", "shardlib",
+           "transformers.models.t5.modeling_t5", "transformers.models.vit.modeling_vit",
+           "transformers.models.llama.modeling_llama", "shardlib", "shardlib.sharding.inference.cuts",
+           "shardlib.sharding.inference.verify",
            "shardlib.checkpoint.loading", "shardlib.sharding.sharder", "shardlib.sharding.sequence",
            "shardlib.sharding.all_to_all", "shardlib.policies.bert", "shardlib.policies.t5", "shardlib.pipeline",
            "shardlib.kernels.attention", "shardlib.kernels.epilogues", "shardlib.kernels.fused_qkv",
@@ -218,6 +220,17 @@ def _preload() -> None:
         importlib.import_module(name)
 
 
+def _resolve_plan(spec, job: dict) -> None:
+    """Resolve the model's plan before the baseline, as ``shard()`` will (``resolve_policy``; inferred once per
+    class and config structure, then cached). For a family without a hand policy the inference imports torch.export,
+    AOT autograd and networkx (~400 modules, 20-27 MiB of RSS once per process, measured for llama-256): runtime,
+    not the model's memory, and what ``late_imports`` exists to keep out of the peak."""
+    from shardlib.analysis.metarun import meta_model
+    from shardlib.sharding.sharder import resolve_policy
+
+    resolve_policy(meta_model(spec.config(job.get("layers")), spec.cls))
+
+
 def _mallopt(param: int, value: int) -> None:
     try:
         ctypes.CDLL("libc.so.6").mallopt(param, int(value))
@@ -260,6 +273,7 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
 
     layout, spec = Layout(**job["layout"]), MODELS[job["model"]]
     mesh = shardlib.init_mesh(dp=layout.dp, pp=layout.pp, tp=layout.tp, sp=layout.sp, timeout_s=job["timeout_s"])
+    _resolve_plan(spec, job)
     modules = set(sys.modules)
     rec = dict(rank=rank, baseline=_settled_rss(), timeline={})
     gc.freeze()  # what exists now is never garbage: the collections before the steps scan the new objects only
