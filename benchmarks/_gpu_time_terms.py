@@ -23,7 +23,7 @@ KERNEL_CLASSES = (
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv", "splitk", "sm90_", "sm80_", "ampere_")),
 )
 #: host calls that wait for the device (their CPU time is the host waiting, not dispatching)
-WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def kernel_class(name: str) -> str:
@@ -59,7 +59,7 @@ def kernel_terms(step, steps: int = 3) -> dict:
             by_class[kernel_class(e.name)] = by_class.get(kernel_class(e.name), 0.0) + us
             by_name[e.name] = by_name.get(e.name, 0.0) + us
             kernels += 1
-        elif e.name in WAITS and e.name != "aten::_local_scalar_dense":
+        elif e.name in WAITS:
             waits += e.cpu_time_total
     return {"kernel_ms": {k: v / 1e3 / steps for k, v in by_class.items()}, "kernels": kernels / steps,
             "profiled_ms": wall * 1e3 / steps, "wait_ms": waits / 1e3 / steps,

@@ -266,8 +266,8 @@ def _gemm_rates(clock: _Clock, shapes) -> dict[str, list[list[float]]]:
     multiplying at once; stops at the first size whose GEMM would take longer than :data:`GEMM_MAX_S`.
 
     (Tried on an H100, 2026-11-27, and not kept: each shape timed as a linear's three training GEMMs on the device
-    alone. Models' GEMM kernels ran 5-37% longer than either calibration priced them; the device-only rates were
-    further off in bf16 and no nearer in fp32: docs/benchmarks.md, "Time terms on one H100".)"""
+    alone. The models' GEMM kernels ran 1.04-1.22x the time these rates priced; the device-only rates did no better
+    in fp32 and worse in bf16 (1.2-1.6x): docs/benchmarks.md, "Time terms on one H100".)"""
     torch = clock.torch
     dtypes = ("float32", "bfloat16", "float16") if clock.device.type == "cuda" else ("float32", "bfloat16")
     rates: dict[str, list[list[float]]] = {}

@@ -5,7 +5,8 @@ into seconds. It holds three kinds of measurement, each taken with all ``world_s
 how training runs: four ranks sharing two cores each get less than one rank alone):
 
 * ``gemm``: matmul throughput per dtype at several GEMM sizes (a small GEMM runs far below peak);
-* ``memory_bytes_per_s``: elementwise bandwidth (bytes read + written per second);
+* ``memory_bytes_per_s``: elementwise bandwidth (bytes read + written per second); ``optimizer_bytes_per_s``
+  (optional): an AdamW step's, by the bytes the dry run counts for it;
 * ``collectives``: per op and group size, ``time(bytes) = latency_s + bytes / bytes_per_s``, where bytes are what
   this rank puts in (the collective's input tensor).
 
