@@ -101,6 +101,9 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     gradients = max(z.gradients) if z else stage.gradient_bytes
     in_flight = _in_flight(layout, stage.index)
     ddp = zero == 0 and dp > 1 and layout.pp == 1
+    # under a pipeline ZeRO-1 reduce-scatters once after the schedule, when no activation is left: its flat bucket
+    # then sits beside the whole gradients only (the step's moment below), not beside a microbatch's backward
+    pipelined = layout.pp > 1
     fresh = zero == 0 and not ddp and layout.pp == 1 and layout.microbatches == 1
     # ZeRO-1 reduce-scatters in the last backward of the step: with one microbatch per stage, that is ZeRO-2
     scatters_in_backward = zero == 2 or (zero == 1 and layout.microbatches == 1)
@@ -111,20 +114,21 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
         terms["gradients"] = gradients + per_layer
     elif scatters_in_backward:  # the shards, and the flat bucket in flight
         terms["gradients"] = max(_zero_bytes(stage, 2).gradients) + _largest_bucket(stage, dp)
-    elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket at its end)
-        terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 else 0)
+    elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket in its last backward)
+        terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 and not pipelined else 0)
     terms["activations"] = (in_flight - 1) * counts.activation_bytes
     running = counts.peak_with_gradients if fresh else counts.peak_bytes
     terms["running microbatch"] = running
-    backward = sum(terms.values())
     temporaries = counts.optimizer_peak_bytes // (dp if zero else 1)
     if scatters_in_backward:
         gradients = max(_zero_bytes(stage, 2).gradients)
-    step = params + optimizer + gradients + temporaries + (terms.get("gathered parameters", 0))
-    if step > backward:  # the optimizer step is the peak: say so in the terms
-        return {"parameters": params, "optimizer state": optimizer, "gradients": gradients,
-                "optimizer temporaries": temporaries + terms.get("gathered parameters", 0)}
-    return terms
+    step = {"parameters": params, "optimizer state": optimizer, "gradients": gradients,
+            "optimizer temporaries": temporaries + terms.get("gathered parameters", 0)}
+    moments = [terms, step]  # backward's, the optimizer step's (the first of equal ones)
+    if zero == 1 and pipelined and not scatters_in_backward:  # the reduce-scatter after the schedule
+        moments.append({"parameters": params, "optimizer state": optimizer,
+                        "gradients": stage.gradient_bytes + _largest_bucket(stage, dp)})
+    return max(moments, key=lambda t: sum(t.values()))
 
 
 # -------------------------------------------------------------------------------------------------------- time
