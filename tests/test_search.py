@@ -239,3 +239,34 @@ def test_a_pipeline_on_shared_cores_is_bound_by_its_total_work():
     deep = Layout(pp=4, microbatches=2, batch=2, seq=8)
     times = _schedule(long_path, deep, shared)  # mean 2 x 2 = 4; critical (8 + 5) / 2 = 6.5
     assert times["compute"] == 4.0 and times["pipeline bubble"] == 2.5
+
+
+def test_pipeline_memory_moments_gpipe_and_zero1():
+    """GPipe runs every forward before any backward, so the first backward starts with no gradient of the step (the
+    second with the first's, one microbatch fewer); ZeRO-1 under a pipeline reduce-scatters after the schedule, so
+    its flat bucket sits beside the whole gradients, not beside a microbatch's backward (docs/planning.md)."""
+    from shardlib.analysis.costmodel import _largest_bucket, stage_memory
+    from shardlib.analysis.search import _Pricer
+    from shardlib.analysis.metarun import planned_policy
+
+    spec = {**BERT, "config": {**BERT["config"], "layers": 4}}
+    full = meta_model(cases(spec).make_model(spec))
+    pricer = _Pricer(full, planned_policy(full), "cpu")
+
+    def first_stage(**kw):
+        layout = Layout(dp=2, pp=2, batch=2, seq=16, **kw)
+        report = pricer.report(layout)
+        stage = report.stages[0]
+        return layout, stage, stage_memory(report, layout, stage)
+
+    layout, stage, one = first_stage(schedule="gpipe", microbatches=1)
+    assert one["gradients"] == 0 and one["activations"] == 0
+    assert sum(one.values()) == stage.parameter_bytes + stage.optimizer_bytes + stage.memory.peak_bytes
+    layout, stage, four = first_stage(schedule="gpipe", microbatches=4)
+    act, grads = stage.memory.activation_bytes, stage.gradient_bytes
+    base = stage.parameter_bytes + stage.optimizer_bytes + stage.memory.peak_bytes
+    assert sum(four.values()) == max(base + 3 * act, base + 2 * act + grads)
+    layout, stage, zero1 = first_stage(schedule="1f1b", microbatches=4, zero=1)
+    assert zero1.get("gradients") == grads and _largest_bucket(stage, 2) > 0  # no bucket during backward
+    static = zero1["parameters"] + zero1["optimizer state"]
+    assert sum(zero1.values()) >= static + grads + _largest_bucket(stage, 2)  # the reduce-scatter's moment

@@ -3,14 +3,16 @@
 and the step time, each with its breakdown. It counts nothing itself (the dry run does) and enumerates nothing (the
 search does); docs/planning.md explains every term.
 
-Memory, on the rank of each stage that holds the most (the worst dp rank), is the larger of two moments:
+Memory, on the rank of each stage that holds the most (the worst dp rank), is the largest of these moments:
 
 * backward: parameters + optimizer state + the gradients that persist through backward (DDP's buckets; the
   gradients of earlier microbatches; ZeRO-2's shards and its bucket in flight) + the activations of the
   microbatches the schedule keeps in flight, less one, + the peak the running microbatch adds (counted on the
   dry run: its activations, transients like logits, and its gradients where none persisted before);
 * optimizer step: parameters + optimizer state + gradients + the optimizer's temporaries (counted on a meta AdamW
-  step; a 1/dp share under ZeRO).
+  step; a 1/dp share under ZeRO);
+* under GPipe the backward moment is the first backward's (no gradient of the step yet) or the second's; ZeRO-1
+  under a pipeline adds the reduce-scatter after the schedule (whole gradients + one flat bucket).
 
 Time: a microbatch on a stage costs its GEMMs (each priced at its size by the profile), the memory traffic of its
 other ops and the fixed cost of dispatching every op (on a CPU added to the work; on a GPU, which runs kernels while
@@ -119,12 +121,19 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     terms["activations"] = (in_flight - 1) * counts.activation_bytes
     running = counts.peak_with_gradients if fresh else counts.peak_bytes
     terms["running microbatch"] = running
+    backward = [terms]
+    if pipelined and layout.schedule in ("gpipe", "looped_bfs") and zero in (0, 1):
+        # every forward first, then every backward: the first backward starts before any gradient of the step
+        # exists (zero_grad freed them); the second, with the first's gradients and one microbatch fewer
+        backward = [dict(terms, gradients=0)]
+        if in_flight > 1:
+            backward.append(dict(terms, activations=(in_flight - 2) * counts.activation_bytes))
     temporaries = counts.optimizer_peak_bytes // (dp if zero else 1)
     if scatters_in_backward:
         gradients = max(_zero_bytes(stage, 2).gradients)
     step = {"parameters": params, "optimizer state": optimizer, "gradients": gradients,
             "optimizer temporaries": temporaries + terms.get("gathered parameters", 0)}
-    moments = [terms, step]  # backward's, the optimizer step's (the first of equal ones)
+    moments = backward + [step]  # backward's, the optimizer step's (the first of equal ones)
     if zero == 1 and pipelined and not scatters_in_backward:  # the reduce-scatter after the schedule
         moments.append({"parameters": params, "optimizer state": optimizer,
                         "gradients": stage.gradient_bytes + _largest_bucket(stage, dp)})
