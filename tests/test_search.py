@@ -270,3 +270,10 @@ def test_pipeline_memory_moments_gpipe_and_zero1():
     assert zero1.get("gradients") == grads and _largest_bucket(stage, 2) > 0  # no bucket during backward
     static = zero1["parameters"] + zero1["optimizer state"]
     assert sum(zero1.values()) >= static + grads + _largest_bucket(stage, 2)  # the reduce-scatter's moment
+    # under checkpointing a non-last stage's backward first re-materializes a layer: its saved bytes without it
+    ckpt = Layout(dp=2, pp=2, batch=2, seq=16, microbatches=2, activation_checkpointing=True)
+    stage = pricer.report(ckpt).stages[0]
+    plain = pricer.report(replace(ckpt, activation_checkpointing=False)).stages[0]
+    largest = max(w.saved for w in plain.work if w.layer)
+    assert largest > max(w.saved for w in stage.work if w.layer)
+    assert stage.memory.peak_bytes == stage.memory.activation_bytes + largest

@@ -15,7 +15,8 @@ may differ (T5's holds the relative position bias), the others are alike.
 model as the pipeline splitter cuts them, each the sum of its roots. Exact where nothing depends on the cut (the
 parameter, gradient, optimizer and ZeRO bytes, GEMMs, traffic, collectives and saved activations per stage);
 estimated where it does: a stage's transient peak (the last stage's is the shallow run's, which the head and loss
-make; another stage's, its largest layer's saved bytes), the tensors sent between stages (the next stage's first
+make; another stage's, its largest layer's saved bytes, without checkpointing: what a recompute re-materializes),
+the tensors sent between stages (the next stage's first
 layer's inputs) and the tied-weight sums (one all-reduce of each weight shared across stages). tests/test_search.py
 compares both with :func:`shardlib.plan`.
 """
@@ -184,9 +185,12 @@ class LayerTable:
 
     def __init__(self, full: nn.Module, policy, *, tp: int, sp: int, mode, mode_name: str,
                  activation_checkpointing: bool, seq: int, like: "LayerTable | None" = None,
-                 precision: str = "fp32", device_type: str = "cpu"):
+                 precision: str = "fp32", device_type: str = "cpu", plain: "LayerTable | None" = None):
         from .metarun import meta_model
 
+        #: under activation checkpointing, the same mesh's table without it: a checkpointed layer's backward first
+        #: re-materializes what that table's layer saves (a non-last stage's transient)
+        self.plain = plain
         self.full, self.policy, self.mode_name = full, policy, mode_name
         self.checkpointing, self.seq = activation_checkpointing, seq
         self.precision, self.device_type = precision, device_type
@@ -315,8 +319,11 @@ class LayerTable:
             peak = saved + _affine(*(r.memory.peak_bytes - r.memory.activation_bytes for r in self.runs), layout.batch)
             with_gradients = peak + _affine(*(r.memory.peak_with_gradients - r.memory.peak_bytes for r in self.runs),
                                             layout.batch)
-        else:  # a layer's backward: about its saved bytes again, as activation gradients
-            peak = with_gradients = saved + max((w.saved for w in work if w.layer), default=0)
+        else:  # a layer's backward: about its saved bytes again, as activation gradients; under checkpointing what
+            # its recompute re-materializes (the layer's saved bytes without checkpointing)
+            source = self.plain or self
+            largest = max((source._root_at(w.layer, layout.batch)[0].saved for w in work if w.layer), default=0)
+            peak = with_gradients = saved + largest
         stepped = self.runs[0]  # the run that stepped AdamW: its temporaries and traffic scale with the parameters
         scale = nbytes / max(1, stepped.parameter_bytes)
         memory = MemoryCounts(saved, peak, with_gradients, int(stepped.memory.optimizer_peak_bytes * scale),

@@ -113,11 +113,13 @@ class _Pricer:
         if key not in self.tables:
             like = next((t for k, t in self.tables.items() if k[:3] == key[:3] and isinstance(t, LayerTable)), None)
             try:
+                plain = self.table(replace(layout, activation_checkpointing=False)) \
+                    if layout.activation_checkpointing else None
                 self.tables[key] = LayerTable(self.full, self.policy, tp=layout.tp, sp=layout.sp,
                                               mode=MODES[layout.sequence_parallel], mode_name=layout.sequence_parallel,
                                               activation_checkpointing=layout.activation_checkpointing,
                                               seq=layout.seq, like=like, precision=layout.precision,
-                                              device_type=self.device_type)
+                                              device_type=self.device_type, plain=plain)
             except (PlanError, PlanInputError) as exc:
                 self.tables[key] = " ".join(str(exc).split())
         found = self.tables[key]
