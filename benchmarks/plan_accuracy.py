@@ -165,7 +165,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after the warm-up and "
                                                              "memory steps)")
     parser.add_argument("--layers", type=int, default=None, help="layers per stack (default: each model's)")
-    parser.add_argument("--profile", help="a profile JSON (default: calibrate this machine first)")
+    parser.add_argument("--profile", help="a profile JSON (default: calibrate this machine first; with --reprice, "
+                                          "the run's own)")
     parser.add_argument("--out", default="benchmarks/results/plan_accuracy.json")
     parser.add_argument("--plot", default="docs/img/plan_accuracy.png")
     parser.add_argument("--only", metavar="WORDS", help="measure only the layouts whose name holds every word "
@@ -179,6 +180,12 @@ def main() -> int:
     started = time.perf_counter()
     if args.profile:
         profile = load_profile(args.profile, world_size=4)
+    elif args.reprice:  # the run's own profile: a re-price compares cost models on the same measurements
+        import json
+
+        from shardlib.analysis.profile import Profile
+
+        profile = Profile.from_dict(json.loads(open(args.reprice).read())["profile"], source=args.reprice)
     else:
         print("calibrating this machine (4 ranks)...", flush=True)
         profile = calibrate(4)
