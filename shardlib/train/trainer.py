@@ -346,6 +346,7 @@ class Trainer:
                         loss = self.loss_fn(out[next(iter(out.keys()))])
                     else:
                         loss = as_loss(out, "forward_step" if self.custom_forward else type(self.model).__name__)
+                    del out  # the other outputs (an LM's logits: batch x vocabulary) would live through backward
                 scaled = self._scale(loss, w)
                 scaled.backward()
             loss_sum = scaled.detach() if loss_sum is None else loss_sum + scaled.detach()
