@@ -146,3 +146,15 @@ def test_training_arguments_refuse_invalid_values(field, value, message):
 def test_training_arguments_defaults_are_valid():
     args = TrainingArguments()
     assert args.trainer_options()["max_grad_norm"] == 1.0 and args.fit_options()["lr_scheduler"] is None
+
+
+def test_the_model_outputs_are_freed_before_backward(model):
+    """The step keeps the loss alone through backward: a language model's logits (batch x vocabulary) held by the
+    outputs object would add one such tensor to every step's peak (the dry run, rightly, counts none)."""
+    import weakref
+
+    held, alive_in_backward = [], []
+    model.register_forward_hook(lambda module, args, output: held.append(weakref.ref(output.logits)))
+    model.classifier.weight.register_hook(lambda grad: alive_in_backward.append(held[-1]() is not None))
+    shardlib.Trainer(model, sgd).train_step(batch())
+    assert alive_in_backward == [False]
