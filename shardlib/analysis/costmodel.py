@@ -6,13 +6,14 @@ search does); docs/planning.md explains every term.
 Memory, on the rank of each stage that holds the most (the worst dp rank), is the largest of these moments:
 
 * backward: parameters + optimizer state + the gradients that persist through backward (DDP's buckets; the
-  gradients of earlier microbatches; ZeRO-2's shards and its bucket in flight) + the activations of the
+  gradients of earlier microbatches; ZeRO-2's shards) + the activations of the
   microbatches the schedule keeps in flight, less one, + the peak the running microbatch adds (counted on the
   dry run: its activations, transients like logits, and its gradients where none persisted before);
 * optimizer step: parameters + optimizer state + gradients + the optimizer's temporaries (counted on a meta AdamW
   step; a 1/dp share under ZeRO);
 * under GPipe the backward moment is the first backward's (no gradient of the step yet) or the second's; ZeRO-1
-  under a pipeline adds the reduce-scatter after the schedule (whole gradients + one flat bucket).
+  under a pipeline adds the reduce-scatter after the schedule (whole gradients + one flat bucket); ZeRO-2 (and
+  ZeRO-1 with one microbatch) the end of backward (its shards + two flat buckets: one filling, one in flight).
 
 Time: a microbatch on a stage costs its GEMMs (each priced at its size by the profile), the memory traffic of its
 other ops and the fixed cost of dispatching every op (on a CPU added to the work; on a GPU, which runs kernels while
@@ -114,8 +115,8 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
         per_layer = stage.parameter_bytes // max(1, len(stage.layers))
         terms["gathered parameters"] = 2 * per_layer
         terms["gradients"] = gradients + per_layer
-    elif scatters_in_backward:  # the shards, and the flat bucket in flight
-        terms["gradients"] = max(_zero_bytes(stage, 2).gradients) + _largest_bucket(stage, dp)
+    elif scatters_in_backward:  # the shards (a bucket's gradients exist only once backward is under way: below)
+        terms["gradients"] = max(_zero_bytes(stage, 2).gradients)
     elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket in its last backward)
         terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 and not pipelined else 0)
     terms["activations"] = (in_flight - 1) * counts.activation_bytes
@@ -134,6 +135,9 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     step = {"parameters": params, "optimizer state": optimizer, "gradients": gradients,
             "optimizer temporaries": temporaries + terms.get("gathered parameters", 0)}
     moments = backward + [step]  # backward's, the optimizer step's (the first of equal ones)
+    if scatters_in_backward:  # backward's end: the last bucket filling, the one before it in flight, no activation
+        moments.append({"parameters": params, "optimizer state": optimizer,
+                        "gradients": max(_zero_bytes(stage, 2).gradients) + 2 * _largest_bucket(stage, dp)})
     if zero == 1 and pipelined and not scatters_in_backward:  # the reduce-scatter after the schedule
         moments.append({"parameters": params, "optimizer state": optimizer,
                         "gradients": stage.gradient_bytes + _largest_bucket(stage, dp)})
