@@ -277,3 +277,14 @@ def test_pipeline_memory_moments_gpipe_and_zero1():
     largest = max(w.saved for w in plain.work if w.layer)
     assert largest > max(w.saved for w in stage.work if w.layer)
     assert stage.memory.peak_bytes == stage.memory.activation_bytes + largest
+    # ZeRO-2: no bucket of gradients at the running microbatch's peak, two at backward's end
+    zero2 = Layout(dp=2, batch=2, seq=16, zero=2)
+    report = pricer.report(zero2)
+    stage = report.stages[0]
+    terms = stage_memory(report, zero2, stage)
+    shards = max(next(z for z in stage.zero if z.zero == 2).gradients)
+    static = terms["parameters"] + terms["optimizer state"]
+    assert sum(terms.values()) >= static + shards + 2 * _largest_bucket(stage, 2)
+    assert sum(terms.values()) >= static + shards + stage.memory.peak_bytes
+    if "running microbatch" in terms:
+        assert terms["gradients"] == shards
