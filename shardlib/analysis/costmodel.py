@@ -104,20 +104,21 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     gradients = max(z.gradients) if z else stage.gradient_bytes
     in_flight = _in_flight(layout, stage.index)
     ddp = zero == 0 and dp > 1 and layout.pp == 1
-    # under a pipeline ZeRO-1 reduce-scatters once after the schedule, when no activation is left: its flat bucket
-    # then sits beside the whole gradients only (the step's moment below), not beside a microbatch's backward
     pipelined = layout.pp > 1
     fresh = zero == 0 and not ddp and layout.pp == 1 and layout.microbatches == 1
     # ZeRO-1 reduce-scatters in the last backward of the step: with one microbatch per stage, that is ZeRO-2
     scatters_in_backward = zero == 2 or (zero == 1 and layout.microbatches == 1)
+    if scatters_in_backward:  # what persists: the shards
+        gradients = max(_zero_bytes(stage, 2).gradients)
     terms = {"parameters": params, "optimizer state": optimizer}
     if zero == 3:  # FSDP2 gathers a layer's parameters (and the next one's, prefetched) and its gradients
         per_layer = stage.parameter_bytes // max(1, len(stage.layers))
         terms["gathered parameters"] = 2 * per_layer
         terms["gradients"] = gradients + per_layer
     elif scatters_in_backward:  # the shards (a bucket's gradients exist only once backward is under way: below)
-        terms["gradients"] = max(_zero_bytes(stage, 2).gradients)
-    elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket in its last backward)
+        terms["gradients"] = gradients
+    elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket in its last backward; under a
+        # pipeline it reduce-scatters after the schedule instead, when no activation is left: a moment below)
         terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 and not pipelined else 0)
     terms["activations"] = (in_flight - 1) * counts.activation_bytes
     running = counts.peak_with_gradients if fresh else counts.peak_bytes
@@ -130,14 +131,12 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
         if in_flight > 1:
             backward.append(dict(terms, activations=(in_flight - 2) * counts.activation_bytes))
     temporaries = counts.optimizer_peak_bytes // (dp if zero else 1)
-    if scatters_in_backward:
-        gradients = max(_zero_bytes(stage, 2).gradients)
     step = {"parameters": params, "optimizer state": optimizer, "gradients": gradients,
             "optimizer temporaries": temporaries + terms.get("gathered parameters", 0)}
     moments = backward + [step]  # backward's, the optimizer step's (the first of equal ones)
     if scatters_in_backward:  # backward's end: the last bucket filling, the one before it in flight, no activation
         moments.append({"parameters": params, "optimizer state": optimizer,
-                        "gradients": max(_zero_bytes(stage, 2).gradients) + 2 * _largest_bucket(stage, dp)})
+                        "gradients": gradients + 2 * _largest_bucket(stage, dp)})
     if zero == 1 and pipelined and not scatters_in_backward:  # the reduce-scatter after the schedule
         moments.append({"parameters": params, "optimizer state": optimizer,
                         "gradients": stage.gradient_bytes + _largest_bucket(stage, dp)})
