@@ -5,7 +5,8 @@ command.
 Layouts (``MODES``): ``unsharded`` (one process, both cores: a hand loop, what a user writes without shardlib),
 ``world1`` (the same model through ``shardlib.shard`` at a world of one and ``Trainer.train_step``), ``tp2`` and
 ``tp2_sp`` (two ranks of one thread each: ``shard`` at tp=2, without and with Megatron sequence parallelism, trained
-by ``Trainer.train_step``). Every layout starts from the same weights (``torch.manual_seed(0)``) and the same
+by ``Trainer.train_step``, over the default transport: shared memory on one host), ``tp2_c10d`` and ``tp2_sp_c10d``
+(the same over gloo's sockets). Every layout starts from the same weights (``torch.manual_seed(0)``) and the same
 batches, and runs AdamW.
 
 A profiled step is split into categories by each op's *self* time (``CATEGORIES``, first match wins; an op inside
@@ -31,24 +32,24 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
     "world1": (1, 2, {}),
     "tp2": (2, 1, {}),
     "tp2_sp": (2, 1, {"sequence_parallel": True}),
-    "tp2_shm": (2, 1, {}),
-    "tp2_sp_shm": (2, 1, {"sequence_parallel": True}),
+    "tp2_c10d": (2, 1, {}),
+    "tp2_sp_c10d": (2, 1, {"sequence_parallel": True}),
     # data parallel (each rank the whole model on the same batch): ZeRO-1 with its parameter all-gathers waited for
     # in the step, or overlapped with the next forward (issue 35), against zero=0 (DDP)
     **{f"dp{n}{suffix}": (n, 1, {}) for n in (2, 4) for suffix in ("_zero0", "_zero1", "_zero1_overlap")},
 }
 #: what ``step_anatomy.py`` runs without ``--modes``
-DEFAULT_MODES = ("unsharded", "world1", "tp2", "tp2_sp", "tp2_shm", "tp2_sp_shm")
-#: init_mesh options of a layout (default: tp over its ranks): the ``_shm`` layouts move tensors through shared
-#: memory, the ``dp`` ones are data parallel
-MESH_OPTIONS = {"tp2_shm": {"tp": 2, "transport": "shm"}, "tp2_sp_shm": {"tp": 2, "transport": "shm"},
+DEFAULT_MODES = ("unsharded", "world1", "tp2", "tp2_sp", "tp2_c10d", "tp2_sp_c10d")
+#: init_mesh options of a layout (default: tp over its ranks, the default transport): the ``_c10d`` layouts move
+#: tensors through gloo's sockets, the ``dp`` ones are data parallel
+MESH_OPTIONS = {"tp2_c10d": {"tp": 2, "transport": "c10d"}, "tp2_sp_c10d": {"tp": 2, "transport": "c10d"},
                 **{m: {"dp": MODES[m][0]} for m in MODES if m.startswith("dp")}}
 #: Trainer options of a layout (default: none)
 TRAINER_OPTIONS = {**{m: {"zero": 1} for m in MODES if m.endswith("_zero1")},
                    **{m: {"zero": 1, "overlap_param_gather": True} for m in MODES if m.endswith("_overlap")}}
 TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one", "tp2": "shardlib tp=2",
-          "tp2_sp": "shardlib tp=2 + SP", "tp2_shm": "shardlib tp=2, shm transport",
-          "tp2_sp_shm": "shardlib tp=2 + SP, shm transport",
+          "tp2_sp": "shardlib tp=2 + SP", "tp2_c10d": "shardlib tp=2, gloo transport",
+          "tp2_sp_c10d": "shardlib tp=2 + SP, gloo transport",
           **{f"dp{n}_zero0": f"shardlib dp={n}, zero=0" for n in (2, 4)},
           **{f"dp{n}_zero1": f"shardlib dp={n}, zero=1" for n in (2, 4)},
           **{f"dp{n}_zero1_overlap": f"shardlib dp={n}, zero=1, overlapped gathers" for n in (2, 4)}}

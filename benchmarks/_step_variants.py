@@ -51,7 +51,7 @@ def _save_gathered_inputs(full: bool):
 
 
 def _switch_transport(use_shm: bool):
-    """The tp group's tensors through shared memory (a layout whose mesh attached it: ``tp2_shm``, ``tp2_sp_shm``)
+    """The tp group's tensors through shared memory (a layout whose mesh attached it: ``tp2``, ``tp2_sp`` on one host)
     or through gloo."""
     from shardlib.parallel import shm
 
@@ -79,7 +79,7 @@ _ORIGINALS: dict = {}
 SETS = {
     # gloo's reduce-scatter (an all-reduce's cost) against shardlib's all-to-all + local sum
     "reduce-scatter": {"gloo": lambda: _switch_reduce_scatter(True), "all-to-all": lambda: _switch_reduce_scatter(False)},
-    # gloo's loopback sockets against the shared-memory transport (layouts tp2_shm, tp2_sp_shm)
+    # gloo's loopback sockets against the shared-memory transport (layouts tp2, tp2_sp)
     "transport": {"gloo": lambda: _switch_transport(False), "shm": lambda: _switch_transport(True)},
     # ZeRO's parameter all-gathers waited for in the step against overlapped with the next forward
     "param-gather": {"in-step": lambda: _overlap_param_gathers(False), "overlapped": lambda: _overlap_param_gathers(True)},

@@ -8,11 +8,18 @@
 #                                  plan_accuracy_gpu.py --reprice terms_<model>.json)
 # CHECK=1 (~3 min): an independent re-measurement instead: calibrate again (check_profile.json) and time the
 # one-GPU layouts of the four models in 2 rounds without the terms (check_<model>.json, log.txt).
+# ANATOMY=1 (~6 min): issue 34's GPU table instead: the world of one against hand loops, every CUDA case of
+# _gpu_anatomy.CASES in interleaved rounds (anatomy.json).
 set -x
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
 mkdir -p /tmp/sc && echo "import sys; sys.path.insert(0, '$PWD/benchmarks'); import _checkout" > /tmp/sc/sitecustomize.py
 export PYTHONPATH=/tmp/sc:$PWD OMP_NUM_THREADS=4 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+if [ -n "$ANATOMY" ]; then
+    timeout 420 python3 benchmarks/step_anatomy.py --gpu --rounds 7 --steps 10 --budget 330 \
+        --json "$OUT/anatomy.json" 2>&1 | grep -v Warning | tee "$OUT/log.txt" | tail -40
+    exit 0
+fi
 PROFILE=$OUT/gpu_profile.json
 [ -n "$CHECK" ] && PROFILE=$OUT/check_profile.json
 timeout 60 python3 -c "from shardlib.analysis.calibrate import calibrate; calibrate(1, backend='nccl').save('$PROFILE')"

@@ -83,7 +83,9 @@ def mesh(dp=None, pp=1, tp=1, sp=1):
     world = dist.get_world_size()
     key = (dp or world // (pp * sp * tp), pp, tp, sp)
     if key not in _MESHES:
-        _MESHES[key] = shardlib.init_mesh(*key[:3], sp=sp)
+        # the process group's collectives (the path NCCL and multi-host gloo take) under every property; the
+        # shared-memory transport, the default on one host, is proven on its own (tests/test_shm.py)
+        _MESHES[key] = shardlib.init_mesh(*key[:3], sp=sp, transport="c10d")
     return _MESHES[key]
 
 

@@ -102,3 +102,41 @@ def dead_peer_worker(rank: int, store_path: str, out_path: str) -> None:
     with open(out_path, "w") as f:
         f.write(f"{time.monotonic() - start:.1f}\n{message}")
     os._exit(0)  # the dead peer would make the group's teardown wait
+
+
+def default_transport_decisions(spec: dict) -> dict:
+    """``init_mesh``'s default transport on the pool's ranks (one host): the tp groups attach; a group whose ranks
+    report different hosts, or whose /dev/shm has no room, keeps gloo on every rank under the default, and is
+    refused naming why where ``transport="shm"`` was asked for."""
+    import errno
+    import os
+
+    import shardlib
+
+    rank, out = dist.get_rank(), {}
+
+    def build(transport: str):
+        mesh = shardlib.init_mesh(tp=2, transport=transport)
+        try:
+            return mesh.transport, shm.for_group(mesh.tp_group) is not None
+        finally:
+            shm.detach(mesh.tp_group)
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out["default"] = build("auto")
+    for case, name, patched in (("other hosts", "_host_id", lambda: rank), ("no room", "posix_fallocate", no_room)):
+        owner = shm if name == "_host_id" else os
+        original = getattr(owner, name)
+        setattr(owner, name, patched)
+        try:
+            out[f"{case}, default"] = build("auto")
+            try:
+                build("shm")
+                out[f"{case}, shm"] = "no error"
+            except shm.SharedMemoryError as exc:
+                out[f"{case}, shm"] = str(exc)
+        finally:
+            setattr(owner, name, original)
+    return out

@@ -12,8 +12,8 @@ import pytest
 
 from shardlib.analysis import calibrate as calibration
 from shardlib.analysis.calibrate import CalibrationError, add_calibrate_parser, calibrate, calibrate_command
-from shardlib.analysis.profile import (COLLECTIVES, LinkFit, Profile, ProfileError, default_profile,
-                                       load_profile)
+from shardlib.analysis.profile import (COLLECTIVES, SHARED_MEMORY_OPS, LinkFit, Profile, ProfileError,
+                                       default_profile, load_profile)
 
 VALID = {
     "shardlib_profile": 1, "machine": "test box", "backend": "gloo", "device": "cpu", "world_size": 4,
@@ -120,6 +120,29 @@ def test_collective_seconds_names_and_group_sizes():
         profile.collective_seconds("gather", 2, 1.0)
 
 
+def test_tp_and_sp_collectives_are_priced_over_shared_memory_where_measured(tmp_path):
+    fast = {"2": {"latency_s": 1e-5, "bytes_per_s": 1e10}}
+    data = {**VALID, "shared_memory": {op: fast for op in SHARED_MEMORY_OPS}, "shared_memory_slot_bytes": 1 << 20}
+    profile = Profile.from_dict(data)
+    for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter"):
+        for dim in ("tp", "sp"):
+            assert profile.collective_seconds(op, 2, 1e6, dim) == pytest.approx(1e-5 + 1e-4)
+        gloo = profile.collective_seconds(op, 2, 1e6)
+        assert gloo == pytest.approx(1e-4 + 1e-3)  # no dim, or a dp / pp group: the backend's
+        assert profile.collective_seconds(op, 2, 1e6, "dp") == gloo
+        assert profile.collective_seconds(op, 2, 2e6, "tp") == profile.collective_seconds(op, 2, 2e6)  # > a slot
+    # the transport serves no all-to-all: priced as the backend's
+    assert profile.collective_seconds("all_to_all", 2, 1e6, "sp") == profile.collective_seconds("all_to_all", 2, 1e6)
+    assert "(tp/sp over shared memory)" in profile.summary()
+    profile.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+    assert "unknown field 'shared_memory.all_to_all'" in _refusal(
+        tmp_path, {**data, "shared_memory": {"all_to_all": fast}})
+    assert "field 'shared_memory_slot_bytes' must be a positive integer" in _refusal(
+        tmp_path, {**data, "shared_memory_slot_bytes": 0})
+    assert Profile.from_dict(VALID).collective_seconds("all_reduce", 2, 1e6, "tp") == pytest.approx(1e-4 + 1e-3)
+
+
 def test_link_fit_recovers_a_line_and_clamps():
     samples = [(x, 5e-5 + x / 2e9) for x in (4096, 65536, 1 << 20, 16 << 20)]
     fit = LinkFit.fit(samples)
@@ -193,6 +216,10 @@ def test_quick_calibration_on_two_gloo_ranks(tmp_path):
     assert set(profile.gemm) == {"float32", "bfloat16"} and len(profile.gemm["float32"]) >= 2
     assert all(set(fits) == {2} for fits in profile.collectives.values())
     assert math.isfinite(profile.optimizer_bytes_per_s) and profile.optimizer_bytes_per_s > 0
+    # the tp / sp groups' default transport on one host, timed too
+    assert set(profile.shared_memory) == set(SHARED_MEMORY_OPS) and profile.shared_memory_slot_bytes > 0
+    assert all(set(fits) == {2} and all(math.isfinite(v) and v > 0 for v in fits[2])
+               for fits in profile.shared_memory.values())
     profile.save(tmp_path / "measured.json")
     assert load_profile(tmp_path / "measured.json", world_size=2) == profile
 

@@ -38,6 +38,15 @@ def test_a_rank_that_never_arrives_is_named(pool):
     assert "ranks [1] of the group did not arrive within 2 s" in results[0]
 
 
+def test_the_default_transport_attaches_where_it_can(pool):
+    for rank, got in enumerate(pool.run(shm_tasks.default_transport_decisions, {})):
+        assert got["default"] == ("shm", True), (rank, got)
+        assert got["other hosts, default"] == got["no room, default"] == ("c10d", False), (rank, got)
+        assert "needs every rank of a group on one host" in got["other hosts, shm"] and "spans 2 hosts" in \
+            got["other hosts, shm"], (rank, got)
+        assert "/dev/shm has no room for group" in got["no room, shm"] and "MiB" in got["no room, shm"], (rank, got)
+
+
 def test_bad_transport_is_refused():
     import shardlib
 

@@ -22,6 +22,7 @@ from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassificat
 
 import shardlib
 from shardlib import checkpoint as ckpt
+from shardlib.parallel import shm
 from shardlib.parallel.timeouts import CollectiveFailure, failure_kind
 from shardlib.sharding.plan import PlanError
 
@@ -174,6 +175,11 @@ def _raised_from(outer: Exception, inner: Exception) -> Exception:
     (dist.DistNetworkError("Broken pipe"), "peer"),  # by type: the store's host is gone
     (dist.DistBackendError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)"), "timeout"),
     (dist.DistBackendError("NCCL error: unhandled system error"), None),
+    # the shared-memory transport (the tp / sp groups' default on one host), by type
+    (shm.SharedMemoryTimeout("shared-memory collective 3: ranks [1] of the group did not arrive within 2 s"),
+     "timeout"),
+    (shm.PeerGone("shared-memory collective 3: the process of rank(s) [1] of the group is gone"), "peer"),
+    (shm.Unsuitable("transport='shm' needs every rank of a group on one host"), None),
     (RuntimeError("DataLoader timed out after 5 seconds"), None),  # not a collective's
     (ValueError("timed out waiting"), None),
     (CollectiveFailure("rank 0: a collective in x did not complete", [1]), None),  # reported already

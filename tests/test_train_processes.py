@@ -131,12 +131,13 @@ def test_bad_nproc_is_refused_before_any_rank_starts(monkeypatch, args, message)
 
 
 def test_launched_sequence_parallel_job_over_shared_memory_trains_the_same_model(tmp_path):
-    """``shardlib run --nproc 2 train_script.py --tp 2 --sequence-parallel megatron --transport shm``: the same
-    first losses as the world of one, and nothing left in /dev/shm."""
+    """``shardlib run --nproc 2 train_script.py --tp 2 --sequence-parallel megatron``: on one host the tp group
+    goes through shared memory by default, with the same first losses as the world of one, and nothing is left in
+    /dev/shm."""
     args = ["--max-steps", "2", "--batch-size", "4", "--dropout", "0", "--no-progress"]
     single = losses(python(SCRIPT, *args))
     before = {p for p in os.listdir("/dev/shm") if p.startswith("shardlib-")}
-    result = launch(2, "--tp", "2", "--sequence-parallel", "megatron", "--transport", "shm", *args)
+    result = launch(2, "--tp", "2", "--sequence-parallel", "megatron", *args)
     assert "TRANSPORT shm: True" in result.stdout, result.stdout[-2000:]
     shm = losses(result)
     assert {p for p in os.listdir("/dev/shm") if p.startswith("shardlib-")} == before

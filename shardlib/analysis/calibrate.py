@@ -11,7 +11,9 @@ at once, so that the numbers are what one rank gets while the others work too:
 * every collective over the real backend, for each group size n >= 2 dividing the world, all groups of that size
   at once as a mesh runs them (send/recv: pairs of ranks exchanging). A few message sizes are timed and
   ``latency_s + bytes / bytes_per_s`` is fitted to them (:meth:`~.profile.LinkFit.fit`). A world of one (one GPU)
-  measures no collective: its profile prices the layouts of one rank only.
+  measures no collective: its profile prices the layouts of one rank only. On a CPU the all-reduce, all-gather and
+  reduce-scatter are timed over the shared-memory transport too (the profile's ``shared_memory``), which the tp and
+  sp groups of a mesh on one host use by default.
 
 Every timing runs from a barrier to a barrier (a rank the scheduler runs late stretches it, as it stretches a
 training step) and is the median of a few repeats after a warm-up; each value is the median over the ranks,
@@ -41,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .profile import COLLECTIVES, LinkFit, Profile, ProfileError, load_profile
+from .profile import COLLECTIVES, SHARED_MEMORY_OPS, LinkFit, Profile, ProfileError, load_profile
 
 #: (m, k, n) of a transformer layer's GEMMs: m tokens times the (in, out) features of its linears.
 DEFAULT_SHAPES = tuple((m, k, n) for m in (256, 1024, 4096)
@@ -204,7 +206,7 @@ def _rank_main(rank: int, config: dict) -> None:
                 "device": device.type, "world_size": world_size, "gemm": _gemm_rates(clock, settings.shapes),
                 "memory_bytes_per_s": _bandwidth(clock), "collectives": _collective_fits(clock, settings),
                 "op_seconds": _op_seconds(clock), "optimizer_bytes_per_s": _optimizer_bandwidth(clock),
-                "cores": os.cpu_count() if device.type == "cpu" else None}
+                "cores": os.cpu_count() if device.type == "cpu" else None, **_shared_memory_fits(clock, settings)}
         if rank == 0:
             Profile.from_dict(data, source="calibration").save(config["out"])
         dist.barrier()
@@ -357,6 +359,39 @@ def _collective_fits(clock: _Clock, settings: _Settings) -> dict[str, dict[str, 
     samples = [_sample(clock, "send_recv", None, 2, size) for size in settings.message_bytes]
     fits["send_recv"]["2"] = LinkFit.fit(samples)._asdict()
     return fits
+
+
+def _shared_memory_fits(clock: _Clock, settings: _Settings) -> dict:
+    """The profile's ``shared_memory`` fits and slot size: the collectives of the shared-memory transport, which
+    a mesh's tp and sp groups use on one host by default, timed as :func:`_collective_fits` times the backend's
+    (groups of n consecutive ranks, all at once); none where the transport cannot attach (a GPU, another CPU)."""
+    from ..parallel import shm
+
+    if clock.device.type != "cpu" or clock.world == 1 or not shm.supported():
+        return {}
+    fits: dict[str, dict[str, dict[str, float]]] = {}
+    for n in (d for d in range(2, clock.world + 1) if clock.world % d == 0):
+        groups = [clock.dist.new_group(list(range(start, start + n))) for start in range(0, clock.world, n)]
+        group = groups[clock.rank // n]
+        transport = shm.attach(group, timeout_s=60, required=False)
+        if transport is None:  # the decision is the group's: every rank of it skips alike
+            continue
+        try:
+            for op in SHARED_MEMORY_OPS:
+                samples = [_sample_shared_memory(clock, transport, op, n, size) for size in settings.message_bytes
+                           if size <= transport.slot_bytes]
+                fits.setdefault(op, {})[str(n)] = LinkFit.fit(samples)._asdict()
+        finally:
+            shm.detach(group)
+    return {"shared_memory": fits, "shared_memory_slot_bytes": shm.DEFAULT_SLOT_BYTES} if fits else {}
+
+
+def _sample_shared_memory(clock: _Clock, transport, op: str, n: int, nbytes: int) -> tuple[float, float]:
+    """(input bytes, seconds) of one ``op`` over the shared-memory ``transport``, as :func:`_sample`."""
+    x = clock.torch.ones(max(n, nbytes // 4 // n * n))
+    run = {"all_reduce": lambda: transport.all_reduce(x), "all_gather": lambda: transport.all_gather(x, 0),
+           "reduce_scatter": lambda: transport.reduce_scatter(x, 0)}[op]
+    return 4.0 * x.numel(), clock.seconds(run)
 
 
 def _sample(clock: _Clock, op: str, group, n: int, nbytes: int) -> tuple[float, float]:

@@ -156,7 +156,7 @@ def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dty
     for entry in stage.collectives:
         for c in entry.collectives:
             key = f"{c.dim} {c.op}"
-            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes)
+            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes, c.dim)
     forward, backward = stage.send_bytes
     if stage.sends:
         terms["pipeline sends"] = (profile.collective_seconds("send_recv", 2, forward)
@@ -175,7 +175,7 @@ def _dp_sync(stage: StageInfo, layout: Layout, profile: Profile) -> dict[str, fl
     for c in stage.step:
         if c.dim != "dp":  # the pipeline's tied-gradient sum
             key = f"{c.dim} {c.op} (step)"
-            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes)
+            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes, c.dim)
     if dp == 1:
         return terms
     grads, params = stage.gradient_bytes, stage.parameter_bytes

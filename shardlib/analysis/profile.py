@@ -8,7 +8,9 @@ how training runs: four ranks sharing two cores each get less than one rank alon
 * ``memory_bytes_per_s``: elementwise bandwidth (bytes read + written per second); ``optimizer_bytes_per_s``
   (optional): an AdamW step's, by the bytes the dry run counts for it;
 * ``collectives``: per op and group size, ``time(bytes) = latency_s + bytes / bytes_per_s``, where bytes are what
-  this rank puts in (the collective's input tensor).
+  this rank puts in (the collective's input tensor); ``shared_memory`` (optional, CPU profiles): the same fits for
+  the all-reduce, all-gather and reduce-scatter of the tp and sp groups over the shared-memory transport, which a
+  mesh uses on one host by default (``init_mesh(transport="auto")``), for messages up to ``shared_memory_slot_bytes``.
 
 ``shardlib calibrate`` (:mod:`.calibrate`) measures a profile and writes it as JSON (version 1; the schema is in
 docs and in :meth:`Profile.to_dict`); :func:`load_profile` reads one back and refuses anything malformed with one
@@ -24,7 +26,7 @@ import bisect
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,8 +46,12 @@ COLLECTIVES = {
 _OP_NAMES = {alias: op for op, aliases in COLLECTIVES.items() for alias in aliases}
 _FIELDS = ("shardlib_profile", "machine", "backend", "device", "world_size", "gemm", "memory_bytes_per_s",
            "collectives")
-#: older profiles lack them: 0 s per op, the optimizer at the element-wise bandwidth, cores unknown
-_OPTIONAL = ("op_seconds", "optimizer_bytes_per_s", "cores")
+#: older profiles lack them: 0 s per op, the optimizer at the element-wise bandwidth, cores unknown, the tp and sp
+#: groups' collectives priced as the backend's
+_OPTIONAL = ("op_seconds", "optimizer_bytes_per_s", "cores", "shared_memory", "shared_memory_slot_bytes")
+#: the mesh dims whose groups may use the shared-memory transport, and the collectives it serves
+SHARED_MEMORY_DIMS = ("tp", "sp")
+SHARED_MEMORY_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _MAX_FILE_BYTES = 16 << 20  # a profile is a few KiB; anything this large is not one
 
 
@@ -98,6 +104,10 @@ class Profile:
     op_seconds: float = 0.0  # optional: the fixed cost of one eager op (dispatch, Python), all ranks busy
     cores: int | None = None  # optional: the CPU cores the ranks shared (CPU profiles): idle ranks free them
     optimizer_bytes_per_s: float = 0.0  # optional: an AdamW step's counted traffic per second (0: element-wise's)
+    #: optional: op (of SHARED_MEMORY_OPS) -> {group size: LinkFit} over the shared-memory transport, for messages
+    #: up to ``shared_memory_slot_bytes`` of the SHARED_MEMORY_DIMS groups (empty: priced as ``collectives``)
+    shared_memory: dict[str, dict[int, LinkFit]] = field(default_factory=dict)
+    shared_memory_slot_bytes: int = 0
 
     # ---------------------------------------------------------------------------------------------- lookups
     def gemm_seconds(self, flops: float, dtype: str = "float32") -> float:
@@ -129,16 +139,19 @@ class Profile:
         else (older profiles) at the element-wise bandwidth."""
         return max(nbytes, 0.0) / (self.optimizer_bytes_per_s or self.memory_bytes_per_s)
 
-    def collective_seconds(self, op: str, group_size: int, nbytes: float) -> float:
+    def collective_seconds(self, op: str, group_size: int, nbytes: float, dim: str | None = None) -> float:
         """Seconds of collective ``op`` (a name of :data:`COLLECTIVES`, e.g. ``all_gather_into_tensor``) over a
-        group of ``group_size`` ranks, ``nbytes`` being this rank's input. A group of one costs nothing. A group
-        size the profile has not measured is priced as the nearest measured size above it (a larger group is
-        never faster), else as the largest measured size below it."""
+        group of ``group_size`` ranks, ``nbytes`` being this rank's input; ``dim``: the mesh dim of the group (its
+        tp and sp groups go through shared memory where the profile measured it, for the messages that fit a slot).
+        A group of one costs nothing. A group size the profile has not measured is priced as the nearest measured
+        size above it (a larger group is never faster), else as the largest measured size below it."""
         if op not in _OP_NAMES:
             raise ValueError(f"unknown collective {op!r}: known are {', '.join(sorted(_OP_NAMES))}")
         if group_size <= 1:
             return 0.0
         fits = self.collectives[_OP_NAMES[op]]
+        if dim in SHARED_MEMORY_DIMS and nbytes <= self.shared_memory_slot_bytes:
+            fits = self.shared_memory.get(_OP_NAMES[op]) or fits
         if not fits:
             raise ProfileError(f"{self.machine}: measured on one rank, this profile prices no {op} (groups of "
                                f"{group_size}): calibrate with --world 2 or more")
@@ -162,9 +175,9 @@ class Profile:
         if not any(self.collectives.values()):
             lines.append("  collectives    none (measured on one rank)")
         for op, fits in filter(lambda item: item[1], self.collectives.items()):
-            parts = [f"n={n}: {fit.latency_s * 1e6:6.0f} us + {fit.bytes_per_s / 1e9:5.2f} GB/s"
-                     for n, fit in sorted(fits.items())]
-            lines.append(f"  {op:<14} " + "   ".join(parts))
+            lines.append(f"  {op:<14} " + _fits_line(fits))
+        for op, fits in self.shared_memory.items():
+            lines.append(f"  {op:<14} " + _fits_line(fits) + " (tp/sp over shared memory)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------------------ reading, writing
@@ -178,6 +191,9 @@ class Profile:
             "collectives": {op: {str(n): fit._asdict() for n, fit in sorted(fits.items())}
                             for op, fits in self.collectives.items()},
             "op_seconds": self.op_seconds, "cores": self.cores, "optimizer_bytes_per_s": self.optimizer_bytes_per_s,
+            "shared_memory": {op: {str(n): fit._asdict() for n, fit in sorted(fits.items())}
+                              for op, fits in self.shared_memory.items()},
+            "shared_memory_slot_bytes": self.shared_memory_slot_bytes,
         }
 
     @classmethod
@@ -276,7 +292,9 @@ class _Reader:
         cores = data.get("cores")
         if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
             self.fail(f"field 'cores' must be a positive integer or null, got {_shown(cores)}")
+        shared, slot = self.shared_memory(data.get("shared_memory", {}), data.get("shared_memory_slot_bytes", 0))
         return Profile(op_seconds=float(op_seconds), cores=cores, optimizer_bytes_per_s=float(optimizer),
+                       shared_memory=shared, shared_memory_slot_bytes=slot,
                        machine=values["machine"], backend=self.choice(values["backend"], "backend", BACKENDS),
                        device=self.choice(values["device"], "device", DEVICES), world_size=world,
                        gemm=self.gemm(values["gemm"]),
@@ -319,6 +337,20 @@ class _Reader:
                        for n, fit in sizes.items()}
         return out
 
+    def shared_memory(self, value, slot) -> tuple[dict[str, dict[int, LinkFit]], int]:
+        value = self.mapping(value, "shared_memory")
+        unknown = sorted(set(value) - set(SHARED_MEMORY_OPS))
+        if unknown:
+            self.fail(f"unknown field 'shared_memory.{unknown[0]}' (the transport serves "
+                      f"{', '.join(SHARED_MEMORY_OPS)})")
+        fits = {op: {self.group_size(n, f"shared_memory.{op}"): self.link(fit, f"shared_memory.{op}.{n}")
+                     for n, fit in self.mapping(sizes, f"shared_memory.{op}", "an object of group sizes").items()}
+                for op, sizes in value.items()}
+        if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0 or (fits and slot == 0):
+            self.fail(f"field 'shared_memory_slot_bytes' must be a positive integer where 'shared_memory' is "
+                      f"measured, got {_shown(slot)}")
+        return {op: f for op, f in fits.items() if f}, slot
+
     def group_size(self, key: str, path: str) -> int:
         if not (key.isascii() and key.isdigit() and key == str(int(key)) and int(key) >= 2):
             self.fail(f"field '{path}' has key {_shown(key)}: group sizes are integers >= 2")
@@ -328,6 +360,11 @@ class _Reader:
         value = self.mapping(value, path, 'an object {"latency_s": ..., "bytes_per_s": ...}')
         return LinkFit(*(self.positive(self.field(value, key, f"{path}.{key}"), f"{path}.{key}")
                          for key in LinkFit._fields))
+
+
+def _fits_line(fits: dict[int, LinkFit]) -> str:
+    return "   ".join(f"n={n}: {fit.latency_s * 1e6:6.0f} us + {fit.bytes_per_s / 1e9:5.2f} GB/s"
+                      for n, fit in sorted(fits.items()))
 
 
 def _shown(value) -> str:

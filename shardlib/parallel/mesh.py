@@ -66,7 +66,7 @@ class Mesh:
     #: the bound on every collective wait, seconds (``init_mesh(timeout_s=...)``; :mod:`shardlib.parallel.timeouts`)
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S, compare=False)
     #: how the tp and sp groups move tensors: "c10d" (the process group's backend) or "shm" (shared memory, ranks
-    #: on one host: :mod:`shardlib.parallel.shm`)
+    #: on one host: :mod:`shardlib.parallel.shm`; with ``init_mesh(transport="auto")``, "shm" if any group attached)
     transport: str = field(default="c10d", compare=False)
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -152,11 +152,12 @@ def init_mesh(
     Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible), then
     the all-to-all sequence-parallel peers (``sp``, which also move activations every layer).
 
-    ``transport``: "c10d" (default) or "shm": the tp and sp groups of CPU ranks on one host exchange tensors
-    through shared memory instead of gloo's loopback sockets (:mod:`shardlib.parallel.shm`); None reads the
-    ``SHARDLIB_TRANSPORT`` environment variable (so a launched job opts in without code changes).
+    ``transport``: how the tp and sp groups move tensors. "shm": through shared memory instead of gloo's loopback
+    sockets (CPU ranks on one host, :mod:`shardlib.parallel.shm`; refused where it cannot run); "c10d": the process
+    group's backend; "auto" (the default): "shm" for each CPU group that can use it, else "c10d". None reads the
+    ``SHARDLIB_TRANSPORT`` environment variable (so a launched job chooses without code changes), else "auto".
     """
-    transport = transport or os.environ.get("SHARDLIB_TRANSPORT") or "c10d"
+    transport = transport or os.environ.get("SHARDLIB_TRANSPORT") or "auto"
     if transport not in TRANSPORTS:
         raise MeshError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
     if transport == "shm":
@@ -171,36 +172,50 @@ def init_mesh(
             dist.destroy_process_group()
         raise MeshError(f"{exc}{_hint(world)}") from None
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
     if transport == "shm" and device_type != "cpu":
         if created:
             dist.destroy_process_group()
         raise MeshError(f"transport='shm' moves CPU tensors between ranks of one host; this mesh runs on "
                         f"{dist.get_backend()} ({device_type}): leave transport at 'c10d'")
-    mesh = Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s, transport=transport)
+    device_mesh = init_device_mesh(device_type, (dp, pp, sp, tp), mesh_dim_names=DIM_NAMES)
+    sizes = dict(zip(DIM_NAMES, (dp, pp, sp, tp)))
+    real = dist.get_backend() != FAKE_BACKEND
     # DeviceMesh creates its dimension groups with torch's default timeout (30 min for gloo), not the world's:
     # bound every wait on them too, so a dead peer ends a pipeline recv or a TP all-reduce with an error
     for dim in DIM_NAMES:
-        if mesh.size(dim) > 1 and dist.get_backend() != FAKE_BACKEND:
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), mesh.group(dim))
-    if transport == "shm" and dist.get_backend() != FAKE_BACKEND:
-        attached = []
-        try:
-            for dim in ("sp", "tp"):
-                if mesh.size(dim) > 1:
-                    shm.attach(mesh.group(dim), timeout_s)
-                    attached.append(mesh.group(dim))
-        except Exception:  # a group spanning hosts: leave nothing attached, and no world this call created
-            for group in attached:
-                shm.detach(group)
-            if created:
-                dist.destroy_process_group()
-            raise
-    return mesh
+        if sizes[dim] > 1 and real:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), device_mesh.get_group(dim))
+    if transport == "auto":
+        transport = "shm" if device_type == "cpu" and real and shm.supported() else "c10d"
+        required = False
+    else:
+        required = True
+    if transport == "shm" and real:
+        groups = [device_mesh.get_group(dim) for dim in ("sp", "tp") if sizes[dim] > 1]
+        transport = _attach_shared_memory(groups, timeout_s, required, created)
+    return Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s, transport=transport)
+
+
+def _attach_shared_memory(groups: list, timeout_s: float, required: bool, created: bool) -> str:
+    """Attach the shared-memory transport to ``groups``; the mesh's transport: "shm" if any group attached, else
+    "c10d" (``required=False``: a group that cannot use it keeps its process group). On an error nothing stays
+    attached, and no world this call created stays up."""
+    attached = []
+    try:
+        for group in groups:
+            if shm.attach(group, timeout_s, required=required) is not None:
+                attached.append(group)
+    except Exception:  # a group spanning hosts (required), a peer that did not arrive
+        for group in attached:
+            shm.detach(group)
+        if created:
+            dist.destroy_process_group()
+        raise
+    return "shm" if attached or (required and not groups) else "c10d"
 
 
 #: values of ``init_mesh(transport=...)``
-TRANSPORTS = ("c10d", "shm")
+TRANSPORTS = ("auto", "c10d", "shm")
 
 
 FAKE_BACKEND = "fake"

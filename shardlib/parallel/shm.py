@@ -23,6 +23,12 @@ a later torch call), which is why the transport refuses other machines. Every wa
 and names the ranks that did not arrive.
 
 Tensors larger than a slot, and anything traced by torch.compile, go through the process group as before.
+
+The transport is the default for CPU ranks (``init_mesh``'s ``transport="auto"``): a group attaches where it can,
+i.e. on Linux on x86-64 with every rank of the group on this host and /dev/shm holding the whole segment (reserved
+at once with ``posix_fallocate``, so a full /dev/shm is a clear refusal now rather than a SIGBUS mid-step: a
+container's default /dev/shm of 64 MiB holds no segment of 16 MiB slots); elsewhere it keeps its process group.
+The decision is taken collectively, so every rank of a group reaches the same one.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import hashlib
 import os
 import platform
 import socket
+import sys
 import time
 import uuid
 
@@ -52,6 +59,19 @@ class SharedMemoryError(RuntimeError):
     arrive in time."""
 
 
+class SharedMemoryTimeout(SharedMemoryError):
+    """A live rank of the group did not reach the collective within the mesh's timeout (a stalled rank)."""
+
+
+class PeerGone(SharedMemoryError):
+    """A rank of the group was waited for whose process is gone (as gloo's "connection closed by peer")."""
+
+
+class Unsuitable(SharedMemoryError):
+    """This group cannot use the transport (it spans hosts, /dev/shm has no room): raised on every rank of the group
+    alike, so that the default transport can keep the process group instead."""
+
+
 def for_group(group) -> "SharedMemoryGroup | None":
     """The transport attached to ``group`` in this process, or None (then the process group's own collectives)."""
     if not _GROUPS or group is None:
@@ -59,10 +79,18 @@ def for_group(group) -> "SharedMemoryGroup | None":
     return _GROUPS.get(group.group_name)
 
 
-def attach(group, timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES) -> "SharedMemoryGroup":
+def attach(group, timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES, *,
+           required: bool = True) -> "SharedMemoryGroup | None":
     """Map a shared segment for ``group`` (a collective call: every rank of the group at once) and route its
-    collectives through it from now on."""
-    shm = SharedMemoryGroup(group, timeout_s, slot_bytes)
+    collectives through it from now on. ``required=False`` (the default transport): None on every rank of the
+    group where it spans hosts or /dev/shm has no room (:class:`Unsuitable`), and the group keeps its process
+    group's collectives."""
+    try:
+        shm = SharedMemoryGroup(group, timeout_s, slot_bytes)
+    except Unsuitable:
+        if required:
+            raise
+        return None
     _GROUPS[group.group_name] = shm
     return shm
 
@@ -73,10 +101,22 @@ def detach(group) -> None:
 
 
 def check_platform() -> None:
-    """Refuse a machine whose stores may become visible out of order (module docstring)."""
+    """Refuse a machine whose stores may become visible out of order (module docstring), or one without /dev/shm."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise SharedMemoryError(f"transport='shm' relies on x86-64's store order; this machine is "
-                                f"{platform.machine()}: use the default transport")
+                                f"{platform.machine()}: use transport='c10d'")
+    if not sys.platform.startswith("linux") or not os.path.isdir("/dev/shm"):
+        raise SharedMemoryError(f"transport='shm' maps files in /dev/shm, which this system ({sys.platform}) does "
+                                f"not have: use transport='c10d'")
+
+
+def supported() -> bool:
+    """Whether this machine can run the transport at all (:func:`check_platform` passes)."""
+    try:
+        check_platform()
+    except SharedMemoryError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -128,22 +168,30 @@ class SharedMemoryGroup:
         dist.all_reduce(every, group=group)
         hosts, pids = every[:, 0].tolist(), every[:, 1].tolist()
         if len(set(hosts)) > 1:
-            raise SharedMemoryError(f"transport='shm' needs every rank of a group on one host; group "
+            raise Unsuitable(f"transport='shm' needs every rank of a group on one host; group "
                                     f"{group.group_name} spans {len(set(hosts))} hosts")
         return pids
 
     def _rendezvous(self, group, total: int) -> str:
-        """The segment's path: created and sized by the group's first rank, its name broadcast to the others."""
-        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        """The segment's path: created and its pages reserved by the group's first rank, its name broadcast to the
+        others (an empty name: /dev/shm had no room, :class:`Unsuitable` on every rank)."""
+        name, refusal = torch.zeros(_NAME_BYTES, dtype=torch.uint8), ""
         if self.rank == 0:
             path = f"/dev/shm/shardlib-{os.getpid()}-{uuid.uuid4().hex[:16]}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.ftruncate(fd, total)
+                os.posix_fallocate(fd, 0, total)  # the pages now, or ENOSPC now (not SIGBUS at a later write)
+                name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+            except OSError as exc:
+                os.unlink(path)
+                refusal = f" ({exc.strerror})"
             finally:
                 os.close(fd)
-            name[:len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
         dist.broadcast(name, group=group, group_src=0)
+        if not name.any():
+            raise Unsuitable(f"transport='shm': /dev/shm has no room for group {group.group_name}'s segment of "
+                             f"{total / 2**20:.0f} MiB{refusal}; enlarge it (e.g. docker --shm-size) or set "
+                             f"SHARDLIB_SHM_SLOT_MIB lower")
         return bytes(name[name != 0].tolist()).decode()
 
     # ------------------------------------------------------------------------------------------------ exchange
@@ -179,11 +227,10 @@ class SharedMemoryGroup:
             late = [i for i, f in enumerate(flags.tolist()) if f < s]
             dead = [i for i in late if not _alive(self.pids[i])]
             if dead:
-                raise SharedMemoryError(f"shared-memory collective {s}: the process of rank(s) {dead} of the group "
-                                        f"is gone")
+                raise PeerGone(f"shared-memory collective {s}: the process of rank(s) {dead} of the group is gone")
             if now > deadline:
-                raise SharedMemoryError(f"shared-memory collective {s}: ranks {late} of the group did not arrive "
-                                        f"within {self.timeout_s:.0f} s")
+                raise SharedMemoryTimeout(f"shared-memory collective {s}: ranks {late} of the group did not arrive "
+                                          f"within {self.timeout_s:.0f} s")
 
     # --------------------------------------------------------------------------------------------- collectives
     def all_reduce(self, out: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -12,10 +12,10 @@ turns that into a :class:`CollectiveFailure` naming the ranks that never reached
 * a rank whose peer closed its connection (the peer exited, crashed, or gave up waiting for this rank) says so
   with its rank and the step it was in.
 
-Which error is which (:func:`failure_kind`): by type where torch has a public one that tells it (the store's
-``DistStoreError`` and ``DistNetworkError``), by gloo's and NCCL's own phrases where it has none (gloo raises a plain
-``RuntimeError`` for a timeout and for a lost peer alike); an error raised from a collective's (a ``PlanError`` from
-a failed proof of an inferred plan) is looked through.
+Which error is which (:func:`failure_kind`): by type where torch or shardlib has one that tells it (the store's
+``DistStoreError`` and ``DistNetworkError``, the shared-memory transport's own), by gloo's and NCCL's own phrases
+where it has none (gloo raises a plain ``RuntimeError`` for a timeout and for a lost peer alike); an error raised
+from a collective's (a ``PlanError`` from a failed proof of an inferred plan) is looked through.
 
 Where: the Trainer's steps, ``evaluate``'s all-reduce, ``shard()``'s proof of an inferred plan, and every collective
 of :mod:`shardlib.checkpoint` (saving, loading, ``from_pretrained`` / ``from_sharded``, ``save_pretrained``,
@@ -40,6 +40,8 @@ import threading
 import time
 
 import torch.distributed as dist
+
+from . import shm
 
 #: The longest a timed-out rank waits for the others to time out too before naming those that did not.
 GRACE_S = 5.0
@@ -84,6 +86,8 @@ def failure_kind(exc: BaseException) -> str | None:
             return "timeout"
         if isinstance(exc, dist.DistNetworkError):
             return "peer"
+        if isinstance(exc, (shm.SharedMemoryTimeout, shm.PeerGone)):  # the tp / sp groups' default transport
+            return "timeout" if isinstance(exc, shm.SharedMemoryTimeout) else "peer"
         if isinstance(exc, RuntimeError):
             text = str(exc).lower()
             for kind, marks in (("peer", _PEER_GONE_MARKS), ("closed", _CLOSED_MARKS), ("timeout", _TIMEOUT_MARKS)):

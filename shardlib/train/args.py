@@ -44,9 +44,9 @@ class TrainingArguments:
                               metadata={"help": "data-parallel replicas (default: inferred from the world size)"})
     sequence_parallel: Optional[Literal["megatron", "all_to_all"]] = field(
         default=None, metadata={"help": "Megatron SP on the tp group, or all-to-all over --sp ranks"})
-    transport: Optional[Literal["c10d", "shm"]] = field(default=None, metadata={
-        "help": "how tp/sp ranks exchange tensors: c10d (the backend) or shm (shared memory, CPU ranks on one host; "
-                "default: SHARDLIB_TRANSPORT, else c10d)"})
+    transport: Optional[Literal["auto", "c10d", "shm"]] = field(default=None, metadata={
+        "help": "how tp/sp ranks exchange tensors: c10d (the backend), shm (shared memory, CPU ranks on one host) or "
+                "auto (shm where a CPU group can use it, else c10d; default: SHARDLIB_TRANSPORT, else auto)"})
     nproc: Optional[int] = field(default=None, metadata={
         "help": "start this many local ranks when the script was not started by a launcher"})
     max_restarts: int = field(default=0, metadata={
