@@ -289,3 +289,27 @@ def test_memory_moments_of_pipelines_checkpointing_and_zero():
     assert sum(terms.values()) >= static + shards + 2 * _largest_bucket(stage, 2)
     assert sum(terms.values()) >= static + shards + stage.memory.peak_bytes
     assert terms["gradients"] == shards and terms["running microbatch"] == stage.memory.peak_bytes
+
+
+def test_the_shared_memory_transport_is_priced_in_time_and_pages():
+    """A CPU profile that measured the shared-memory transport prices the tp group's collectives with its fits and
+    adds the pages a rank maps (both parities of every rank's slot, as far as the largest message reaches); a
+    profile without it (a GPU's, an older one) prices neither."""
+    from shardlib.analysis.costmodel import predict
+    from shardlib.analysis.metarun import planned_policy
+    from shardlib.analysis.search import _Pricer
+
+    full = meta_model(cases(BERT).make_model(BERT))
+    layout = Layout(tp=2, batch=4, seq=16)
+    report = _Pricer(full, planned_policy(full), "cpu").report(layout)
+    gloo = default_profile()
+    fast = {2: gloo.collectives["all_reduce"][2]._replace(latency_s=1e-7, bytes_per_s=1e13)}
+    shm = replace(gloo, shared_memory={"all_reduce": fast, "all_gather": fast, "reduce_scatter": fast},
+                  shared_memory_slot_bytes=1 << 20)
+    before, after = predict(report, gloo, layout), predict(report, shm, layout)
+    tp_terms = [k for k in before.time if k.startswith("tp ")]
+    assert tp_terms and all(after.time[k] < before.time[k] / 100 for k in tp_terms)
+    largest = max(c.bytes for e in report.stages[0].collectives for c in e.collectives if c.dim == "tp")
+    assert "shared-memory transport" not in before.memory
+    assert after.memory["shared-memory transport"] == 2 * 2 * -(-largest // 4096) * 4096
+    assert after.peak_bytes == before.peak_bytes + after.memory["shared-memory transport"]

@@ -143,6 +143,22 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     return max(moments, key=lambda t: sum(t.values()))
 
 
+_PAGE = 4096
+
+
+def transport_pages(stage: StageInfo, layout: Layout, profile: Profile) -> dict[str, int]:
+    """The shared-memory transport's pages a rank of ``stage`` maps, where the profile says its tp and sp groups use
+    it: per group of n ranks, both parities of every rank's slot as far as the largest message through it reaches
+    (a rank writes its own slot and reads the others'). Resident in every rank of the group: what its RSS shows."""
+    total = 0
+    for dim, n in (("tp", layout.tp), ("sp", layout.sp)):
+        sizes = [c.bytes for c in (*(c for e in stage.collectives for c in e.collectives), *stage.step)
+                 if c.dim == dim and profile.over_shared_memory(c.op, dim, c.bytes)]
+        if n > 1 and sizes:
+            total += 2 * n * -(-max(sizes) // _PAGE) * _PAGE
+    return {"shared-memory transport": total} if total else {}
+
+
 # -------------------------------------------------------------------------------------------------------- time
 def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dtype: str) -> dict[str, float]:
     """Seconds of one microbatch (forward and backward) on a rank of ``stage``, by term."""
@@ -270,7 +286,7 @@ def predict(report: PlanReport, profile: Profile, layout: Layout, cache: dict | 
     """The peak memory per rank and the step time of ``layout``, from its dry run ``report`` and ``profile``
     (``cache``: see :func:`step_time`)."""
     check_matches(report, layout)
-    memories = [stage_memory(report, layout, s) for s in report.stages]
+    memories = [stage_memory(report, layout, s) | transport_pages(s, layout, profile) for s in report.stages]
     peak_stage = max(range(len(memories)), key=lambda i: sum(memories[i].values()))
     time = step_time(report, layout, profile, cache)
     notes = [] if profile.world_size in (None, layout.world) else [

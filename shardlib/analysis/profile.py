@@ -150,13 +150,19 @@ class Profile:
         if group_size <= 1:
             return 0.0
         fits = self.collectives[_OP_NAMES[op]]
-        if dim in SHARED_MEMORY_DIMS and nbytes <= self.shared_memory_slot_bytes:
-            fits = self.shared_memory.get(_OP_NAMES[op]) or fits
+        if self.over_shared_memory(op, dim, nbytes):
+            fits = self.shared_memory[_OP_NAMES[op]]
         if not fits:
             raise ProfileError(f"{self.machine}: measured on one rank, this profile prices no {op} (groups of "
                                f"{group_size}): calibrate with --world 2 or more")
         above = [n for n in fits if n >= group_size]
         return fits[min(above) if above else max(fits)].seconds(max(nbytes, 0.0))
+
+    def over_shared_memory(self, op: str, dim: str | None, nbytes: float) -> bool:
+        """Whether collective ``op`` of ``nbytes`` on a group of mesh dim ``dim`` runs over the shared-memory
+        transport (measured by this profile, a tp or sp group, a message that fits a slot)."""
+        return (dim in SHARED_MEMORY_DIMS and nbytes <= self.shared_memory_slot_bytes
+                and _OP_NAMES.get(op) in self.shared_memory)
 
     def summary(self) -> str:
         """A few lines for people: GEMM rate range per dtype, bandwidth, each collective per group size."""
