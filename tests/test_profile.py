@@ -287,3 +287,32 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
 
 def test_link_fit_prices_bytes():
     assert LinkFit(1e-3, 1e9).seconds(1e9) == pytest.approx(1.001)
+
+
+def test_a_gemm_size_measured_far_below_the_one_before_is_timed_again():
+    """Noise only slows a timing down: a size at under DROP of the previous size's rate is timed once more and the
+    faster kept (a real cliff reads the same twice and stays)."""
+    import torch
+
+    shapes = ((8, 8, 8), (16, 16, 16))
+    flops = [2.0 * 8 ** 3, 2.0 * 16 ** 3]
+
+    class Clock:  # seconds() answers from a script of rates (GFLOP/s), per dtype in turn
+        device = torch.device("cpu")
+
+        def __init__(self, *rates):
+            self.torch, self.calls = torch, 0
+            self.times = iter([flops[min(i, 1)] / (r * 1e9) for i, r in enumerate(rates)] * 2)  # fp32, then bf16
+
+        def seconds(self, run):
+            self.calls += 1
+            return next(self.times)
+
+    disturbed = Clock(1.0, 0.3, 1.2)
+    assert calibration._gemm_rates(disturbed, shapes)["float32"] == [[flops[0], pytest.approx(1e9)],
+                                                                     [flops[1], pytest.approx(1.2e9)]]
+    assert disturbed.calls == 6
+    cliff = Clock(1.0, 0.3, 0.3)
+    assert calibration._gemm_rates(cliff, shapes)["float32"][1][1] == pytest.approx(0.3e9)
+    steady = Clock(1.0, 0.9)
+    assert calibration._gemm_rates(steady, shapes)["float32"][1][1] == pytest.approx(0.9e9) and steady.calls == 4

@@ -52,6 +52,12 @@ QUICK_SHAPES = ((256, 256, 256), (256, 768, 768), (512, 1024, 1024))
 #: a GEMM size whose estimated time (at the rate of the size before it) exceeds this is not measured
 GEMM_MAX_S = 0.5
 _SPREAD = 2.5  # default shapes kept: each at least this many times the flops of the one before
+#: a GEMM size measured at under this fraction of the rate of the size before it is timed again and the faster
+#: timing kept: a larger GEMM is not that much slower on any device, a machine busy for a second is. (A 4-rank
+#: calibration here once read the largest size at 16.6 GFLOP/s where five others read 32-38; the layouts of
+#: T5-small priced with it ranked at Spearman rho 0.64 against the measured steps, 0.82-0.83 with either of two
+#: profiles calibrated right after: docs/benchmarks.md, "Plan accuracy".)
+DROP = 0.6
 
 
 class CalibrationError(RuntimeError):
@@ -283,7 +289,10 @@ def _gemm_rates(clock: _Clock, shapes) -> dict[str, list[list[float]]]:
             a = torch.randn(m, k, dtype=dtype, device=clock.device)
             b = torch.randn(k, n, dtype=dtype, device=clock.device)
             c = torch.empty(m, n, dtype=dtype, device=clock.device)
-            points.append([flops, flops / clock.seconds(lambda: torch.matmul(a, b, out=c))])
+            rate = flops / clock.seconds(lambda: torch.matmul(a, b, out=c))
+            if points and rate < DROP * points[-1][1]:  # a disturbance (noise only slows), or a real cliff: again,
+                rate = max(rate, flops / clock.seconds(lambda: torch.matmul(a, b, out=c)))  # the faster kept
+            points.append([flops, rate])
     return rates
 
 
