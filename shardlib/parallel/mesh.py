@@ -185,11 +185,9 @@ def init_mesh(
     for dim in DIM_NAMES:
         if sizes[dim] > 1 and real:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), device_mesh.get_group(dim))
-    if transport == "auto":
+    required = transport != "auto"  # the default: shm where it can run, quietly gloo elsewhere
+    if not required:
         transport = "shm" if device_type == "cpu" and real and shm.supported() else "c10d"
-        required = False
-    else:
-        required = True
     if transport == "shm" and real:
         groups = [device_mesh.get_group(dim) for dim in ("sp", "tp") if sizes[dim] > 1]
         transport = _attach_shared_memory(groups, timeout_s, required, created)
