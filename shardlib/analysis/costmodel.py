@@ -150,6 +150,8 @@ def transport_pages(stage: StageInfo, layout: Layout, profile: Profile) -> dict[
     """The shared-memory transport's pages a rank of ``stage`` maps, where the profile says its tp and sp groups use
     it: per group of n ranks, both parities of every rank's slot as far as the largest message through it reaches
     (a rank writes its own slot and reads the others'). Resident in every rank of the group: what its RSS shows."""
+    if not profile.shared_memory or layout.tp == layout.sp == 1:  # the search's common case: no walk
+        return {}
     total = 0
     for dim, n in (("tp", layout.tp), ("sp", layout.sp)):
         sizes = [c.bytes for c in (*(c for e in stage.collectives for c in e.collectives), *stage.step)

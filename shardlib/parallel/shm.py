@@ -169,7 +169,7 @@ class SharedMemoryGroup:
         hosts, pids = every[:, 0].tolist(), every[:, 1].tolist()
         if len(set(hosts)) > 1:
             raise Unsuitable(f"transport='shm' needs every rank of a group on one host; group "
-                                    f"{group.group_name} spans {len(set(hosts))} hosts")
+                             f"{group.group_name} spans {len(set(hosts))} hosts")
         return pids
 
     def _rendezvous(self, group, total: int) -> str:
