@@ -108,15 +108,24 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     fresh = zero == 0 and not ddp and layout.pp == 1 and layout.microbatches == 1
     # ZeRO-1 reduce-scatters in the last backward of the step: with one microbatch per stage, that is ZeRO-2
     scatters_in_backward = zero == 2 or (zero == 1 and layout.microbatches == 1)
+    late_whole = 0  # a late parameter's gradient (reduced after backward) is whole in place of its shard until then
     if scatters_in_backward:  # what persists: the shards
         gradients = max(_zero_bytes(stage, 2).gradients)
+        late_whole = stage.late_gradient_bytes - stage.late_gradient_bytes // dp
+    # a checkpointed stage before the last peaks in a layer's recompute, which recurs through backward: with ZeRO's
+    # bucket in flight (the last stage peaks in its head's and loss's backward, an unrecomputed stage at backward's
+    # start: before any bucket is complete)
+    recomputing = layout.activation_checkpointing and stage.index < layout.pp - 1
     terms = {"parameters": params, "optimizer state": optimizer}
     if zero == 3:  # FSDP2 gathers a layer's parameters (and the next one's, prefetched) and its gradients
         per_layer = stage.parameter_bytes // max(1, len(stage.layers))
         terms["gathered parameters"] = 2 * per_layer
         terms["gradients"] = gradients + per_layer
-    elif scatters_in_backward:  # the shards (a bucket's gradients exist only once backward is under way: below)
-        terms["gradients"] = gradients
+    elif scatters_in_backward:  # the shards; the late gradients of earlier microbatches; where the stage has more
+        # than one bucket, the one in flight while backward goes on (the last one's: a moment below)
+        several = stage.gradient_bytes - stage.late_gradient_bytes > DEFAULT_BUCKET_BYTES
+        in_flight_bucket = _largest_bucket(stage, dp) if recomputing and several else 0
+        terms["gradients"] = gradients + (late_whole if layout.microbatches > 1 else 0) + in_flight_bucket
     elif not fresh:  # whole gradients through backward (and ZeRO-1's flat bucket in its last backward; under a
         # pipeline it reduce-scatters after the schedule instead, when no activation is left: a moment below)
         terms["gradients"] = stage.gradient_bytes + (_largest_bucket(stage, dp) if zero == 1 and not pipelined else 0)
@@ -136,7 +145,7 @@ def stage_memory(report: PlanReport, layout: Layout, stage: StageInfo) -> dict[s
     moments = backward + [step]  # backward's, the optimizer step's (the first of equal ones)
     if scatters_in_backward:  # backward's end: the last bucket filling, the one before it in flight, no activation
         moments.append({"parameters": params, "optimizer state": optimizer,
-                        "gradients": gradients + 2 * _largest_bucket(stage, dp)})
+                        "gradients": gradients + late_whole + 2 * _largest_bucket(stage, dp)})
     if zero == 1 and pipelined and not scatters_in_backward:  # the reduce-scatter after the schedule
         moments.append({"parameters": params, "optimizer state": optimizer,
                         "gradients": stage.gradient_bytes + _largest_bucket(stage, dp)})

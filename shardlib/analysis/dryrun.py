@@ -191,6 +191,11 @@ def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh, l
     return zero
 
 
+def late_gradient_bytes(params: list[nn.Parameter], late: set[int]) -> int:
+    """The gradient bytes of the parameters among ``params`` whose ids are in ``late`` (StageInfo's field)."""
+    return _nbytes(p for p in params if p.requires_grad and id(p) in late)
+
+
 def _stage_paths(model: nn.Module, index: int) -> tuple[list[str], list[str]]:
     """(trunk layers, module paths) of pipeline stage ``index``; without a pipeline, of the whole model."""
     from ..pipeline import stage_plan
@@ -269,7 +274,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
                      optimizer_bytes=sum(a + b for a, b in optimizer.values()), zero=zero,
                      collectives=_by_layer(per_microbatch, layers),
                      step=[c for c in recorder.records if c.phase == "step"], sends=[tensor_spec(t) for t in sent],
-                     work=per_layer, memory=memory)
+                     work=per_layer, memory=memory, late_gradient_bytes=late_gradient_bytes(params, late))
     if keep is not None:
         keep.update(work=work.work, params=params, state=optimizer, late=late)
     return info, sent, state.report

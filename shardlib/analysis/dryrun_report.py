@@ -109,6 +109,7 @@ class StageInfo:
     sends: list[TensorSpec] = field(default_factory=list)  # to the next stage, per microbatch
     work: list[LayerWork] = field(default_factory=list)  # per microbatch, layers then ""
     memory: MemoryCounts | None = None  # per microbatch
+    late_gradient_bytes: int = 0  # gradients the Trainer reduces after backward (tied across stages, SP buckets)
 
     @property
     def send_bytes(self) -> tuple[int, int]:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..pipeline.stages import _held, stage_plan
-from .dryrun import _plan_stage, _zero
+from .dryrun import _plan_stage, _zero, late_gradient_bytes
 from .dryrun_report import (
     Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec,
 )
@@ -87,6 +87,10 @@ def _root_of(path: str, roots: list[str]) -> str:
         if (path == root or path.startswith(root + ".")) and len(root) > len(best):
             best = root
     return best
+
+
+def _nbytes(p: Param) -> int:
+    return torch.Size(p.shape).numel() * p.dtype.itemsize
 
 
 def _shallow_path(path: str, depth: dict[str, int]) -> str:
@@ -271,28 +275,38 @@ class LayerTable:
         collectives = [e for e in collectives if e.layer] + ([LayerCollectives("", merged)] if merged else [])
         key = (layout.pp, layout.dp, index)
         if key not in self._states:  # what does not depend on the microbatch
-            params, step = self._stage_params(index, plan, owners)
-            self._states[key] = self._stage_states(layout, params, step)
-        return self._stage_info(index, plan, layout, layers, work, collectives, self._states[key])
+            params, step, shared = self._stage_params(index, plan, owners)
+            self._states[key] = (self._stage_states(layout, params, step), shared)
+        states, shared = self._states[key]
+        return self._stage_info(index, plan, layout, layers, work, collectives, states, shared)
 
-    def _stage_params(self, index: int, plan, owners) -> tuple[dict[tuple, Param], list[Collective]]:
-        """The stage's tensors (one per key, in order) and the sums of those tied to other stages."""
+    def _stage_params(self, index: int, plan, owners) -> tuple[dict[tuple, Param], list[Collective], int]:
+        """The stage's tensors (one per key, in order), the sums of those tied to other stages, and the gradient
+        bytes a checkpointed backward holds beside a layer's recompute: the largest gradient of a tensor two or more
+        of its roots use (T5's embedding in the stage with the encoder's and the decoder's first layers) and two
+        layers' sequence-parallel buckets."""
         found: dict[tuple, tuple[int, Param]] = {}
+        uses: dict[tuple, int] = {}
         for root in plan.modules[index]:
             shallow = _shallow_path(root, self.depth)
             for p in self._params(root):
                 full_name = root + p.name[len(shallow):]
                 order = self._order.get(full_name, len(self._order))
                 key = self._key(root, p)
+                uses[key] = uses.get(key, 0) + 1
                 if key not in found or order < found[key][0]:
                     found[key] = (order, p)
         params = {key: p for key, (_, p) in sorted(found.items(), key=lambda kv: kv[1][0])}  # the Trainer's order
         step = []
         for key, p in params.items():
             if len(owners[key]) > 1 and p.requires_grad:
-                nbytes = torch.Size(p.shape).numel() * p.dtype.itemsize
-                step.append(Collective("all_reduce", "pp", len(owners[key]), nbytes, "step", p.name))
-        return params, step
+                step.append(Collective("all_reduce", "pp", len(owners[key]), _nbytes(p), "step", p.name))
+        shared = max((_nbytes(p) for key, p in params.items() if uses[key] > 1 and p.requires_grad), default=0)
+        # a sequence-parallel bucket (shardlib.parallel.gradsync): a layer's partial gradients stashed while the one
+        # before it is all-reduced from its flat copy
+        bucketed = max((sum(_nbytes(p) for p in self._params(root) if p.late and p.requires_grad)
+                        for root in plan.layers[index]), default=0)
+        return params, step, shared + 2 * bucketed
 
     def _stage_states(self, layout, params: dict[tuple, Param], step: list[Collective]) -> dict:
         """The stage's parameter, gradient, AdamW and ZeRO bytes and its tied-weight sums."""
@@ -309,9 +323,9 @@ class LayerTable:
         return dict(parameter_bytes=sum(t.numel() * t.element_size() for t in tensors),
                     gradient_bytes=sum(t.numel() * t.element_size() for t in tensors if t.requires_grad),
                     optimizer_bytes=sum(a + c for a, c in state.values()), zero=_zero(tensors, state, mesh, late),
-                    step=step)
+                    step=step, late_gradient_bytes=late_gradient_bytes(tensors, late))
 
-    def _stage_info(self, index, plan, layout, layers, work, collectives, states: dict) -> StageInfo:
+    def _stage_info(self, index, plan, layout, layers, work, collectives, states: dict, shared: int) -> StageInfo:
         last = index == layout.pp - 1
         nbytes = states["parameter_bytes"]
         saved = sum(w.saved for w in work)
@@ -320,10 +334,12 @@ class LayerTable:
             with_gradients = peak + _affine(*(r.memory.peak_with_gradients - r.memory.peak_bytes for r in self.runs),
                                             layout.batch)
         else:  # a layer's backward: about its saved bytes again, as activation gradients; under checkpointing what
-            # its recompute re-materializes (the layer's saved bytes without checkpointing)
+            # its recompute re-materializes (the layer's saved bytes without checkpointing). That recompute recurs
+            # through the whole backward, so it meets the partial gradients held there (``_stage_params``; measured
+            # on T5 stages); without checkpointing the peak is backward's start, before they exist
             source = self.plain or self
             largest = max((source._root_at(w.layer, layout.batch)[0].saved for w in work if w.layer), default=0)
-            peak = with_gradients = saved + largest
+            peak = with_gradients = saved + largest + (shared if self.checkpointing else 0)
         stepped = self.runs[0]  # the run that stepped AdamW: its temporaries and traffic scale with the parameters
         scale = nbytes / max(1, stepped.parameter_bytes)
         memory = MemoryCounts(saved, peak, with_gradients, int(stepped.memory.optimizer_peak_bytes * scale),

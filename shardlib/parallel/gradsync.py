@@ -6,15 +6,17 @@ layer) gets a partial gradient on each rank, and the full gradient is their sum.
 gradient hook with its own blocking all-reduce: 16 small messages per BERT layer, each paying gloo's latency.
 
 Now the parameters of one layer form a **bucket**. Each parameter's gradient hook (which runs before the gradient
-is accumulated into ``.grad``) stashes its partial gradient and hands autograd zeros to accumulate instead; when the
-last parameter of the bucket has reported, the bucket's partial gradients are flattened into one buffer whose
-all-reduce starts at once, without waiting (``async_op=True``), so it runs while backward goes on through the
-earlier layers. A callback queued on the autograd engine runs when that backward finishes: it waits for every
-bucket and adds each parameter's reduced gradient into its ``.grad``. So after ``loss.backward()`` returns every
-``.grad`` is complete, as before (gradient accumulation over several backwards included: each backward reduces
-only its own contribution), with one message per layer. A parameter that got no gradient in a backward on every
-rank of the group keeps its ``.grad`` untouched (the ranks of a sequence group run the same graph, so they agree
-on which).
+is accumulated into ``.grad``) stashes its partial gradient and hands autograd a zero to accumulate instead (an
+expanded scalar: nothing allocated); when the last parameter of the bucket has reported, the bucket's partial
+gradients are flattened into one buffer whose all-reduce starts at once, without waiting (``async_op=True``), so it
+runs while backward goes on through the earlier layers. When the next bucket starts, the one before it is waited
+for and each of its reduced gradients added into its ``.grad``, so one flat buffer is in flight at a time (holding
+every layer's until backward ends made the end of a stage's backward hold its gradients twice: a T5 stage under
+all-to-all SP, 40 MiB). A callback queued on the autograd engine runs when that backward finishes: it finishes the
+last bucket (and any whose member got no gradient). So after ``loss.backward()`` returns every ``.grad`` is
+complete, as before (gradient accumulation over several backwards included: each backward reduces only its own
+contribution), with one message per layer. A parameter that got no gradient in a backward on every rank of the
+group keeps its ``.grad`` untouched (the ranks of a sequence group run the same graph, so they agree on which).
 
 Limits. ``torch.autograd.grad(loss, params)`` returns zeros for these parameters (their gradient reaches ``.grad``
 in the callback, not the returned tuple); torch's DDP has the same restriction. Hooks that read ``.grad`` right
@@ -67,7 +69,7 @@ class _Bucket:
             self.partial[index] = grad
             if len(self.partial) == len(self.params):
                 self.start()
-        return torch.zeros_like(grad)
+        return grad.new_zeros(()).expand(grad.shape)  # what autograd accumulates: nothing, and nothing allocated
 
     def _index(self, param) -> int | None:
         return next((i for i, r in enumerate(self.params) if param is not None and r() is param), None)
@@ -79,8 +81,10 @@ class _Bucket:
         if len({g.dtype for g in grads}) > 1:  # mixed dtypes (rare): one blocking all-reduce each
             self.flat = [all_reduce(g, self.sync.group) for g in grads]
             return
+        self.sync.settle_before(self)
         self.flat = torch.cat([g.reshape(-1) for g in grads])
         self.work = start_all_reduce(self.flat, self.sync.group)
+        self.sync.in_flight = self
 
     def finish(self) -> None:
         """Wait for the bucket's all-reduce and add each reduced gradient into its parameter's ``.grad``."""
@@ -120,6 +124,7 @@ class ReplicatedGradSync:
         self.buckets: "weakref.WeakKeyDictionary[torch.nn.Module, _Bucket]" = weakref.WeakKeyDictionary()
         #: per backward in progress (autograd graph task id), its buckets in first-report order
         self._waiting: dict[int, list[_Bucket]] = {}
+        self.in_flight: _Bucket | None = None  # the bucket whose all-reduce was started last
 
     def __call__(self, layer: torch.nn.Module, args=()) -> None:
         """Hook what is not hooked yet (called once at install, then before every eager forward; compiled code
@@ -155,7 +160,20 @@ class ReplicatedGradSync:
         if bucket not in waiting:
             waiting.append(bucket)
 
+    def settle_before(self, bucket: _Bucket) -> None:
+        """Before ``bucket`` starts its all-reduce, finish the one in flight of the same backward (its members'
+        accumulations ran in their own autograd nodes, before this bucket's last member reported): at most one
+        bucket's flat copy lives besides the gradients, not one per layer until backward ends. Every rank of the
+        group runs the same graph, so every rank settles the same buckets at the same point."""
+        previous, self.in_flight = self.in_flight, None
+        if previous is not None and previous is not bucket and previous.task == bucket.task \
+                and previous.order is not None:
+            previous.finish()
+            previous.task = None  # finished: the end-of-backward callback skips it (a later report starts anew)
+
     def _finish_all(self, task: int) -> None:
+        if self.in_flight is not None and self.in_flight.task == task:
+            self.in_flight = None
         for bucket in self._waiting.pop(task, []):
             if bucket.task == task:
                 bucket.finish()

@@ -144,6 +144,7 @@ class FlatZero(StateByParameter, InnerOptimizer):
         self._reduced: set[int] = set()  # reduce-scattered since the step began
         self.armed = stage == 2  # the hooks reduce-scatter (zero=2: every backward; zero=1: the step's last)
         self._inflight = None
+        self._gloo = dist.get_backend(group) == "gloo"
         self._waiting: set[int] = set()  # graph tasks whose end-of-backward callback is queued
         self._used: set[int] = set()  # ids of parameters that got a gradient in this step
         self._gathered: dict[int, tuple] = {}  # bucket index -> _gather_state(bucket), the last two (checkpoints)
@@ -240,9 +241,15 @@ class FlatZero(StateByParameter, InnerOptimizer):
             p.grad = None
         bucket.arrived.clear()
         self._reduced.add(bucket.index)
+        if self._gloo:
+            # gloo's reduce-scatter copies its whole input into a scratch buffer (a third bucket beside the flat copy
+            # and the filling one) and runs slower than its all-reduce (24 MiB on 2 ranks: 35-59 ms against 31-39;
+            # on 4: 75-95 against 73-77, benchmarks/zero_memory.py --collectives): the flat copy is all-reduced in
+            # place and this rank's range kept when it is settled
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._inflight = (bucket, flat, None, work)
+            return
         out = torch.empty(bucket.hi - bucket.lo, dtype=flat.dtype, device=flat.device)
-        # gloo's own reduce-scatter, not collectives.start_reduce_scatter's all-to-all (half the bytes on gloo): that
-        # receives a whole bucket, and the bucket in flight must cost bucket / dp beside the flat copy (ZeRO-2's peak)
         work = REDUCE_SCATTER_SINGLE(out, flat, group=self.group, async_op=True)
         self._inflight = (bucket, flat, out, work)
 
@@ -250,9 +257,13 @@ class FlatZero(StateByParameter, InnerOptimizer):
         """Wait for the bucket in flight and add its shard into the rank's gradient shard."""
         if self._inflight is None:
             return
-        bucket, _, out, work = self._inflight
+        bucket, flat, out, work = self._inflight
         self._inflight = None
         work.wait()  # bounded by the process group's timeout
+        if out is None:  # all-reduced whole (gloo): this rank's range of it
+            out = flat[bucket.lo:bucket.hi]
+            if bucket.grad_shard is None:
+                out = out.clone()
         if bucket.grad_shard is None:
             bucket.grad_shard = out
         else:
