@@ -43,6 +43,7 @@ Every rank runs one intra-op thread (4 ranks on this 2-core machine); the batche
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -114,21 +115,24 @@ def ensure_checkpoint(model_name: str, layers: int | None = None, root: str | Pa
 
 def measure(model_name: str, layout: Layout, steps: int = 5, deadline_s: float = 300.0, *, warmup: int = WARMUP,
             mem_steps: int = 1, layers: int | None = None, ckpt_root: str | Path | None = None,
-            mmap_threshold: int | None = MMAP_THRESHOLD, start_method: str = "forkserver") -> dict:
+            mmap_threshold: int | None = MMAP_THRESHOLD, start_method: str = "forkserver",
+            where: bool = False) -> dict:
     """Train ``layout`` of ``model_name`` (``layers`` layers per stack) on ``layout.world`` ranks for
     ``warmup + mem_steps + 1 + steps`` steps (module docstring) and return ``{per_rank: [...],
     peak_growth_bytes, peak_growth_anon_bytes (max over ranks), step_s (per timed step, the slowest rank),
     step_s_median, step_s_min, step_s_max, foreign_cores, wall_s, error, ...}`` and the run's settings.
     ``error``: why the run gave no numbers (a rank's exception, or ``deadline_s`` passed and every rank was
     killed); the numbers are then None. ``start_method``: "forkserver" (ranks forked from a server that imported
-    everything once) or "spawn" (``_harness.spawn_ranks``: fresh interpreters, ~15 s more per call here)."""
+    everything once) or "spawn" (``_harness.spawn_ranks``: fresh interpreters, ~15 s more per call here).
+    ``where``: each rank's record also lists the storages its memory steps created that were alive at their peak
+    (``peak_storages``: MiB, the op that made it, its serial number among the step's ops; :class:`PeakStorages`)."""
     started = time.perf_counter()
     spec = MODELS[model_name]
     ckpt = ensure_checkpoint(model_name, layers, ckpt_root)
     out = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
     job = dict(model=model_name, layers=layers, layout=layout.to_dict(), steps=steps, warmup=warmup,
                mem_steps=mem_steps, ckpt=str(ckpt), out=str(out), timeout_s=max(30.0, deadline_s),
-               t_spawn=time.time(), mmap_threshold=mmap_threshold,
+               t_spawn=time.time(), mmap_threshold=mmap_threshold, where=where,
                ifname=os.environ.get("GLOO_SOCKET_IFNAME") or loopback_ifname())
     # spawned ranks read MALLOC_MMAP_THRESHOLD_ at startup; forked ones call mallopt (the server keeps its env)
     env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold) if mmap_threshold and start_method == "spawn" else None,
@@ -304,12 +308,79 @@ def _memory_steps(tr, batches: list, job: dict, rec: dict, mark) -> list[float]:
     rec["opt_state_bytes"] = held_state_bytes(tr.optimizer, tr.params)
     rec["before_steps"] = _settled_rss()
     rec["reset_ok"] = reset_peak_rss()
-    losses += [float(tr.train_step(batches[i % len(batches)])) for i in range(job["mem_steps"])]
+    probe = PeakStorages() if job.get("where") else contextlib.nullcontext()
+    with probe:
+        losses += [float(tr.train_step(batches[i % len(batches)])) for i in range(job["mem_steps"])]
+    if job.get("where"):
+        rec["peak_storages"] = probe.at_peak
     mark("memory")
     rec["after_steps"] = _rss()
     rec["hwm"] = rec["after_steps"]["peak"]
     rec["hwm_lifetime"] = max(rec["hwm_lifetime"], rec["hwm"])
     return losses
+
+
+class PeakStorages:
+    """Where a step's peak comes from: a dispatch mode that follows every storage of 64 KiB or more the ops inside
+    it create (not views, not an op's own inputs: in-place ops; freed when the storage dies, by a weak reference)
+    and keeps the list of those alive when their sum peaked: ``at_peak`` = [(MiB, op, serial number of the op)],
+    largest first. What ``benchmarks/plan_accuracy.py --where`` prints (it found the gloo reduce-scatter's scratch
+    buffer and the sequence-parallel buckets held to backward's end). Tensors made outside it (the parameters, the
+    optimizer state) are not counted."""
+
+    SMALLEST = 65536
+    KEEP = 30
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer.ops += 1
+                if not func.is_view:
+                    outer.created(func, args, kwargs or {}, out)
+                return out
+
+        self.mode, self.live, self.total, self.peak, self.ops, self.at_peak = Mode(), {}, 0, 0, 0, []
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def created(self, func, args, kwargs, out) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage._cdata, storage.nbytes()
+            if key in self.live or key in inputs or nbytes < self.SMALLEST:
+                continue
+            self.live[key] = (nbytes, str(func), self.ops, weakref.ref(storage, self._freed(key)))
+            self.total += nbytes
+            if self.total > self.peak:
+                self.peak = self.total
+                self.at_peak = sorted(((round(v[0] / MIB, 2), v[1], v[2]) for v in self.live.values()),
+                                      reverse=True)[:self.KEEP]
+
+    def _freed(self, key: int):
+        def callback(_ref):
+            entry = self.live.pop(key, None)
+            if entry is not None:
+                self.total -= entry[0]
+
+        return callback
 
 
 def _timed_steps(tr, batches: list, job: dict, rec: dict, mark) -> list[float]:

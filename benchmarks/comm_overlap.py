@@ -14,6 +14,9 @@ timed on rank 0:
   the
   overlap removed;
 * a reduce-scatter at each of ``SWEEP_KIB`` per rank: gloo's against shardlib's (an all-to-all and a local sum);
+* ZeRO's bucket (``--bucket-rounds`` interleaved rounds, a 24 MiB flat bucket, shardlib.train.zero): gloo's
+  reduce-scatter against the in-place all-reduce and this rank's range copied out (what ZeRO runs on gloo), each
+  call's time and the peak RSS it adds beyond the bucket (gloo's copies the bucket into a scratch buffer);
 * sequence parallelism's pair, hidden the same way: ``reduce_scatter as all_to_all + sum`` (each rank sends the other
   its half and adds what it receives: half the bytes of gloo's reduce-scatter), the all-gather started before the
   input-gradient GEMM [1024, 1152] x [1152, 768] and waited after it (``all_gather under dgrad``), and the
@@ -110,10 +113,40 @@ def _reduce_scatter_sizes(steps: int) -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, store_path: str, steps: int, queue) -> None:
+BUCKET_MIB = 24  # shardlib.parallel.flat.DEFAULT_BUCKET_BYTES, about
+
+
+def _zero_bucket(rounds: int) -> dict[str, list[float]]:
+    """ZeRO's reduce of one flat bucket both ways, alternating, ``rounds`` times: seconds per call and the peak RSS
+    (MiB) a call adds over the RSS before it (malloc returns blocks of 64 KiB or more to the OS at once here)."""
+    import ctypes
+
+    from _harness import reset_peak_rss, status_kib
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: a freed scratch buffer leaves the RSS
+    flat = torch.randn(BUCKET_MIB * 2 ** 18)
+    n, r = flat.numel() // 2, dist.get_rank()
+    ways = {"gloo reduce_scatter": lambda: REDUCE_SCATTER_SINGLE(torch.empty(n), flat),
+            "all_reduce in place + copy": lambda: (dist.all_reduce(flat), flat[r * n:(r + 1) * n].clone())}
+    found: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            before = status_kib("VmRSS")
+            reset_peak_rss()
+            found.setdefault(name + " ms", []).extend(x * 1e3 for x in timed(fn, 1, barrier=dist.barrier))
+            found.setdefault(name + " MiB", []).append((status_kib("VmHWM") - before) / 1024)
+    return found
+
+
+def _worker(rank: int, store_path: str, steps: int, queue, bucket_rounds: int = 0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
+        if bucket_rounds:
+            result = _zero_bucket(bucket_rounds)
+            if rank == 0:
+                queue.put(result)
+            return
         result = _measure(steps)
         if rank == 0:
             queue.put(result)
@@ -124,15 +157,23 @@ def _worker(rank: int, store_path: str, steps: int, queue) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--bucket-rounds", type=int, default=0, help="only ZeRO's bucket, this many rounds")
     args = parser.parse_args()
     os.environ["GLOO_SOCKET_IFNAME"] = loopback_ifname()
     wait_idle(60, 0.1)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run_rank, args=(_worker, os.path.join(tmp, "store"), args.steps, queue), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(run_rank, args=(_worker, os.path.join(tmp, "store"), args.steps, queue,
+                                           args.bucket_rounds), nprocs=2, start_method="spawn")
     r = queue.get()
+    if args.bucket_rounds:
+        print(f"ZeRO's {BUCKET_MIB} MiB bucket on 2 gloo ranks, {args.bucket_rounds} interleaved rounds: median "
+              "[min-max]")
+        for name, values in r.items():
+            lo, mid, hi = min(values), statistics.median(values), max(values)
+            print(f"  {name:34s} {mid:7.1f} [{lo:.1f}-{hi:.1f}]")
+        return
     for name, ms in r.items():
         if name.startswith("reduce_scatter ") and "KiB" in name:
             continue

@@ -6,6 +6,8 @@ profile of this machine) beside the measured peak RSS growth per rank and median
     python benchmarks/plan_accuracy.py                      # calibrate, then every model, 3 interleaved rounds
     python benchmarks/plan_accuracy.py --models bert-256 --rounds 3 --profile prof.json
     python benchmarks/plan_accuracy.py --models bert-256 --only pp2       # the pipeline layouts alone
+    python benchmarks/plan_accuracy.py --models t5-small --where "zero2 ckpt" --profile prof.json
+                                             # where one layout's peak comes from: predicted terms, live storages
 
 Targets (issue 25): predicted peak within 10% of measured for every layout; predicted step times rank the layouts
 with Spearman rho >= 0.8; the layout predicted fastest within 10% of the measured fastest. Measurements: the rounds
@@ -122,6 +124,35 @@ def reprice(path: str, profile, layers) -> list[dict]:
     return results
 
 
+def where(name: str, words: str, profile, layers, shown: int = 12) -> None:
+    """Where one layout's peak comes from: the cost model's memory terms of every stage beside each rank's measured
+    peak growth and the storages its memory step had alive at the peak (``measure(where=True)``)."""
+    from shardlib.analysis.costmodel import stage_memory
+    from shardlib.analysis.dryrun_report import size_text
+    from shardlib.analysis.metarun import meta_model, planned_policy
+    from shardlib.analysis.search import _Pricer
+
+    layout = next(lay for lay in layouts(name, layers=layers) if all(w in lay.name().split() for w in words.split()))
+    spec = MODELS[name]
+    full = meta_model(spec.config(layers), spec.cls)
+    report = _Pricer(full, planned_policy(full), profile.device).report(layout)
+    print(f"{name} {layout.name()}: predicted, per stage")
+    for stage in report.stages:
+        terms = stage_memory(report, layout, stage)
+        print(f"  stage {stage.index}: {size_text(sum(terms.values()))} = "
+              + " + ".join(f"{k} {size_text(v)}" for k, v in terms.items() if v))
+    m = measure(name, layout, steps=1, layers=layers, where=True)
+    if m["error"]:
+        print(f"  measurement failed: {m['error']}")
+        return
+    for rec in m["per_rank"]:
+        print(f"  rank {rec['rank']}: peak growth {rec['peak_growth_anon'] / MIB:.1f} MiB (params "
+              f"{rec['param_bytes'] / MIB:.1f}, optimizer state {rec['opt_state_bytes'] / MIB:.1f}); alive at the "
+              f"step's peak, made by (op number):")
+        for mib, op, serial in rec["peak_storages"][:shown]:
+            print(f"      {mib:8.2f} MiB  {op} (#{serial})")
+
+
 def _round_steps(point: dict) -> list[float]:
     """The per-round step medians of a stored point (3 rounds: exactly its minimum, median and maximum)."""
     return point.get("round_steps") or [point["step_spread"][0], point["measured_step"], point["step_spread"][1]]
@@ -171,6 +202,9 @@ def main() -> int:
     parser.add_argument("--plot", default="docs/img/plan_accuracy.png")
     parser.add_argument("--only", metavar="WORDS", help="measure only the layouts whose name holds every word "
                                                          "(e.g. 'pp2' or 'zero3 pp2')")
+    parser.add_argument("--where", metavar="WORDS", help="one layout (the first whose name holds every word): its "
+                                                          "predicted terms per stage and, per rank, the storages "
+                                                          "alive at its peak; measures nothing else")
     parser.add_argument("--reprice", metavar="JSON", help="price the measurements of an earlier run's JSON again "
                                                            "(with --profile), measuring nothing")
     args = parser.parse_args()
@@ -195,6 +229,10 @@ def main() -> int:
         results = reprice(args.reprice, profile, args.layers)
         write_json(args.out, dict(profile=profile.to_dict(), results=results, repriced=args.reprice))
         plot(results, args.plot)
+        return 0
+    if args.where:
+        for name in args.models.split(","):
+            where(name, args.where, profile, args.layers)
         return 0
     results = []
     for name in args.models.split(","):

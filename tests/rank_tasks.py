@@ -119,15 +119,17 @@ def _equivalence(spec: dict, mesh) -> dict:
     return compared
 
 
-def accumulated_gradients(spec: dict) -> int:
+def accumulated_gradients(spec: dict) -> tuple[int, int, int]:
     """Two forward + ``loss.backward()`` calls without zeroing: every gradient equals the unsharded model's sum of
     both (sequence parallelism's bucketed gradients complete each backward's own contribution). Returns how many
-    gradients were compared."""
+    gradients were compared, how many buckets started, and the most flat copies alive when one started (the one
+    before it is settled first: 0)."""
     mesh, family, dtype = spec_mesh(spec), cases(spec), DTYPES[spec["dtype"]]
     ref = family.make_model(spec)
     set_attention(ref, shard_options(spec)["kernels"].attention)
     model = shardlib.shard(copy.deepcopy(ref), mesh, gather_logits=True, **shard_options(spec))
     batch = cast_batch(family.make_batch(spec, ref.config), dtype)
+    starts, alive = _count_bucket_starts(model)
     for _ in range(2):
         for m in (ref, model):
             scalar_objective(m(**batch)).backward()
@@ -136,7 +138,24 @@ def accumulated_gradients(spec: dict) -> int:
     assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
     for name, g in ref_grads.items():
         _close(f"accumulated grad {name}", grads[name], g, dtype)
-    return len(ref_grads)
+    return len(ref_grads), len(starts), max(alive, default=0)
+
+
+def _count_bucket_starts(model) -> tuple[list, list[int]]:
+    """Record each start of a sequence-parallel gradient bucket of ``model`` (its sync's ``settle_before``, on the
+    instances) and how many of the sync's buckets hold a flat copy right after it settled."""
+    from shardlib.parallel.gradsync import ReplicatedGradSync
+
+    starts, alive = [], []
+    syncs = {id(h): h for m in model.modules() for h in m._forward_pre_hooks.values()
+             if isinstance(h, ReplicatedGradSync)}
+    for sync in syncs.values():
+        def settle_before(bucket, sync=sync, original=sync.settle_before):
+            original(bucket)
+            starts.append(bucket)
+            alive.append(sum(b.flat is not None for s in syncs.values() for b in s.buckets.values()))
+        sync.settle_before = settle_before
+    return starts, alive
 
 
 def check_fused_gemms_ran(model, kernels) -> None:

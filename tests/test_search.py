@@ -291,6 +291,49 @@ def test_memory_moments_of_pipelines_checkpointing_and_zero():
     assert terms["gradients"] == shards and terms["running microbatch"] == stage.memory.peak_bytes
 
 
+def test_memory_beside_a_checkpointed_recompute(monkeypatch):
+    """A checkpointed stage before the last re-materializes a layer all through its backward, so its transient also
+    holds the partial gradient of a weight two of its roots share (T5's embedding, with the encoder's and the
+    decoder's first layers on stage 0) and, under all-to-all SP, two layers' gradient buckets; unrecomputed, the peak
+    is backward's start, before either. ZeRO-2 keeps a gradient tied across stages whole until backward's end, and
+    a recomputing stage of several buckets has one in flight (docs/planning.md, "Memory"; measured on t5-small)."""
+    from shardlib.analysis import costmodel
+    from shardlib.analysis.costmodel import _largest_bucket, stage_memory
+    from shardlib.analysis.metarun import planned_policy
+    from shardlib.analysis.search import _Pricer
+
+    def pricer_of(spec):
+        full = meta_model(cases(spec).make_model(spec))
+        return full, _Pricer(full, planned_policy(full), "cpu")
+
+    full, pricer = pricer_of({**T5, "config": {**T5["config"], "layers": 1, "decoder_layers": 3}})
+    ckpt = Layout(dp=2, pp=2, batch=2, seq=16, microbatches=2, activation_checkpointing=True, zero=2)
+    report = pricer.report(ckpt)
+    stage, plain = report.stages[0], pricer.report(replace(ckpt, activation_checkpointing=False)).stages[0]
+    assert {"encoder.embed_tokens", "decoder.embed_tokens"} <= set(stage.modules)
+    embedding = full.shared.weight.numel() * 4
+    assert stage.late_gradient_bytes == embedding  # tied to the head on stage 1
+    largest = max(w.saved for w in plain.work if w.layer)
+    assert stage.memory.peak_bytes == stage.memory.activation_bytes + largest + embedding
+    assert plain.memory.peak_bytes == plain.memory.activation_bytes + largest
+    terms = stage_memory(report, ckpt, stage)
+    shards = max(next(z for z in stage.zero if z.zero == 2).gradients)
+    assert terms["gradients"] == shards + embedding - embedding // 2  # one bucket: none in flight beside
+    monkeypatch.setattr(costmodel, "DEFAULT_BUCKET_BYTES", 1024)  # several buckets: one in flight beside
+    assert _largest_bucket(stage, 2) == 1024
+    several = stage_memory(report, ckpt, stage)
+    assert "running microbatch" in several and several["gradients"] == terms["gradients"] + 1024
+    # all-to-all SP: every layer parameter is bucketed; a layer's partials beside the flat copy of the one before
+    full, pricer = pricer_of({**BERT, "config": {**BERT["config"], "layers": 4}})
+    a2a = Layout(sp=2, pp=2, batch=2, seq=16, microbatches=2, activation_checkpointing=True,
+                 sequence_parallel="all_to_all")
+    stage = pricer.report(a2a).stages[0]
+    plain = pricer.report(replace(a2a, activation_checkpointing=False)).stages[0]
+    layer = sum(p.numel() * 4 for p in full.bert.encoder.layer[0].parameters())
+    largest = max(w.saved for w in plain.work if w.layer)
+    assert stage.memory.peak_bytes == stage.memory.activation_bytes + largest + 2 * layer
+
+
 def test_the_shared_memory_transport_is_priced_in_time_and_pages():
     """A CPU profile that measured the shared-memory transport prices the tp group's collectives with its fits and
     adds the pages a rank maps (both parities of every rank's slot, as far as the largest message reaches); a

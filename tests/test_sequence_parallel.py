@@ -73,10 +73,13 @@ def test_sp_dropout_keeps_replicated_parameters_identical(pool, tp, base):
 @pytest.mark.parametrize("mode", ["megatron", "all_to_all"])
 def test_bucketed_gradients_accumulate_over_plain_backwards(pool, mode):
     """Two ``loss.backward()`` calls without zeroing: each reduces only its own contribution, so every gradient
-    equals the unsharded sum (the replicated parameters' buckets finish in an end-of-backward callback)."""
+    equals the unsharded sum (the replicated parameters' buckets finish in an end-of-backward callback). A bucket's
+    flat copy is settled when the next one starts: none is alive then (every layer's was, until backward's end)."""
     spec = {**_spec("BertForMaskedLM", 2 if mode == "megatron" else 1, 2), "sp": True if mode == "megatron" else "all_to_all",
             "sp_size": 2, "dtype": "float64"}
-    assert all(n > 20 for n in pool.run(rank_tasks.accumulated_gradients, spec))
+    for compared, starts, alive in pool.run(rank_tasks.accumulated_gradients, spec):
+        assert compared > 20 and starts >= 4  # two layers' buckets, two backwards
+        assert alive == 0
 
 
 FIXED = [

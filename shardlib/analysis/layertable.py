@@ -15,7 +15,8 @@ may differ (T5's holds the relative position bias), the others are alike.
 model as the pipeline splitter cuts them, each the sum of its roots. Exact where nothing depends on the cut (the
 parameter, gradient, optimizer and ZeRO bytes, GEMMs, traffic, collectives and saved activations per stage);
 estimated where it does: a stage's transient peak (the last stage's is the shallow run's, which the head and loss
-make; another stage's, its largest layer's saved bytes, without checkpointing: what a recompute re-materializes),
+make; another stage's, its largest layer's saved bytes, without checkpointing: what a recompute re-materializes,
+and checkpointed the partial gradients held beside that recompute: ``_stage_params``),
 the tensors sent between stages (the next stage's first
 layer's inputs) and the tied-weight sums (one all-reduce of each weight shared across stages). tests/test_search.py
 compares both with :func:`shardlib.plan`.
@@ -275,10 +276,10 @@ class LayerTable:
         collectives = [e for e in collectives if e.layer] + ([LayerCollectives("", merged)] if merged else [])
         key = (layout.pp, layout.dp, index)
         if key not in self._states:  # what does not depend on the microbatch
-            params, step, shared = self._stage_params(index, plan, owners)
-            self._states[key] = (self._stage_states(layout, params, step), shared)
-        states, shared = self._states[key]
-        return self._stage_info(index, plan, layout, layers, work, collectives, states, shared)
+            params, step, beside_recompute = self._stage_params(index, plan, owners)
+            self._states[key] = (self._stage_states(layout, params, step), beside_recompute)
+        states, beside_recompute = self._states[key]
+        return self._stage_info(index, plan, layout, layers, work, collectives, states, beside_recompute)
 
     def _stage_params(self, index: int, plan, owners) -> tuple[dict[tuple, Param], list[Collective], int]:
         """The stage's tensors (one per key, in order), the sums of those tied to other stages, and the gradient
@@ -325,7 +326,8 @@ class LayerTable:
                     optimizer_bytes=sum(a + c for a, c in state.values()), zero=_zero(tensors, state, mesh, late),
                     step=step, late_gradient_bytes=late_gradient_bytes(tensors, late))
 
-    def _stage_info(self, index, plan, layout, layers, work, collectives, states: dict, shared: int) -> StageInfo:
+    def _stage_info(self, index, plan, layout, layers, work, collectives, states: dict,
+                    beside_recompute: int) -> StageInfo:
         last = index == layout.pp - 1
         nbytes = states["parameter_bytes"]
         saved = sum(w.saved for w in work)
@@ -339,7 +341,7 @@ class LayerTable:
             # on T5 stages); without checkpointing the peak is backward's start, before they exist
             source = self.plain or self
             largest = max((source._root_at(w.layer, layout.batch)[0].saved for w in work if w.layer), default=0)
-            peak = with_gradients = saved + largest + (shared if self.checkpointing else 0)
+            peak = with_gradients = saved + largest + (beside_recompute if self.checkpointing else 0)
         stepped = self.runs[0]  # the run that stepped AdamW: its temporaries and traffic scale with the parameters
         scale = nbytes / max(1, stepped.parameter_bytes)
         memory = MemoryCounts(saved, peak, with_gradients, int(stepped.memory.optimizer_peak_bytes * scale),

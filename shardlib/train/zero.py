@@ -14,9 +14,11 @@ Gradients (Megatron's distributed optimizer, DeepSpeed ZeRO-2, ColossalAI's LowL
 
 * **zero=2**: each parameter's post-accumulate-grad hook marks it arrived; when the last parameter of a bucket has
   arrived the bucket's gradients are copied into one flat buffer, the parameters' ``.grad`` freed, and a
-  reduce-scatter over dp is started without waiting: it runs while backward goes on. Buckets are launched in bucket
-  order on every rank (one that completes early waits for the earlier ones; the end of backward launches the rest),
-  so all dp ranks issue the same collectives in the same order, as DDP's reducer does. Before the next bucket starts
+  reduce-scatter over dp is started without waiting: it runs while backward goes on (on gloo an all-reduce of the
+  flat buffer in place, of which the rank keeps its range: gloo's reduce-scatter would copy the whole bucket).
+  Buckets are launched in bucket order on every rank (one that completes early waits for the earlier ones; the end
+  of backward launches the rest), so all dp ranks issue the same collectives in the same order, as DDP's reducer
+  does. Before the next bucket starts
   the previous one is waited for and its shard added into the rank's gradient shard (``numel / dp`` per bucket,
   persistent over the step's microbatches). So at most two buckets of full-size gradients exist at any time (the
   one filling, the one in flight) besides the shards. Every microbatch's backward reduces into the shards: the
@@ -243,9 +245,9 @@ class FlatZero(StateByParameter, InnerOptimizer):
         self._reduced.add(bucket.index)
         if self._gloo:
             # gloo's reduce-scatter copies its whole input into a scratch buffer (a third bucket beside the flat copy
-            # and the filling one) and runs slower than its all-reduce (24 MiB on 2 ranks: 35-59 ms against 31-39;
-            # on 4: 75-95 against 73-77, benchmarks/zero_memory.py --collectives): the flat copy is all-reduced in
-            # place and this rank's range kept when it is settled
+            # and the filling one) and runs slower than its all-reduce (a 24 MiB bucket on 2 ranks: +36 MiB and 65 ms
+            # against +12 MiB and 42 ms, benchmarks/comm_overlap.py --bucket-rounds): the flat copy is all-reduced
+            # in place and this rank's range kept when it is settled
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._inflight = (bucket, flat, None, work)
             return
