@@ -332,8 +332,13 @@ class PeakStorages:
     KEEP = 30
 
     def __init__(self):
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
         from torch.utils._python_dispatch import TorchDispatchMode
 
+        self._weakref, self._tensor, self._leaves = weakref.ref, torch.Tensor, tree_leaves
         outer = self
 
         class Mode(TorchDispatchMode):
@@ -354,20 +359,15 @@ class PeakStorages:
         self.mode.__exit__(*exc)
 
     def created(self, func, args, kwargs, out) -> None:
-        import weakref
-
-        import torch
-        from torch.utils._pytree import tree_leaves
-
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
+        inputs = {t.untyped_storage()._cdata for t in self._leaves((args, kwargs)) if isinstance(t, self._tensor)}
+        for t in self._leaves(out):
+            if not isinstance(t, self._tensor):
                 continue
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
             if key in self.live or key in inputs or nbytes < self.SMALLEST:
                 continue
-            self.live[key] = (nbytes, str(func), self.ops, weakref.ref(storage, self._freed(key)))
+            self.live[key] = (nbytes, str(func), self.ops, self._weakref(storage, self._freed(key)))
             self.total += nbytes
             if self.total > self.peak:
                 self.peak = self.total

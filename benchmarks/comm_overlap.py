@@ -117,8 +117,8 @@ BUCKET_MIB = 24  # shardlib.parallel.flat.DEFAULT_BUCKET_BYTES, about
 
 
 def _zero_bucket(rounds: int) -> dict[str, list[float]]:
-    """ZeRO's reduce of one flat bucket both ways, alternating, ``rounds`` times: seconds per call and the peak RSS
-    (MiB) a call adds over the RSS before it (malloc returns blocks of 64 KiB or more to the OS at once here)."""
+    """ZeRO's reduce of one flat bucket both ways, alternating, ``rounds`` times: milliseconds per call and the peak
+    RSS (MiB) a call adds over the RSS before it (malloc returns blocks of 64 KiB or more to the OS at once here)."""
     import ctypes
 
     from _harness import reset_peak_rss, status_kib

@@ -127,7 +127,7 @@ def reprice(path: str, profile, layers) -> list[dict]:
 def where(name: str, words: str, profile, layers, shown: int = 12) -> None:
     """Where one layout's peak comes from: the cost model's memory terms of every stage beside each rank's measured
     peak growth and the storages its memory step had alive at the peak (``measure(where=True)``)."""
-    from shardlib.analysis.costmodel import stage_memory
+    from shardlib.analysis.costmodel import stage_memory, transport_pages
     from shardlib.analysis.dryrun_report import size_text
     from shardlib.analysis.metarun import meta_model, planned_policy
     from shardlib.analysis.search import _Pricer
@@ -138,7 +138,7 @@ def where(name: str, words: str, profile, layers, shown: int = 12) -> None:
     report = _Pricer(full, planned_policy(full), profile.device).report(layout)
     print(f"{name} {layout.name()}: predicted, per stage")
     for stage in report.stages:
-        terms = stage_memory(report, layout, stage)
+        terms = stage_memory(report, layout, stage) | transport_pages(stage, layout, profile)  # as predict() sums
         print(f"  stage {stage.index}: {size_text(sum(terms.values()))} = "
               + " + ".join(f"{k} {size_text(v)}" for k, v in terms.items() if v))
     m = measure(name, layout, steps=1, layers=layers, where=True)

@@ -90,7 +90,7 @@ def _root_of(path: str, roots: list[str]) -> str:
     return best
 
 
-def _nbytes(p: Param) -> int:
+def _param_bytes(p: Param) -> int:
     return torch.Size(p.shape).numel() * p.dtype.itemsize
 
 
@@ -301,11 +301,11 @@ class LayerTable:
         step = []
         for key, p in params.items():
             if len(owners[key]) > 1 and p.requires_grad:
-                step.append(Collective("all_reduce", "pp", len(owners[key]), _nbytes(p), "step", p.name))
-        shared = max((_nbytes(p) for key, p in params.items() if uses[key] > 1 and p.requires_grad), default=0)
+                step.append(Collective("all_reduce", "pp", len(owners[key]), _param_bytes(p), "step", p.name))
+        shared = max((_param_bytes(p) for key, p in params.items() if uses[key] > 1 and p.requires_grad), default=0)
         # a sequence-parallel bucket (shardlib.parallel.gradsync): a layer's partial gradients stashed while the one
         # before it is all-reduced from its flat copy
-        bucketed = max((sum(_nbytes(p) for p in self._params(root) if p.late and p.requires_grad)
+        bucketed = max((sum(_param_bytes(p) for p in self._params(root) if p.late and p.requires_grad)
                         for root in plan.layers[index]), default=0)
         return params, step, shared + 2 * bucketed
 

@@ -18,11 +18,11 @@ Gradients (Megatron's distributed optimizer, DeepSpeed ZeRO-2, ColossalAI's LowL
   flat buffer in place, of which the rank keeps its range: gloo's reduce-scatter would copy the whole bucket).
   Buckets are launched in bucket order on every rank (one that completes early waits for the earlier ones; the end
   of backward launches the rest), so all dp ranks issue the same collectives in the same order, as DDP's reducer
-  does. Before the next bucket starts
-  the previous one is waited for and its shard added into the rank's gradient shard (``numel / dp`` per bucket,
-  persistent over the step's microbatches). So at most two buckets of full-size gradients exist at any time (the
-  one filling, the one in flight) besides the shards. Every microbatch's backward reduces into the shards: the
-  alternative (keep full gradients over the microbatches, reduce once) is ZeRO-1's memory.
+  does. Before the next bucket starts the previous one is waited for and its shard added into the rank's gradient
+  shard (``numel / dp`` per bucket, persistent over the step's microbatches). So at most two buckets of full-size
+  gradients exist at any time (the one filling, the one in flight) besides the shards. Every microbatch's backward
+  reduces into the shards: the alternative (keep full gradients over the microbatches, reduce once) is ZeRO-1's
+  memory.
 * **zero=1**: gradients accumulate in full over the microbatches; the step's last backward reduce-scatters them
   bucket by bucket as above (under a pipeline, once after the schedule).
 * Parameters whose gradient is completed after backward (:mod:`shardlib.parallel.gradsync`'s sequence-parallel
