@@ -64,7 +64,7 @@ def cases(spec: dict):
 
 def spec_mesh(spec: dict):
     """The pool mesh of a spec: ``tp``, and ``sp_size`` ranks per sequence under all-to-all sequence parallelism."""
-    return pool_mesh(tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") == "all_to_all" else 1)
+    return pool_mesh(tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") in ("all_to_all", "ring") else 1)
 
 
 def shard_options(spec: dict) -> dict:

@@ -23,7 +23,7 @@ class AllToAllSequenceParallel:
 
     def install(self, r) -> None:
         r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
-        install_sequence_parallel(r, r.sequence, all_to_all=True)
+        install_sequence_parallel(r, r.sequence, sp_dimension=True)
         _install_all_to_all_attention(r, r.sequence, r.model.config._attn_implementation)
 
 

@@ -39,7 +39,8 @@ from .adapters import adapter_problems, is_lora_layer, shard_adapted, styled_mod
 from .all_to_all import AllToAllSequenceParallel
 from .losses import LOSSES, install_vocab_parallel_loss
 from .plan import Plan, PlanError, match_modules
-from .sequence import ALL_TO_ALL, MEGATRON, MegatronSequenceParallel, SequenceParallel
+from .ring import RingSequenceParallel
+from .sequence import ALL_TO_ALL, MEGATRON, RING, SP_MODES, MegatronSequenceParallel, SequenceParallel
 from .shard_report import ReportRow
 
 PARAM_STYLES = (ColwiseParallel, RowwiseParallel, VocabParallel)
@@ -336,11 +337,13 @@ def passes_for(r: Resolved) -> list:
     mode = o["sequence_mode"]
     if mode == ALL_TO_ALL:
         passes.append(AllToAllSequenceParallel())
+    elif mode == RING:
+        passes.append(RingSequenceParallel())
     elif mode == MEGATRON:
         passes.append(MegatronSequenceParallel())
-    if mode != ALL_TO_ALL and sp > 1:
+    if mode not in SP_MODES and sp > 1:
         r.problems.append(f"the mesh has sp={sp} ranks per sequence but sequence_parallel={o['sequence_parallel']!r}; "
-                          "pass sequence_parallel='all_to_all'")
+                          "pass sequence_parallel='all_to_all' or 'ring'")
     if r.plan.loss is not None:
         passes.append(VocabParallelLoss())
     if o["check_replicated_inputs"] and r.tp > 1:

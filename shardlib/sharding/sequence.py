@@ -176,19 +176,21 @@ def rehook_replicated_grads(model: torch.nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the shard pass
-MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"
+MEGATRON, ALL_TO_ALL, RING = "megatron", "all_to_all", "ring"
+#: the modes on the mesh's own sp dimension
+SP_MODES = (ALL_TO_ALL, RING)
 
 
 def sequence_mode(value, problems: list[str]) -> str | None:
-    """``shard(sequence_parallel=...)`` as None / MEGATRON / ALL_TO_ALL (an unknown value is a problem)."""
+    """``shard(sequence_parallel=...)`` as None / MEGATRON / ALL_TO_ALL / RING (an unknown value is a problem)."""
     if value is False or value is None:
         return None
     if value is True or value == MEGATRON:
         return MEGATRON
-    if value == ALL_TO_ALL:
-        return ALL_TO_ALL
-    problems.append(f"sequence_parallel={value!r}: expected False, True (Megatron, on the TP group) or "
-                    f"'{ALL_TO_ALL}' (Ulysses, on the mesh's sp dimension)")
+    if value in SP_MODES:
+        return value
+    problems.append(f"sequence_parallel={value!r}: expected False, True (Megatron, on the TP group), "
+                    f"'{ALL_TO_ALL}' (Ulysses) or '{RING}' (ring attention), both on the mesh's sp dimension")
     return None
 
 
@@ -220,17 +222,18 @@ class MegatronSequenceParallel:
             install_sequence_parallel(r, r.sequence)
 
 
-def install_sequence_parallel(r, sp: SequenceParallel, *, all_to_all: bool = False) -> None:
+def install_sequence_parallel(r, sp: SequenceParallel, *, sp_dimension: bool = False) -> None:
     """Scatter the sequence at each stack's first layer and gather it after the last; per-rank dropout streams on
     sequence-sharded activations; one all-reduce over the sequence group of the gradient of every parameter in the
-    layers that the group replicates (Megatron: the TP-replicated ones; all-to-all: all)."""
+    layers that the group replicates (Megatron: the TP-replicated ones; on the sp dimension, all-to-all or ring:
+    all)."""
     from ..parallel.styles import LocalRNG
 
-    model, stream = r.model, "sequence-parallel" if all_to_all else "tensor-parallel"
+    model, stream = r.model, "sequence-parallel" if sp_dimension else "tensor-parallel"
     for pattern in r.plan.sequence_dropout:
         for path in r.match(pattern):
             LocalRNG(stream=stream).apply(path, model.get_submodule(path), r.shard_context(""))
-    grad_sync = ReplicatedGradSync(sp.group, tp_sharded_too=all_to_all)
+    grad_sync = ReplicatedGradSync(sp.group, tp_sharded_too=sp_dimension)
     for k, stack in enumerate(r.plan.trunk):
         layers = list(model.get_submodule(stack.layers)._modules.values())
         if not layers:

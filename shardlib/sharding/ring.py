@@ -1,0 +1,89 @@
+"""The shard pass of ``sequence_parallel="ring"`` (context parallelism): every activation inside the layer stacks
+holds 1/sp of the sequence, as under all-to-all, but attention keeps all of this rank's heads and passes K/V blocks
+around the sp ranks instead of exchanging sequence for heads, so sp need not divide the head count. The attention
+math, its ring and its backward are in :mod:`shardlib.kernels.ring_attention`; this module checks a plan against it
+and installs it on the model's attention modules."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..kernels.attention import LOCAL_RNG_PREFIX, set_attention
+from ..kernels.ring_attention import CONTEXT_ATTR, MaskCache, RingContext, relative_bias_vector, ring_name
+from ..parallel.styles import CopyInputs, ShardContext
+from .sequence import SequenceParallel, install_sequence_parallel, sequence_parallel_problems
+
+#: the inner implementations whose mask semantics the ring reproduces (it computes the attention itself)
+RING_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+class RingSequenceParallel:
+    """The pass of ``sequence_parallel="ring"`` (module docstring)."""
+
+    def problems(self, r) -> list[str]:
+        return sequence_parallel_problems(r) + _ring_problems(r)
+
+    def install(self, r) -> None:
+        r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
+        install_sequence_parallel(r, r.sequence, sp_dimension=True)
+        _install_ring_attention(r, r.sequence, r.model.config._attn_implementation)
+
+
+def base_implementation(implementation: str | None) -> str:
+    """The implementation under shardlib's per-rank dropout wrapper (None: transformers' default, SDPA)."""
+    implementation = implementation or "sdpa"
+    return implementation.removeprefix(LOCAL_RNG_PREFIX)
+
+
+def _ring_problems(r) -> list[str]:
+    sp = getattr(r.mesh, "sp", 1)
+    if sp < 2:
+        return ["sequence_parallel='ring' needs a mesh with sp > 1 ranks per sequence (init_mesh(..., sp=N)); "
+                "this mesh has sp=1"]
+    if not r.plan.attention:
+        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that ring attention can "
+                "wrap (docs/sequence-parallel.md says which models support it)"]
+    chosen = r.options["kernels"].attention if r.options.get("kernels") is not None else None
+    implementation = base_implementation(chosen or getattr(r.model.config, "_attn_implementation", None))
+    problems = []
+    if implementation not in RING_IMPLEMENTATIONS:
+        problems.append(f"{r.name}: ring attention computes attention itself with the mask semantics of "
+                        f"{' or '.join(RING_IMPLEMENTATIONS)}; the model runs {implementation!r} "
+                        "(shard(..., kernels=Kernels(attention='sdpa')) to switch)")
+    for pattern, site in r.plan.attention.items():
+        for path in r.match(pattern, "attention"):
+            module = r.modules[path]
+            if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
+                problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
+            if site.bias_method is not None:
+                method = getattr(module, site.bias_method, None)
+                if not callable(method):
+                    problems.append(f"{path}: {type(module).__name__} has no method {site.bias_method!r} "
+                                    "(AttentionSite.bias_method)")
+                elif "past_seen_tokens" not in inspect.signature(method).parameters:
+                    problems.append(f"{path}: {type(module).__name__}.{site.bias_method} takes no past_seen_tokens: "
+                                    "ring attention computes a relative bias per distance through it")
+    return problems
+
+
+def _install_ring_attention(r, sp: SequenceParallel, implementation: str) -> None:
+    """Each attention module calls ring attention with its stack's stream; cross-attention inputs enter the sp
+    region (backward: their gradient, from this rank's queries only, is summed); relative position biases are
+    computed per distance."""
+    rank = torch.distributed.get_rank(sp.group)
+    masks: dict[int, MaskCache] = {}
+    for pattern, site in r.plan.attention.items():
+        for path in r.match(pattern):
+            module, stack = r.modules[path], r.stack_of(path)
+            stream = sp.stream(stack)
+            module.__dict__[CONTEXT_ATTR] = RingContext(
+                sp.group, rank, sp.size, stream, implementation, base_implementation(implementation),
+                cross=site.kv_input is not None, relative=site.bias_method is not None,
+                masks=masks.setdefault(stack, MaskCache()))
+            if site.kv_input is not None:
+                CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
+            if site.bias_method is not None:
+                setattr(module, site.bias_method, relative_bias_vector(getattr(module, site.bias_method), stream))
+    set_attention(r.model, ring_name(implementation))
