@@ -10,7 +10,8 @@ import torch
 import shardlib
 
 from rank_tasks import (
-    _gathered_copies, cases, check_replicas_identical, scalar_objective, shard_options, spec_mesh, train_steps,
+    SP_DIM_MODES, _gathered_copies, cases, check_replicas_identical, scalar_objective, shard_options, spec_mesh,
+    train_steps,
 )
 
 #: Source folders whose code must cause no graph break: shardlib's own (the package and its policies and kernels).
@@ -91,15 +92,15 @@ def compiled_dropout_streams(spec: dict, steps: int = 1) -> dict:
     inputs."""
     torch._dynamo.reset()
     mesh = spec_mesh(spec)
-    all_to_all = spec.get("sp") == "all_to_all"
-    group = mesh.group("sp") if all_to_all else mesh.tp_group
+    sp_dimension = spec.get("sp") in SP_DIM_MODES
+    group = mesh.group("sp") if sp_dimension else mesh.tp_group
     torch.manual_seed(spec["seed"])
     model = shardlib.shard(cases(spec).make_model(spec), mesh, **shard_options(spec))
     model.train()
     losses = train_steps(model, torch.compile(model, backend=spec["compile"]), spec, steps)
-    checked = check_replicas_identical(model, group, all_to_all)
+    checked = check_replicas_identical(model, group, sp_dimension)
     tracker = shardlib.shard_state(model).rng_tracker
-    stream = "sequence-parallel" if all_to_all else "tensor-parallel"
+    stream = "sequence-parallel" if sp_dimension else "tensor-parallel"
     masks = torch.compile(lambda x: shardlib.parallel.random.local_dropout(x, 0.5, *tracker.ranks[stream]),
                           backend=spec["compile"])(torch.ones(256))
     copies = _gathered_copies(masks, group)

@@ -15,7 +15,7 @@ import shardlib
 from shardlib.train import Trainer, dp_shard
 
 from harness import mesh as pool_mesh
-from rank_tasks import DTYPES, TOL, _adamw, _close, cases, cast_batch, set_attention, shard_options
+from rank_tasks import DTYPES, SP_DIM_MODES, TOL, _adamw, _close, cases, cast_batch, set_attention, shard_options
 
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs")
 
@@ -26,7 +26,7 @@ def first_output_objective(value: torch.Tensor) -> torch.Tensor:
 
 
 def build(spec: dict):
-    mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") == "all_to_all" else 1)
+    mesh = pool_mesh(pp=spec["pp"], tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") in SP_DIM_MODES else 1)
     family = cases(spec)
     ref = family.make_model(spec)
     options = shard_options(spec)

@@ -31,6 +31,8 @@ from shardlib.kernels.attention import set_attention
 from harness import mesh as pool_mesh
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: sequence-parallel modes on the mesh's own sp dimension
+SP_DIM_MODES = ("all_to_all", "ring")
 TOL = {torch.float32: dict(rtol=2e-4, atol=2e-5), torch.float64: dict(rtol=1e-9, atol=1e-11)}
 
 
@@ -63,8 +65,9 @@ def cases(spec: dict):
 
 
 def spec_mesh(spec: dict):
-    """The pool mesh of a spec: ``tp``, and ``sp_size`` ranks per sequence under all-to-all sequence parallelism."""
-    return pool_mesh(tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") in ("all_to_all", "ring") else 1)
+    """The pool mesh of a spec: ``tp``, and ``sp_size`` ranks per sequence under all-to-all or ring sequence
+    parallelism."""
+    return pool_mesh(tp=spec["tp"], sp=spec.get("sp_size", 1) if spec.get("sp") in SP_DIM_MODES else 1)
 
 
 def shard_options(spec: dict) -> dict:
@@ -277,12 +280,12 @@ def train_steps(model, forward, spec: dict, steps: int) -> list[float]:
     return losses
 
 
-def check_replicas_identical(model, group, all_to_all: bool) -> int:
-    """Every parameter the group replicates (all of them under all-to-all) is bitwise equal across its ranks;
-    returns how many were checked."""
+def check_replicas_identical(model, group, sp_dimension: bool) -> int:
+    """Every parameter the group replicates (all of them on the sp dimension: all-to-all or ring) is bitwise equal
+    across its ranks; returns how many were checked."""
     checked = 0
     for name, p, layout in shardlib.named_layouts(model):
-        if layout.is_sharded and not all_to_all:
+        if layout.is_sharded and not sp_dimension:
             continue
         copies = _gathered_copies(p.detach(), group)
         assert all(torch.equal(copies[0], c) for c in copies[1:]), f"replicated {name} diverged across ranks"
@@ -293,17 +296,18 @@ def check_replicas_identical(model, group, all_to_all: bool) -> int:
 def dropout_training_keeps_replicas_identical(spec: dict, steps: int = 4) -> dict:
     """Train with dropout; replicated parameters stay bitwise identical across the TP group, sharded-activation
     dropout draws differ across TP ranks, replicated-activation dropout draws agree. Under all-to-all sequence
-    parallelism the group is sp (which replicates every parameter) and the per-rank stream the sequence one."""
+    parallelism on the sp dimension (all-to-all, ring) the group is sp (which replicates every parameter) and the
+    per-rank stream the sequence one."""
     mesh = spec_mesh(spec)
-    all_to_all = spec.get("sp") == "all_to_all"
-    group, stream = (mesh.group("sp"), "sequence-parallel") if all_to_all else (mesh.tp_group, "tensor-parallel")
+    sp_dimension = spec.get("sp") in SP_DIM_MODES
+    group, stream = (mesh.group("sp"), "sequence-parallel") if sp_dimension else (mesh.tp_group, "tensor-parallel")
     torch.manual_seed(spec["seed"])
     model = cases(spec).make_model(spec)
     tracker = shardlib.manual_seed(spec["seed"], mesh)
     shardlib.shard(model, mesh, rng_tracker=tracker, **shard_options(spec))
     model.train()
     losses = train_steps(model, model, spec, steps)
-    checked = check_replicas_identical(model, group, all_to_all)
+    checked = check_replicas_identical(model, group, sp_dimension)
     with tracker.fork(stream):
         sharded_draw = torch.rand(64)
     replicated_draw = torch.rand(64)

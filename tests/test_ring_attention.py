@@ -6,6 +6,7 @@ parallelism, lengths sp does and does not divide, past the head count."""
 import pytest
 
 import rank_tasks
+import ring_tasks
 from test_all_to_all import BERT, BERT_CROSS, T5, UMT5, VIT, VIT_MIM
 
 CASES = [BERT, BERT_CROSS, VIT, VIT_MIM, T5, UMT5]
@@ -21,3 +22,48 @@ def _spec(case, tp, sp, seq=7, **extra):
 def test_ring_matches_unsharded(pool, case, tp, sp):
     results = pool.run(rank_tasks.equivalence, _spec(case, tp, sp))
     assert all(r["grads"] > 10 for r in results)
+
+
+THREE_STEPS = [BERT, VIT, T5, UMT5]
+
+
+@pytest.mark.parametrize("tp,sp", [(1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("case", THREE_STEPS, ids=[c["cls"] for c in THREE_STEPS])
+def test_ring_trains_three_steps_exactly(pool, case, tp, sp):
+    """Three Trainer steps on new padded batches (dp = 4 / (tp * sp)): losses, gradients and weights to 1e-10."""
+    spec = {**_spec(case, tp, sp), "dec_seq": 5}
+    results = pool.run(ring_tasks.training_steps, spec)
+    assert all(r["grads"] > 30 for r in results)
+
+
+@pytest.mark.parametrize("case", THREE_STEPS, ids=[c["cls"] for c in THREE_STEPS])
+def test_ring_pipeline(pool, case):
+    """pp=2 x ring sp=2: the stages exchange sequence chunks (T5: and the relative bias per distance), two
+    microbatches, a length sp does not divide, three exact steps."""
+    config = {**case["config"], "layers": 3} if case is not T5 and case is not UMT5 else case["config"]
+    spec = {**_spec({**case, "config": config}, 1, 2), "pp": 2, "microbatches": 2, "dec_seq": 5, "batch": 4}
+    results = pool.run(ring_tasks.training_steps, spec)
+    assert sum(r["grads"] for r in results) > 30
+
+
+def test_ring_past_the_head_count(pool):
+    """Two heads over four sp ranks: all-to-all refuses (each rank needs whole heads), the ring trains exactly."""
+    case = {**BERT, "config": {**BERT["config"], "heads": 2}}
+    assert "not divisible by tp(1) * sp(4)" in pool.run(ring_tasks.refusal, {**_spec(case, 1, 4), "sp": "all_to_all"})[0]
+    pool.run(ring_tasks.training_steps, _spec(case, 1, 4, seq=13))
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_ring_both_attention_implementations(pool, attention):
+    """The ring keeps the inner implementation's mask semantics (eager: additive masks, SDPA: boolean or causal) and
+    computes the softmax in the input's precision: against ViT's eager reference, whose softmax runs in float32,
+    the float64 reference is SDPA."""
+    pool.run(rank_tasks.equivalence, _spec(T5, 1, 4, seq=8, kernels={"attention": attention}))
+    pool.run(rank_tasks.equivalence, _spec(VIT, 2, 2, kernels={"attention": attention}, reference_attention="sdpa"))
+
+
+@pytest.mark.parametrize("case", [BERT, T5], ids=["bert", "t5"])
+def test_ring_dropout_keeps_replicas_identical(pool, case):
+    spec = _spec({**case, "config": {**case["config"], "dropout": 0.1}}, 1, 2, dtype="float32")
+    results = pool.run(rank_tasks.dropout_training_keeps_replicas_identical, spec)
+    assert all(r["replicated_checked"] > 5 for r in results)
