@@ -120,6 +120,11 @@ def _dropout_keep(shape, p: float, seed: int, device) -> torch.Tensor:
     return torch.rand(shape, generator=gen, device=device) >= p
 
 
+def _dropout_scale(p: torch.Tensor, dropout: float, seed: int) -> torch.Tensor:
+    """The block's keep mask as 0 or 1 / (1 - dropout) in ``p``'s dtype (the same in forward and backward)."""
+    return _dropout_keep(p.shape, dropout, seed, p.device).to(p.dtype) / (1 - dropout)
+
+
 def _use_flash(q, extra: BlockScores, dropout: float) -> bool:
     return q.device.type == "cpu" and extra.bias_index is None and not dropout
 
@@ -136,7 +141,7 @@ def block_forward(q, k, v, scale, extra: BlockScores, relative, dropout: float, 
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     if dropout:
-        p = p * _dropout_keep(p.shape, dropout, seed, q.device) / (1 - dropout)
+        p = p * _dropout_scale(p, dropout, seed)
     return torch.matmul(p, v.to(acc)), lse
 
 
@@ -154,7 +159,7 @@ def block_backward(grad_out, q, k, v, out, lse, scale, extra: BlockScores, relat
     p = torch.exp(_block_scores(q, k, scale, extra, relative) - lse.unsqueeze(-1))
     dp = torch.matmul(grad_out, v.transpose(-1, -2))
     if dropout:
-        keep = _dropout_keep(p.shape, dropout, seed, q.device) / (1 - dropout)
+        keep = _dropout_scale(p, dropout, seed)
         dv = torch.matmul((p * keep).transpose(-1, -2), grad_out)
         dp = dp * keep
     else:
