@@ -193,13 +193,13 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     length, heads = ctx.stream.length, query.shape[1]
     share = heads // ctx.stream.sp.size
     if ctx.cross:
-        query = _to_heads(query, ctx.group, length)
+        query = to_heads(query, ctx.group, length)
         key, value = (t.narrow(1, ctx.rank * share, share) for t in (key, value))
     else:
         if key.shape != query.shape:
             raise RuntimeError(f"{type(module).__name__}: all-to-all self-attention got query {tuple(query.shape)} "
                                f"and key {tuple(key.shape)} (a key/value cache is not supported)")
-        query, key, value = _to_heads((query, key, value), ctx.group, length)
+        query, key, value = to_heads((query, key, value), ctx.group, length)
     bias = kwargs.get("position_bias")
     if bias is not None:
         # T5: the self-attention bias covers the whole sequence (``whole_sequence_bias``): keep this rank's heads;
@@ -216,14 +216,14 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return exchanged, None
 
 
-def _to_heads(xs, group, length: int):
+def to_heads(xs, group, length: int | None):
     """[b, h, L/n, d] views of [b, L/n, h, d] projections (as HF makes them) -> [b, h/n, L, d] views of fresh
-    [b, L, h/n, d] tensors, cut to the true length. Exchanged in HF's memory layout so that SDPA's fused kernel
+    [b, L, h/n, d] tensors, cut to the true length (``length``; None: keep the padded length). Exchanged in HF's memory layout so that SDPA's fused kernel
     writes its output in the [b, L, h, d] layout HF's reshape wants (no copy; the output exchange can then be
     recomputed from what SDPA saves)."""
     single = isinstance(xs, torch.Tensor)
     out = all_to_all(tuple(x.transpose(1, 2) for x in ((xs,) if single else xs)), group, scatter_dim=2, gather_dim=1)
-    out = tuple(t.narrow(1, 0, length).transpose(1, 2) for t in out)
+    out = tuple((t if length is None else t.narrow(1, 0, length)).transpose(1, 2) for t in out)
     return out[0] if single else out
 
 
@@ -251,4 +251,4 @@ def all_to_all_name(implementation: str) -> str:
 
 __all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
            "attention_problems", "registered_problems", "registries", "whole_sequence_bias", "call_attention",
-           "local_rng_name"]
+           "local_rng_name", "to_heads"]

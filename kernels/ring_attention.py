@@ -39,7 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .attention import _register_wrapper, inner_attention
+from shardlib.parallel.collectives import all_to_all
+
+from .attention import _register_wrapper, inner_attention, to_heads
 
 ACC_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 KV, GRADIENTS = 0, 1  # message tags
@@ -265,10 +267,11 @@ class _RingAttention(torch.autograd.Function):
             dkv = local if dkv is None else (dkv if local is None else dkv + local)
             if dkv is None:
                 dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-            dkv_pending = ring.start(dkv.contiguous(), GRADIENTS)  # on to the next holder of this block (its owner at the end)
+            if n > 1:  # on to the next holder of this block (at the last step: its owner)
+                dkv_pending = ring.start(dkv.contiguous(), GRADIENTS)
             if pending is not None:
                 kv = ring.wait(pending)
-        dkv = ring.wait(dkv_pending)
+        dkv = ring.wait(dkv_pending) if n > 1 else dkv
         return (None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None if drel is None else drel.to(relative.dtype))
 
@@ -295,12 +298,22 @@ UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
 
 
 @dataclass
+class UlyssesGroup:
+    """Ulysses x ring: the ranks that exchange sequence for heads around each ring position (consecutive chunks)."""
+
+    group: object
+    rank: int
+    size: int
+
+
+@dataclass
 class RingContext:
     """What the ring attention of one attention module needs: the sp group, this rank and the group size, the
     sequence stream of its stack (``length``: the true length of the current forward), the inner implementation
     (``base``: "sdpa" or "eager", whose mask semantics apply), whether keys and values come from another,
     replicated sequence (cross-attention), whether ``position_bias`` is a relative bias vector (T5), and the
-    stack's mask cache (every layer of a forward gets the same mask)."""
+    stack's mask cache (every layer of a forward gets the same mask). Ulysses x ring: ``group``, ``rank`` and
+    ``size`` are the ring's, ``ulysses`` the Ulysses group inside each ring position."""
 
     group: object
     rank: int
@@ -311,6 +324,7 @@ class RingContext:
     cross: bool = False
     relative: bool = False
     masks: "MaskCache | None" = None
+    ulysses: UlyssesGroup | None = None
 
 
 class MaskCache:
@@ -360,23 +374,54 @@ def _self_mask(mask: torch.Tensor, g: RingGeometry, acc: torch.dtype):
     return rows, per_block.flatten(0, -2).any(0).tolist()
 
 
-def ring_attention_forward(module, query, key, value, attention_mask, *, dropout: float = 0.0,
-                           scaling: float | None = None, position_bias=None, is_causal: bool | None = None,
-                           **kwargs):
+def ring_attention_forward(module, query, key, value, attention_mask, *, position_bias=None, **kwargs):
     """HF attention function (registered as ``shardlib_ring_<inner>``): q [b, h, c, d] of this rank's chunk;
     self-attention k, v the same chunk's (the ring brings the others), cross-attention k, v of the whole replicated
-    other sequence. Returns ([b, c, h, d], None); attention weights are never materialised."""
+    other sequence. Ulysses x ring: q, k, v first exchange sequence for heads within the rank's Ulysses group, the
+    ring then runs over the group's joint chunk for its share of the heads, and the output is exchanged back.
+    Returns ([b, c, h, d], None); attention weights are never materialised."""
     ctx: RingContext = module.__dict__[CONTEXT_ATTR]
     unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if unsupported:
         raise RuntimeError(f"{type(module).__name__}: ring attention does not compute {', '.join(unsupported)}")
-    g = RingGeometry(ctx.rank, ctx.size, query.shape[2], ctx.stream.length)
-    if ctx.cross:
-        return _cross_attention(module, ctx, g, query, key, value, attention_mask, dropout=dropout,
-                                scaling=scaling, position_bias=position_bias, is_causal=is_causal, **kwargs)
-    if key.shape[2] != query.shape[2]:
+    if not ctx.cross and key.shape[2] != query.shape[2]:
         raise RuntimeError(f"{type(module).__name__}: ring self-attention got query {tuple(query.shape)} and key "
                            f"{tuple(key.shape)} (a key/value cache is not supported)")
+    u = ctx.ulysses
+    if u is not None:
+        query, key, value, position_bias = _ulysses_in(module, u, ctx.cross, query, key, value, position_bias)
+    g = RingGeometry(ctx.rank, ctx.size, query.shape[2], ctx.stream.length)
+    attend = _cross_attention if ctx.cross else _self_attention
+    out = attend(module, ctx, g, query, key, value, attention_mask, position_bias=position_bias, **kwargs)
+    if u is not None:  # [b, u*c, h/u, d] -> [b, c, h, d]
+        out = all_to_all((out,), u.group, scatter_dim=1, gather_dim=2)[0]
+    return out, None
+
+
+def _ulysses_in(module, u: "UlyssesGroup", cross: bool, query, key, value, position_bias):
+    """Sequence for heads within the Ulysses group: q (self-attention: k and v too) [b, h, c, d] -> [b, h/u, u*c,
+    d]; cross-attention keeps its share of the replicated k and v heads; a relative bias its share of the heads."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads % u.size or kv_heads % u.size:
+        raise RuntimeError(f"{type(module).__name__}: {heads} query and {kv_heads} key/value heads do not split over "
+                           f"the {u.size} ranks of a Ulysses group")
+    if cross:
+        share = kv_heads // u.size
+        key, value = (t.narrow(1, u.rank * share, share) for t in (key, value))
+        return to_heads(query, u.group, None), key, value, None  # T5's cross-attention bias is zeros
+    if kv_heads == heads:
+        query, key, value = to_heads((query, key, value), u.group, None)
+    else:
+        query, (key, value) = to_heads(query, u.group, None), to_heads((key, value), u.group, None)
+    if position_bias is not None:
+        share = heads // u.size
+        position_bias = position_bias.narrow(1, u.rank * share, share)
+    return query, key, value, position_bias
+
+
+def _self_attention(module, ctx: RingContext, g: RingGeometry, query, key, value, attention_mask, *,
+                    dropout: float = 0.0, scaling: float | None = None, position_bias=None,
+                    is_causal: bool | None = None, **kwargs):
     acc = ACC_DTYPES.get(query.dtype, query.dtype)
     problem = RingProblem(ctx.group, g, query.shape[-1] ** -0.5 if scaling is None else scaling, acc)
     if attention_mask is not None:
@@ -393,8 +438,7 @@ def ring_attention_forward(module, query, key, value, attention_mask, *, dropout
         relative, problem.relative_length = position_bias, g.length
     if dropout and module.training:
         problem.dropout, problem.seed = dropout, int(torch.randint(2 ** 62, ()))
-    out = ring_attention(problem, query, key, value, relative)
-    return out.transpose(1, 2).contiguous(), None
+    return ring_attention(problem, query, key, value, relative).transpose(1, 2).contiguous()
 
 
 def _cross_attention(module, ctx: RingContext, g: RingGeometry, query, key, value, attention_mask, **kwargs):
@@ -402,7 +446,7 @@ def _cross_attention(module, ctx: RingContext, g: RingGeometry, query, key, valu
     region once so that its gradient, from this rank's queries only, is summed): the inner implementation with the
     mask's rows of this chunk."""
     mask = None if attention_mask is None else _rows(attention_mask, g)
-    return inner_attention(module, ctx.implementation)(module, query, key, value, mask, **kwargs)
+    return inner_attention(module, ctx.implementation)(module, query, key, value, mask, **kwargs)[0]
 
 
 def relative_bias_vector(compute_bias, stream):
@@ -429,5 +473,5 @@ def ring_name(implementation: str) -> str:
     return _register_wrapper(RING_PREFIX + implementation, ring_attention_forward, implementation)
 
 
-__all__ = ["ring_attention", "ring_attention_forward", "ring_name", "relative_bias_vector", "RingContext",
+__all__ = ["ring_attention", "ring_attention_forward", "ring_name", "relative_bias_vector", "RingContext", "UlyssesGroup",
            "RingProblem", "RingGeometry", "MaskCache", "CONTEXT_ATTR", "RING_PREFIX"]

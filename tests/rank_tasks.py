@@ -71,7 +71,9 @@ def spec_mesh(spec: dict):
 
 
 def shard_options(spec: dict) -> dict:
-    return {"sequence_parallel": spec.get("sp", False), "kernels": shardlib.kernels.Kernels(**spec.get("kernels", {}))}
+    options = {"sequence_parallel": spec.get("sp", False),
+               "kernels": shardlib.kernels.Kernels(**spec.get("kernels", {}))}
+    return options | ({"ulysses": spec["ulysses"]} if spec.get("ulysses", 1) > 1 else {})
 
 
 @contextlib.contextmanager

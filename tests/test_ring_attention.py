@@ -27,11 +27,12 @@ def test_ring_matches_unsharded(pool, case, tp, sp):
 THREE_STEPS = [BERT, VIT, T5, UMT5]
 
 
-@pytest.mark.parametrize("tp,sp", [(1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("tp,sp,ulysses", [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 4, 2)])
 @pytest.mark.parametrize("case", THREE_STEPS, ids=[c["cls"] for c in THREE_STEPS])
-def test_ring_trains_three_steps_exactly(pool, case, tp, sp):
-    """Three Trainer steps on new padded batches (dp = 4 / (tp * sp)): losses, gradients and weights to 1e-10."""
-    spec = {**_spec(case, tp, sp), "dec_seq": 5}
+def test_ring_trains_three_steps_exactly(pool, case, tp, sp, ulysses):
+    """Three Trainer steps on new padded batches (dp = 4 / (tp * sp)): losses, gradients and weights to 1e-10, for
+    a ring of sp, and for Ulysses x ring 2 x 2."""
+    spec = {**_spec(case, tp, sp, ulysses=ulysses), "dec_seq": 5}
     results = pool.run(ring_tasks.training_steps, spec)
     assert all(r["grads"] > 30 for r in results)
 
@@ -67,3 +68,11 @@ def test_ring_dropout_keeps_replicas_identical(pool, case):
     spec = _spec({**case, "config": {**case["config"], "dropout": 0.1}}, 1, 2, dtype="float32")
     results = pool.run(rank_tasks.dropout_training_keeps_replicas_identical, spec)
     assert all(r["replicated_checked"] > 5 for r in results)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["cls"] for c in CASES])
+def test_ulysses_by_ring(pool, case):
+    """Ulysses x ring, 2 x 2: heads exchanged within pairs of consecutive chunks, the pairs' joint chunks around a
+    ring of two."""
+    results = pool.run(rank_tasks.equivalence, _spec(case, 1, 4, ulysses=2))
+    assert all(r["grads"] > 10 for r in results)

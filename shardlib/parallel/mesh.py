@@ -75,6 +75,24 @@ class Mesh:
             self._groups[dim] = self.device_mesh.get_group(dim)
         return self._groups[dim]
 
+    def split_sp(self, ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """The sp dimension as rings of ``sp // ulysses`` positions, each position ``ulysses`` ranks holding
+        consecutive chunks of the sequence (Ulysses x ring attention): (this rank's Ulysses group, its ring group).
+        Collective the first time (every rank of the world creates the groups), cached after. Built with
+        DeviceMesh's ``_unflatten`` (private in torch 2.13, the only way to split a dimension of an existing mesh
+        into named dimensions whose groups carry the mesh's bookkeeping)."""
+        key = f"sp/{ulysses}"
+        if key not in self._groups:
+            if ulysses < 1 or self.sp % ulysses:
+                raise MeshError(f"ulysses={ulysses} does not divide sp={self.sp}")
+            split = self.device_mesh._unflatten("sp", (self.sp // ulysses, ulysses), ("sp_ring", "sp_ulysses"))
+            groups = split.get_group("sp_ulysses"), split.get_group("sp_ring")
+            if dist.get_backend() != FAKE_BACKEND:
+                for group in groups:
+                    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s), group)
+            self._groups[key] = groups
+        return self._groups[key]
+
     def size(self, dim: str) -> int:
         return {"dp": self.dp, "pp": self.pp, "sp": self.sp, "tp": self.tp}[dim]
 

@@ -16,9 +16,10 @@ its class) and write its config, but must not write tensor data in place (that c
 Adding a feature (context parallelism, say) is adding a pass to :func:`passes_for`; no other pass changes. The
 passes: tensor-parallel styles with ties and attributes (:class:`TensorParallel`), fused kernels
 (:class:`KernelsPass`), Megatron sequence parallelism (``shardlib.sharding.sequence.MegatronSequenceParallel``),
-all-to-all sequence parallelism (``shardlib.sharding.all_to_all.AllToAllSequenceParallel``), the vocab-parallel
-loss (:class:`VocabParallelLoss`), the replicated-input check (:class:`ReplicatedInputCheck`) and the pipeline
-split (:class:`PipelinePass`).
+all-to-all sequence parallelism (``shardlib.sharding.all_to_all.AllToAllSequenceParallel``), ring attention
+(``shardlib.sharding.ring.RingSequenceParallel``), the per-position attention inputs both cut to each sp rank's
+chunk (``shardlib.sharding.positions.SequencePositions``), the vocab-parallel loss (:class:`VocabParallelLoss`),
+the replicated-input check (:class:`ReplicatedInputCheck`) and the pipeline split (:class:`PipelinePass`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .adapters import adapter_problems, is_lora_layer, shard_adapted, styled_mod
 from .all_to_all import AllToAllSequenceParallel
 from .losses import LOSSES, install_vocab_parallel_loss
 from .plan import Plan, PlanError, match_modules
+from .positions import SequencePositions
 from .ring import RingSequenceParallel
 from .sequence import ALL_TO_ALL, MEGATRON, RING, SP_MODES, MegatronSequenceParallel, SequenceParallel
 from .shard_report import ReportRow
@@ -339,8 +341,13 @@ def passes_for(r: Resolved) -> list:
         passes.append(AllToAllSequenceParallel())
     elif mode == RING:
         passes.append(RingSequenceParallel())
+    if mode in SP_MODES and any(site.positions for site in r.plan.attention.values()):
+        passes.append(SequencePositions())
     elif mode == MEGATRON:
         passes.append(MegatronSequenceParallel())
+    if o.get("ulysses", 1) != 1 and mode != RING:
+        r.problems.append(f"ulysses={o['ulysses']} applies to sequence_parallel='ring' (Ulysses x ring), not to "
+                          f"sequence_parallel={o['sequence_parallel']!r}")
     if mode not in SP_MODES and sp > 1:
         r.problems.append(f"the mesh has sp={sp} ranks per sequence but sequence_parallel={o['sequence_parallel']!r}; "
                           "pass sequence_parallel='all_to_all' or 'ring'")

@@ -11,7 +11,9 @@ import inspect
 import torch
 
 from ..kernels.attention import LOCAL_RNG_PREFIX, set_attention
-from ..kernels.ring_attention import CONTEXT_ATTR, MaskCache, RingContext, relative_bias_vector, ring_name
+from ..kernels.ring_attention import (
+    CONTEXT_ATTR, MaskCache, RingContext, UlyssesGroup, relative_bias_vector, ring_name,
+)
 from ..parallel.styles import CopyInputs, ShardContext
 from .sequence import SequenceParallel, install_sequence_parallel, sequence_parallel_problems
 
@@ -28,7 +30,14 @@ class RingSequenceParallel:
     def install(self, r) -> None:
         r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
         install_sequence_parallel(r, r.sequence, sp_dimension=True)
-        _install_ring_attention(r, r.sequence, r.model.config._attn_implementation)
+        ulysses = r.options.get("ulysses", 1)
+        if ulysses > 1:
+            ulysses_group, ring_group = r.mesh.split_sp(ulysses)
+            ring = (ring_group, torch.distributed.get_rank(ring_group), r.mesh.sp // ulysses)
+            inner = UlyssesGroup(ulysses_group, torch.distributed.get_rank(ulysses_group), ulysses)
+        else:
+            ring, inner = (r.sequence.group, torch.distributed.get_rank(r.sequence.group), r.mesh.sp), None
+        _install_ring_attention(r, r.sequence, ring, inner, r.model.config._attn_implementation)
 
 
 def base_implementation(implementation: str | None) -> str:
@@ -45,6 +54,9 @@ def _ring_problems(r) -> list[str]:
     if not r.plan.attention:
         return [f"the policy of {r.name} lists no attention modules (Plan.attention) that ring attention can "
                 "wrap (docs/sequence-parallel.md says which models support it)"]
+    ulysses, tp = r.options.get("ulysses", 1), r.tp
+    if ulysses < 1 or sp % ulysses:
+        return [f"ulysses={ulysses} does not divide sp={sp} (Ulysses x ring: sp = ulysses * ring positions)"]
     chosen = r.options["kernels"].attention if r.options.get("kernels") is not None else None
     implementation = base_implementation(chosen or getattr(r.model.config, "_attn_implementation", None))
     problems = []
@@ -55,6 +67,10 @@ def _ring_problems(r) -> list[str]:
     for pattern, site in r.plan.attention.items():
         for path in r.match(pattern, "attention"):
             module = r.modules[path]
+            heads = getattr(module, site.heads)
+            if ulysses > 1 and heads % (tp * ulysses):
+                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * ulysses({ulysses}) = "
+                                f"{tp * ulysses}: each rank of a Ulysses group takes whole heads")
             if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
                 problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
             if site.bias_method is not None:
@@ -68,20 +84,18 @@ def _ring_problems(r) -> list[str]:
     return problems
 
 
-def _install_ring_attention(r, sp: SequenceParallel, implementation: str) -> None:
-    """Each attention module calls ring attention with its stack's stream; cross-attention inputs enter the sp
-    region (backward: their gradient, from this rank's queries only, is summed); relative position biases are
-    computed per distance."""
-    rank = torch.distributed.get_rank(sp.group)
+def _install_ring_attention(r, sp: SequenceParallel, ring: tuple, ulysses, implementation: str) -> None:
+    """Each attention module calls ring attention with its stack's stream over ``ring`` (group, rank, size), with
+    ``ulysses`` inside each ring position or None; cross-attention inputs enter the sp region (backward: their
+    gradient, from this rank's queries only, is summed); relative position biases are computed per distance."""
     masks: dict[int, MaskCache] = {}
     for pattern, site in r.plan.attention.items():
         for path in r.match(pattern):
             module, stack = r.modules[path], r.stack_of(path)
             stream = sp.stream(stack)
             module.__dict__[CONTEXT_ATTR] = RingContext(
-                sp.group, rank, sp.size, stream, implementation, base_implementation(implementation),
-                cross=site.kv_input is not None, relative=site.bias_method is not None,
-                masks=masks.setdefault(stack, MaskCache()))
+                *ring, stream, implementation, base_implementation(implementation), cross=site.kv_input is not None,
+                relative=site.bias_method is not None, masks=masks.setdefault(stack, MaskCache()), ulysses=ulysses)
             if site.kv_input is not None:
                 CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
             if site.bias_method is not None:

@@ -46,6 +46,7 @@ def shard(
     stages_per_rank: int = 1,
     layers_per_stage: list[int] | None = None,
     sequence_parallel: bool | str = False,
+    ulysses: int = 1,
     kernels: Kernels | None = None,
     verify_plan: bool = True,
 ) -> nn.Module:
@@ -67,6 +68,10 @@ def shard(
     (:mod:`shardlib.sharding.sequence`): norms, dropout and residuals on 1/tp of the sequence; any sequence length.
     ``"all_to_all"``: Ulysses sequence parallelism over the mesh's ``sp`` dimension: every activation inside the
     stacks holds 1/sp of the sequence, attention exchanges sequence for heads (:mod:`shardlib.kernels.attention`).
+    ``"ring"``: ring attention (context parallelism) over ``sp``: the same 1/sp activations, attention keeps this
+    rank's heads and passes K/V blocks around the sp ranks, so sp need not divide the head count
+    (:mod:`shardlib.kernels.ring_attention`). ``ulysses``: with ``"ring"``, that many ranks around each ring position
+    exchange sequence for heads first (Ulysses x ring: sp = ulysses * ring positions; 1: a plain ring).
 
     ``kernels``: which fused kernels to use (:class:`shardlib.kernels.Kernels`; default: the fastest measured).
 
@@ -83,7 +88,7 @@ def shard(
         return _shard(model, mesh, policy, verify_plan, dict(
             gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
             stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
-            sequence_parallel=sequence_parallel, rng_tracker=rng_tracker))
+            sequence_parallel=sequence_parallel, ulysses=ulysses, rng_tracker=rng_tracker))
 
 
 def _shard(wrapper: nn.Module, mesh: Mesh, policy, verify_plan: bool, options: dict) -> nn.Module:
