@@ -190,13 +190,16 @@ def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     for self-attention, [b, h, Lk, d] of a replicated sequence for cross-attention (no exchange: this rank keeps
     its h/n heads). Returns ([b, L/n, h, d], None) like HF's attention functions (weights are not gathered)."""
     ctx: AllToAllContext = module.__dict__[CONTEXT_ATTR]
+    if ctx.stream.unsplit:  # incremental decoding: the whole sequence on every rank
+        return inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
     length, heads = ctx.stream.length, query.shape[1]
     share = heads // ctx.stream.sp.size
     if ctx.cross:
         query = to_heads(query, ctx.group, length)
-        key, value = (t.narrow(1, ctx.rank * share, share) for t in (key, value))
+        kv_share = key.shape[1] // ctx.stream.sp.size  # grouped K/V heads: this rank's queries' share of them
+        key, value = (t.narrow(1, ctx.rank * kv_share, kv_share) for t in (key, value))
     else:
-        if key.shape != query.shape:
+        if key.shape[2] != query.shape[2]:  # grouped K/V heads may be fewer; each rank takes 1/n of both
             raise RuntimeError(f"{type(module).__name__}: all-to-all self-attention got query {tuple(query.shape)} "
                                f"and key {tuple(key.shape)} (a key/value cache is not supported)")
         query, key, value = to_heads((query, key, value), ctx.group, length)
@@ -233,6 +236,8 @@ def whole_sequence_bias(compute_bias, stream):
     every later layer as T5 passes it on."""
 
     def whole(query_length, key_length, *args, past_seen_tokens=0, **kwargs):
+        if stream.unsplit:
+            return compute_bias(query_length, key_length, *args, past_seen_tokens=past_seen_tokens, **kwargs)
         if past_seen_tokens:
             owner = getattr(compute_bias, "__self__", None)
             where = f"{type(owner).__name__}: " if owner is not None else ""

@@ -381,6 +381,9 @@ def ring_attention_forward(module, query, key, value, attention_mask, *, positio
     ring then runs over the group's joint chunk for its share of the heads, and the output is exchanged back.
     Returns ([b, c, h, d], None); attention weights are never materialised."""
     ctx: RingContext = module.__dict__[CONTEXT_ATTR]
+    if ctx.stream.unsplit:  # incremental decoding: the whole sequence on every rank
+        return inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask,
+                                                           position_bias=position_bias, **kwargs)
     unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if unsupported:
         raise RuntimeError(f"{type(module).__name__}: ring attention does not compute {', '.join(unsupported)}")
@@ -456,6 +459,8 @@ def relative_bias_vector(compute_bias, stream):
     position L - 1 against keys 0 .. 2L - 2. It travels to the later layers as T5 passes its bias on."""
 
     def per_distance(query_length, key_length, *args, past_seen_tokens=0, **kwargs):
+        if stream.unsplit:
+            return compute_bias(query_length, key_length, *args, past_seen_tokens=past_seen_tokens, **kwargs)
         if past_seen_tokens:
             owner = getattr(compute_bias, "__self__", None)
             where = f"{type(owner).__name__}: " if owner is not None else ""

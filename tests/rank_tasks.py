@@ -411,10 +411,10 @@ def row_linear_blocks(spec: dict) -> list[int]:
 def generation_matches(spec: dict) -> dict:
     """generate() on the sharded seq2seq model (greedy and beam search, KV cache on) returns exactly the tokens
     of the unsharded model."""
-    mesh = pool_mesh(tp=spec["tp"])
+    mesh = spec_mesh(spec)
     family = cases(spec)
     ref = family.make_model(spec).eval()
-    model = shardlib.shard(copy.deepcopy(ref), mesh)
+    model = shardlib.shard(copy.deepcopy(ref), mesh, **shard_options(spec))
     batch = family.make_batch({**spec, "labels": False}, ref.config)
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     distinct = {}

@@ -57,3 +57,15 @@ def refusal(spec: dict) -> str:
     except shardlib.PlanError as e:
         return str(e)
     raise AssertionError(f"sequence_parallel={spec['sp']!r} was not refused")
+
+
+def disagreeing_lengths(spec: dict) -> str:
+    """Odd sp ranks get one token more: every rank raises, naming the ranks' shapes (no hang, no wrong result)."""
+    mesh = pool_mesh(tp=1, sp=spec["sp_size"])
+    model = shardlib.shard(cases(spec).make_model(spec), mesh, sequence_parallel="ring")
+    batch = cases(spec).make_batch({**spec, "seq": spec["seq"] + mesh.sp_rank % 2}, model.config)
+    try:
+        model(**batch)
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("disagreeing sequence lengths were not caught")

@@ -7,7 +7,10 @@ import pytest
 
 import rank_tasks
 import ring_tasks
+from harness import RankPool
+from profiles import ci_only
 from test_all_to_all import BERT, BERT_CROSS, T5, UMT5, VIT, VIT_MIM
+from test_vit_t5_equivalence import FIXED_T5
 
 CASES = [BERT, BERT_CROSS, VIT, VIT_MIM, T5, UMT5]
 
@@ -76,3 +79,39 @@ def test_ulysses_by_ring(pool, case):
     ring of two."""
     results = pool.run(rank_tasks.equivalence, _spec(case, 1, 4, ulysses=2))
     assert all(r["grads"] > 10 for r in results)
+
+
+@pytest.mark.parametrize("mode,ulysses", [("ring", 1), ("ring", 2), ("all_to_all", 1)])
+def test_generate_under_sequence_parallelism(pool, mode, ulysses):
+    """T5 generate() (greedy and beam search, KV cache on) gives the unsharded tokens at sp=4: the encoder runs
+    split, the decoding steps, which fill and reuse a key/value cache, run unsplit on every rank."""
+    spec = {"family": "t5", "cls": "T5ForConditionalGeneration", "tp": 1, "sp": mode, "sp_size": 4,
+            "ulysses": ulysses, "seq": 6, "batch": 3, "padding": True, "dtype": "float32", "seed": 4, "new_tokens": 8,
+            "config": {**FIXED_T5, "vocab": 41, "d_model": 64, "d_kv": 8, "d_ff": 64, "heads": 4, "ffn": "gated-gelu",
+                       "init": 10.0}}
+    distinct = pool.run(rank_tasks.generation_matches, spec)[0]
+    assert distinct[1] >= 8 and distinct[3] >= 8, f"degenerate generations, the test would prove little: {distinct}"
+
+
+def test_ranks_with_different_lengths_are_told(pool):
+    messages = pool.run(ring_tasks.disagreeing_lengths, _spec(BERT, 1, 2, seq=7))
+    for message in messages:
+        assert "inputs to bert.encoder.layer differ" in message and "length 7" in message and "length 8" in message
+
+
+@pytest.fixture(scope="module")
+def pool8():
+    p = RankPool(world_size=8)
+    p.start()
+    yield p
+    p.stop()
+
+
+@ci_only("eight ranks on two cores; the dev profile covers tp2 x sp2 and pp2 x sp2 on four")
+@pytest.mark.parametrize("case", THREE_STEPS, ids=[c["cls"] for c in THREE_STEPS])
+def test_ring_with_tensor_and_pipeline_parallelism(pool8, case):
+    """tp=2 x pp=2 x ring sp=2 on eight ranks: three exact Trainer steps with two microbatches."""
+    config = {**case["config"], "layers": 3} if case is not T5 and case is not UMT5 else case["config"]
+    spec = {**_spec({**case, "config": config}, 2, 2), "pp": 2, "microbatches": 2, "dec_seq": 5, "batch": 2}
+    results = pool8.run(ring_tasks.training_steps, spec, timeout_s=300)
+    assert sum(r["grads"] for r in results) > 30

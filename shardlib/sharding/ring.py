@@ -9,11 +9,14 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 
 from ..kernels.attention import LOCAL_RNG_PREFIX, set_attention
 from ..kernels.ring_attention import (
     CONTEXT_ATTR, MaskCache, RingContext, UlyssesGroup, relative_bias_vector, ring_name,
 )
+from ..parallel.collectives import all_gather
+from ..parallel.mesh import FAKE_BACKEND
 from ..parallel.styles import CopyInputs, ShardContext
 from .sequence import SequenceParallel, install_sequence_parallel, sequence_parallel_problems
 
@@ -29,14 +32,18 @@ class RingSequenceParallel:
 
     def install(self, r) -> None:
         r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
+        for stack in r.plan.trunk:  # before the stack entry's scatter (hooks run in the order registered)
+            layers = list(r.model.get_submodule(stack.layers)._modules.values())
+            if layers:
+                layers[0].register_forward_pre_hook(_agreement_check(r.sequence.group, stack.layers), with_kwargs=True)
         install_sequence_parallel(r, r.sequence, sp_dimension=True)
         ulysses = r.options.get("ulysses", 1)
         if ulysses > 1:
             ulysses_group, ring_group = r.mesh.split_sp(ulysses)
-            ring = (ring_group, torch.distributed.get_rank(ring_group), r.mesh.sp // ulysses)
-            inner = UlyssesGroup(ulysses_group, torch.distributed.get_rank(ulysses_group), ulysses)
+            ring = (ring_group, dist.get_rank(ring_group), r.mesh.sp // ulysses)
+            inner = UlyssesGroup(ulysses_group, dist.get_rank(ulysses_group), ulysses)
         else:
-            ring, inner = (r.sequence.group, torch.distributed.get_rank(r.sequence.group), r.mesh.sp), None
+            ring, inner = (r.sequence.group, dist.get_rank(r.sequence.group), r.mesh.sp), None
         _install_ring_attention(r, r.sequence, ring, inner, r.model.config._attn_implementation)
 
 
@@ -82,6 +89,30 @@ def _ring_problems(r) -> list[str]:
                     problems.append(f"{path}: {type(module).__name__}.{site.bias_method} takes no past_seen_tokens: "
                                     "ring attention computes a relative bias per distance through it")
     return problems
+
+
+def _agreement_check(group, where: str):
+    """A pre-hook for a stack's first layer: the sp ranks' inputs agree in batch size, length and content (a sum),
+    else every rank raises naming the ranks and their shapes. Ranks that disagree would otherwise pass K/V blocks of
+    different sequences around the ring, which fails late or, where the padded chunks have the same size, computes
+    silently wrong attention. One all-gather of three numbers per stack and forward."""
+
+    def check(module, args, kwargs):
+        x = args[0]
+        if x.is_meta or torch.compiler.is_compiling() or dist.get_backend(group) == FAKE_BACKEND:
+            return None
+        mine = torch.tensor([[x.shape[0], x.shape[1], float(x.detach().double().sum())]], dtype=torch.float64)
+        everyone = all_gather(mine, 0, group)
+        same = (everyone == everyone[0]) | (everyone.isnan() & everyone[0].isnan())
+        if not bool(same.all()):
+            ranks = dist.get_process_group_ranks(group)
+            seen = "; ".join(f"rank {rank}: batch {int(b)} x length {int(n)}, sum {s:.6g}"
+                             for rank, (b, n, s) in zip(ranks, everyone.tolist()))
+            raise RuntimeError(f"ring attention: the sp ranks' inputs to {where} differ ({seen}); every rank of an sp "
+                               "group must get the same batch (the runtime's dp_shard gives it)")
+        return None
+
+    return check
 
 
 def _install_ring_attention(r, sp: SequenceParallel, ring: tuple, ulysses, implementation: str) -> None:

@@ -56,6 +56,10 @@ class SequenceParallel:
     _gathered: dict = field(default_factory=dict)  # storage address of a gathered sequence -> _Regather
     #: pipeline stages hold the saving_shards context for their whole forward (a stage may stop mid-stack)
     saving_managed_outside: bool = False
+    #: while ``generate()`` runs (sp-dimension modes): stacks that get a key/value cache run unsplit
+    decoding: bool = False
+    #: stack -> whether its current forward runs unsplit (every rank the whole sequence, no communication)
+    unsplit: dict[int, bool] = field(default_factory=dict)
 
     def stream(self, stack: int) -> "SequenceStream":
         return SequenceStream(self, stack)
@@ -115,6 +119,20 @@ class SequenceStream:
     @property
     def length(self) -> int:
         return self.sp.lengths[self.stack]
+
+    @property
+    def unsplit(self) -> bool:
+        """Whether the stack's current forward runs on the whole sequence on every rank: incremental decoding,
+        whose key/value cache must hold the whole sequence's keys (parameters are replicated over the group)."""
+        return self.sp.unsplit.get(self.stack, False)
+
+    def runs_unsplit(self, kwargs: dict) -> bool:
+        """Decide (at the stack's first layer) whether this forward runs unsplit: a key/value cache that already
+        holds tokens, or any cache while ``generate()`` runs (it will be reused)."""
+        cache = kwargs.get("past_key_values")
+        unsplit = cache is not None and (self.sp.decoding or cache.get_seq_length() > 0)
+        self.sp.unsplit[self.stack] = unsplit
+        return unsplit
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated [b, L, ...] -> this rank's [b, ceil(L / tp), ...] (padded). fwd split, bwd all-gather."""
@@ -243,6 +261,22 @@ def install_sequence_parallel(r, sp: SequenceParallel, *, sp_dimension: bool = F
         for layer in layers:
             grad_sync(layer)
             layer.register_forward_pre_hook(grad_sync)
+    if sp_dimension and callable(getattr(model, "generate", None)):
+        model.generate = _decoding(model.generate, sp)
+
+
+def _decoding(generate, sp: SequenceParallel):
+    """``generate`` with ``sp.decoding`` set while it runs: the stacks that fill a key/value cache run unsplit
+    (the encoder of a seq2seq model still runs split)."""
+
+    def generate_unsplit(*args, **kwargs):
+        sp.decoding = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            sp.decoding = False
+
+    return generate_unsplit
 
 
 def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Module) -> None:
@@ -252,6 +286,9 @@ def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Modu
     seq, saving = sp.stream(k), []
 
     def enter(mod, args, kwargs):
+        if seq.runs_unsplit(kwargs):
+            sp.lengths[k] = args[0].shape[SEQ_DIM]
+            return None
         if not sp.saving_managed_outside and not torch.compiler.is_compiling():
             saving.append(sp.saving_shards())
             saving[-1].__enter__()
@@ -260,7 +297,7 @@ def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Modu
     def leave(mod, args, out):
         if saving:
             saving.pop().__exit__(None, None, None)
-        if out is None:  # the layer raised (an always_call hook still runs): let its error through unchanged
+        if out is None or seq.unsplit:  # the layer raised (an always_call hook still runs): let its error through
             return None
         return seq.leave(out) if isinstance(out, torch.Tensor) else (seq.leave(out[0]), *out[1:])
 
