@@ -127,6 +127,14 @@ def _dropout_scale(p: torch.Tensor, dropout: float, seed: int) -> torch.Tensor:
     return _dropout_keep(p.shape, dropout, seed, p.device).to(p.dtype) / (1 - dropout)
 
 
+def _kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The block's additive mask in the kernel's input dtype; finite where the accumulation dtype's ``finfo.min``
+    would overflow (fp16), so a row still sums over what its mask hides, as in the accumulation dtype."""
+    if mask is None or mask.dtype == dtype:
+        return mask
+    return mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+
+
 def _use_flash(q, extra: BlockScores, dropout: float) -> bool:
     return q.device.type == "cpu" and extra.bias_index is None and not dropout
 
@@ -135,7 +143,7 @@ def block_forward(q, k, v, scale, extra: BlockScores, relative, dropout: float, 
     """One block's (output [b, h, c, d] in the accumulation dtype, log-sum-exp [b, h, c] fp32/fp64)."""
     acc = ACC_DTYPES.get(q.dtype, q.dtype)
     if _use_flash(q, extra, dropout):
-        mask = None if extra.mask is None else extra.mask.to(q.dtype)
+        mask = _kernel_mask(extra.mask, q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                                scale=scale)
         return out.to(acc), lse.to(acc)
@@ -152,7 +160,7 @@ def block_backward(grad_out, q, k, v, out, lse, scale, extra: BlockScores, relat
     None), in the accumulation dtype."""
     acc = ACC_DTYPES.get(q.dtype, q.dtype)
     if _use_flash(q, extra, dropout):
-        mask = None if extra.mask is None else extra.mask.to(q.dtype)
+        mask = _kernel_mask(extra.mask, q.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float() if q.dtype in ACC_DTYPES else lse,
             0.0, False, attn_mask=mask, scale=scale)

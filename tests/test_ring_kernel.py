@@ -115,3 +115,26 @@ def test_blocks_merged_equal_dense_attention(p):
     torch.testing.assert_close(dq, q.grad[:, :, r * c:(r + 1) * c], rtol=1e-10, atol=1e-12)
     if relative is not None:
         torch.testing.assert_close(relative.grad, torch.zeros_like(relative), rtol=0, atol=1e-12)
+
+
+@given(problems(), st.sampled_from([torch.bfloat16, torch.float16]))
+def test_half_precision_blocks_accumulate_in_float32(p, dtype):
+    """bf16 / fp16 q, k, v: blocks merged in float32 give the float64 dense attention of the same (rounded) inputs
+    to half precision's resolution, and the output comes back in the input dtype."""
+    q, k, v, relative, mask = _inputs(p)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    expected = _dense(p, q.double(), k.double(), v.double(), relative, mask)
+    problem, c, r = _problem(p, mask), p["chunk"], p["rank"]
+    problem.acc = torch.float32
+    if mask is not None:
+        problem.mask, problem.visible = _self_mask(mask, problem.geometry, torch.float32)
+    out = lse = None
+    for src in range(p["n"]):
+        extra = problem.block(src, "cpu")
+        if extra is not None:
+            kb, vb = (_expand_kv(t[:, :, src * c:(src + 1) * c], p["groups"]) for t in (k, v))
+            o_b, lse_b = block_forward(q[:, :, r * c:(r + 1) * c], kb, vb, 0.7, extra,
+                                       None if relative is None else relative.to(dtype), p["dropout"], p["seed"] + src)
+            assert o_b.dtype == torch.float32 and lse_b.dtype == torch.float32
+            out, lse = _merge(out, lse, o_b, lse_b)
+    torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)
