@@ -149,7 +149,7 @@ def block_forward(q, k, v, scale, extra: BlockScores, relative, dropout: float, 
         return out.to(acc), lse.to(acc)
     s = _block_scores(q.to(acc), k.to(acc), scale, extra, relative)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
     if dropout:
         p = p * _dropout_scale(p, dropout, seed)
     return torch.matmul(p, v.to(acc)), lse
@@ -166,7 +166,7 @@ def block_backward(grad_out, q, k, v, out, lse, scale, extra: BlockScores, relat
             0.0, False, attn_mask=mask, scale=scale)
         return dq.to(acc), dk.to(acc), dv.to(acc), None
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    p = torch.exp(_block_scores(q, k, scale, extra, relative) - lse.unsqueeze(-1))
+    p = torch.exp(_block_scores(q, k, scale, extra, relative) - _finite(lse).unsqueeze(-1))
     dp = torch.matmul(grad_out, v.transpose(-1, -2))
     if dropout:
         keep = _dropout_scale(p, dropout, seed)
@@ -284,11 +284,18 @@ class _RingAttention(torch.autograd.Function):
                 None if drel is None else drel.to(relative.dtype))
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that see no key at all (-inf) at 0, so that their weights are exp(-inf) = 0, not NaN."""
+    return lse.masked_fill(lse == -math.inf, 0)
+
+
 def _merge(out, lse, o_b, lse_b):
+    """The running (output, log-sum-exp) merged with a block's; a row no block lets see any key stays 0."""
     if out is None:
         return o_b, lse_b
     new = torch.logaddexp(lse, lse_b)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + o_b * torch.exp(lse_b - new).unsqueeze(-1)
+    base = _finite(new)
+    out = out * torch.exp(lse - base).unsqueeze(-1) + o_b * torch.exp(lse_b - base).unsqueeze(-1)
     return out, new
 
 
@@ -371,7 +378,7 @@ def _self_mask(mask: torch.Tensor, g: RingGeometry, acc: torch.dtype):
         rows = torch.zeros(rows.shape, dtype=acc, device=rows.device).masked_fill_(~seen, torch.finfo(acc).min)
     else:
         seen = rows > torch.finfo(rows.dtype).min / 2
-        rows = rows.to(acc)
+        rows = rows.clamp(min=torch.finfo(acc).min).to(acc)  # finite: HF's float64 finfo.min would be -inf in fp32
     extra = g.size * g.chunk - rows.shape[-1]
     if extra:
         rows = torch.nn.functional.pad(rows, (0, extra), value=-math.inf)
