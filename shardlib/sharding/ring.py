@@ -15,6 +15,7 @@ from ..kernels.attention import LOCAL_RNG_PREFIX, set_attention
 from ..kernels.ring_attention import (
     CONTEXT_ATTR, MaskCache, RingContext, UlyssesGroup, relative_bias_vector, ring_name,
 )
+from ..kernels.ring_blocks import RingLayout
 from ..parallel.collectives import all_gather
 from ..parallel.mesh import FAKE_BACKEND
 from ..parallel.styles import CopyInputs, ShardContext
@@ -31,13 +32,14 @@ class RingSequenceParallel:
         return sequence_parallel_problems(r) + _ring_problems(r)
 
     def install(self, r) -> None:
+        ulysses = r.options.get("ulysses", 1)
         r.sequence = SequenceParallel(r.mesh.group("sp"), r.mesh.sp)
+        r.sequence.layout = RingLayout(ranks=r.mesh.sp, ring=r.mesh.sp // ulysses)
         for stack in r.plan.trunk:  # before the stack entry's scatter (hooks run in the order registered)
             layers = list(r.model.get_submodule(stack.layers)._modules.values())
             if layers:
                 layers[0].register_forward_pre_hook(_agreement_check(r.sequence.group, stack.layers), with_kwargs=True)
         install_sequence_parallel(r, r.sequence, sp_dimension=True)
-        ulysses = r.options.get("ulysses", 1)
         if ulysses > 1:
             ulysses_group, ring_group = r.mesh.split_sp(ulysses)
             ring = (ring_group, dist.get_rank(ring_group), r.mesh.sp // ulysses)
@@ -126,7 +128,8 @@ def _install_ring_attention(r, sp: SequenceParallel, ring: tuple, ulysses, imple
             stream = sp.stream(stack)
             module.__dict__[CONTEXT_ATTR] = RingContext(
                 *ring, stream, implementation, base_implementation(implementation), cross=site.kv_input is not None,
-                relative=site.bias_method is not None, masks=masks.setdefault(stack, MaskCache()), ulysses=ulysses)
+                relative=site.bias_method is not None, masks=masks.setdefault(stack, MaskCache()), ulysses=ulysses,
+                layout=sp.layout)
             if site.kv_input is not None:
                 CopyInputs(site.kv_input).apply(path, module, ShardContext(group=sp.group, tp=sp.size))
             if site.bias_method is not None:

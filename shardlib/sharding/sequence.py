@@ -60,6 +60,9 @@ class SequenceParallel:
     decoding: bool = False
     #: stack -> whether its current forward runs unsplit (every rank the whole sequence, no communication)
     unsplit: dict[int, bool] = field(default_factory=dict)
+    #: which positions each rank holds (ring attention's zigzag, :class:`shardlib.kernels.ring_blocks.RingLayout`);
+    #: None: rank r holds the r-th contiguous chunk
+    layout: object = None
 
     def stream(self, stack: int) -> "SequenceStream":
         return SequenceStream(self, stack)
@@ -101,8 +104,10 @@ class SequenceParallel:
         weakref.finalize(full, self._gathered.pop, key, None)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` with zero rows appended along the sequence up to a multiple of the group size."""
-        extra = -x.shape[SEQ_DIM] % self.size
+        """``x`` with zero rows appended along the sequence up to a multiple of the group size (the layout's padded
+        length where it has one)."""
+        length = x.shape[SEQ_DIM]
+        extra = (self.layout.padded(length) - length) if self.layout is not None else -length % self.size
         if not extra:
             return x
         pad = [0, 0] * (x.dim() - SEQ_DIM - 1) + [0, extra]
@@ -135,13 +140,26 @@ class SequenceStream:
         return unsplit
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Replicated [b, L, ...] -> this rank's [b, ceil(L / tp), ...] (padded). fwd split, bwd all-gather."""
+        """Replicated [b, L, ...] -> this rank's [b, ceil(L / tp), ...] (padded; in the layout's order where it
+        has one). fwd split, bwd all-gather."""
         self.sp.lengths[self.stack] = x.shape[SEQ_DIM]
-        return scatter_to_tp(self.sp.pad(x), self.sp.group, SEQ_DIM)
+        return self.chunk(x)
+
+    def chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a replicated per-position tensor [b, L, ...] of this stack, padded as the
+        sequence is: the stack entry's cut, also for tensors that enter the stack beside the hidden states
+        (rotary position embeddings). fwd split, bwd all-gather."""
+        x = self.sp.pad(x)
+        if self.sp.layout is not None:
+            x = x.index_select(SEQ_DIM, self.sp.layout.order(self.length, x.device))
+        return scatter_to_tp(x, self.sp.group, SEQ_DIM)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's chunk -> replicated [b, L, ...]. fwd all-gather, bwd keep this rank's chunk."""
-        return gather_from_tp(x, self.sp.group, SEQ_DIM).narrow(SEQ_DIM, 0, self.length)
+        x = gather_from_tp(x, self.sp.group, SEQ_DIM)
+        if self.sp.layout is not None:
+            x = x.index_select(SEQ_DIM, self.sp.layout.inverse(self.length, x.device))
+        return x.narrow(SEQ_DIM, 0, self.length)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Enter a tensor-parallel region. fwd all-gather (padding stripped), bwd reduce-scatter. If a layer saves

@@ -1,0 +1,355 @@
+"""Ring attention (context parallelism): exact attention over a sequence split across the n ranks of a ring,
+without any rank holding the whole sequence's keys, values or scores.
+
+Layout (:class:`RingLayout`): the sequence is padded to a multiple of 2n and cut into 2n equal segments; ring
+position p holds segments p and 2n - 1 - p (zigzag), so under a causal mask every position does the same work
+(contiguous chunks would give the last rank n blocks and the first one). Each rank holds q [b, hq, c, d] and k, v
+[b, hk, c, d] of its ``c`` positions (``hq`` a multiple of ``hk``: grouped K/V heads).
+
+Forward: n steps; at step i this rank holds the K/V block of ring position ``src = (p - i) mod n`` and computes its
+queries against it, piece by piece (a piece: a run of consecutive query positions against the runs of key positions
+it may see; under a causal mask a block of another rank is two of its four segment pairs), each piece's output and
+log-sum-exp (``s = q k^T * scale + bias + mask``, ``lse_b = logsumexp(s)``, ``o_b = softmax(s) v``) merged into the
+running result in fp32 (fp64 for fp64 inputs): ``lse = logaddexp(lse, lse_b)``, ``o = o e^(lse_old - lse) + o_b
+e^(lse_b - lse)``. The block travels to position ``p + 1`` (one send, one receive per step) while this rank computes
+with it, so the transfer runs under the block's compute. Backward (the flash-attention recurrence, recomputing each
+piece's probabilities from the saved global ``lse``): ``p = e^(s - lse)``, ``dv += p^T dO``, ``dp = dO v^T``,
+``ds = p (dp - rowsum(dO o))``, ``dq += ds k scale``, ``dk += ds^T q scale``; the K/V blocks circulate again and each
+block's dK/dV accumulator travels with it one step behind, arriving back at its owner after n hops.
+
+What a piece's scores see, each from global positions (exact for any length and any split): the model's mask (the
+caller gives this rank's rows over all columns in ring order), causality, padding (keys at positions >= L are -inf),
+and a relative position bias given per distance (T5), ``[1, h, 1, 2L - 1]`` (entry ``L - 1 + k - q``), whose piece of
+``[h, rows, cols]`` is gathered from it and whose gradient is scattered back. Attention dropout: each piece's mask is
+drawn from a generator seeded by a per-forward seed and the piece, and drawn again in backward.
+
+Piece kernels: on CPU, without a bias gradient or dropout, ATen's flash-attention CPU kernel
+(``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp, and its backward, which takes the
+global output and log-sum-exp); otherwise the explicit math above (float64-exact, any device).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ACC_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+KV, GRADIENTS = 0, 1  # message tags
+
+
+# ------------------------------------------------------------------------------------------------ where positions lie
+@dataclass(frozen=True)
+class RingLayout:
+    """Which positions of the padded sequence each of ``ranks`` ranks holds, for a ring of ``ring`` positions
+    (Ulysses x ring: ``ranks // ring`` consecutive ranks share a ring position's positions, in order)."""
+
+    ranks: int
+    ring: int
+
+    def padded(self, length: int) -> int:
+        """The length padded to equal segments (2 per ring position), each divisible over a position's ranks."""
+        return -(-length // (2 * self.ranks)) * 2 * self.ranks
+
+    def order(self, length: int, device) -> torch.Tensor:
+        """The padded positions in rank order: rank s holds ``order[s*c:(s+1)*c]`` (``c = padded / ranks``)."""
+        return _zigzag(self.padded(length), self.ring, str(device))
+
+    def inverse(self, length: int, device) -> torch.Tensor:
+        """Where each padded position is in rank order (``order[inverse] == arange``)."""
+        return _inverse(self.padded(length), self.ring, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _zigzag(padded: int, ring: int, device: str) -> torch.Tensor:
+    segment = padded // (2 * ring)
+    starts = [s for p in range(ring) for s in (p, 2 * ring - 1 - p)]
+    return torch.cat([torch.arange(s * segment, (s + 1) * segment) for s in starts]).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse(padded: int, ring: int, device: str) -> torch.Tensor:
+    return torch.argsort(_zigzag(padded, ring, device))
+
+
+@dataclass
+class RingGeometry:
+    """This rank's ring position (``rank`` of ``size``), the positions each ring position's ``chunk`` queries and
+    keys are at (``order``: all of them, in ring order) and the true length."""
+
+    rank: int
+    size: int
+    chunk: int
+    length: int
+    order: torch.Tensor
+    _runs: dict = field(default_factory=dict, repr=False)
+
+    def positions(self, block: int) -> torch.Tensor:
+        return self.order[block * self.chunk:(block + 1) * self.chunk]
+
+    def runs(self, block: int) -> list[tuple[int, int, int, int]]:
+        """(start, stop, first position, last position) of the two segments of block ``block`` (a ring position
+        holds two; each is a run of consecutive positions)."""
+        if block not in self._runs:
+            pos, half = self.positions(block).tolist(), self.chunk // 2
+            self._runs[block] = [(a, b, pos[a], pos[b - 1]) for a, b in ((0, half), (half, self.chunk))]
+        return self._runs[block]
+
+
+@dataclass
+class Piece:
+    """One piece of a block: query rows ``rows`` (one of this rank's two segments) against key columns ``cols``
+    (one or both of the block's segments), what their scores add (an additive mask without gradient, the relative
+    bias's index), and the dropout seed offset."""
+
+    rows: slice
+    cols: slice
+    mask: torch.Tensor | None
+    bias_index: torch.Tensor | None
+    tag: int
+
+
+# -------------------------------------------------------------------------------------------------- piece kernels
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[b, hk, c, d] -> [b, hk * groups, c, d], query head i reading K/V head i // groups (HF's ``repeat_kv``)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _fold_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    return grad if groups == 1 else grad.unflatten(1, (-1, groups)).sum(2)
+
+
+def _scores(q, k, scale, piece: Piece, relative):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if piece.bias_index is not None:
+        s = s + relative[0, :, 0][:, piece.bias_index]  # [h, rows, cols]
+    if piece.mask is not None:
+        s = s + piece.mask
+    return s
+
+
+def _dropout_keep(shape, p: float, seed: int, device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(shape, generator=gen, device=device) >= p
+
+
+def _dropout_scale(p: torch.Tensor, dropout: float, seed: int) -> torch.Tensor:
+    """The piece's keep mask as 0 or 1 / (1 - dropout) in ``p``'s dtype (the same in forward and backward)."""
+    return _dropout_keep(p.shape, dropout, seed, p.device).to(p.dtype) / (1 - dropout)
+
+
+def _kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The piece's additive mask in the kernel's input dtype; finite where the accumulation dtype's ``finfo.min``
+    would overflow (fp16), so a row still sums over what its mask hides, as in the accumulation dtype."""
+    if mask is None or mask.dtype == dtype:
+        return mask
+    return mask.clamp(min=torch.finfo(dtype).min).to(dtype)
+
+
+def _use_flash(q, piece: Piece, dropout: float) -> bool:
+    return q.device.type == "cpu" and piece.bias_index is None and not dropout
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that see no key at all (-inf) at 0, so that their weights are exp(-inf) = 0, not NaN."""
+    return lse.masked_fill(lse == -math.inf, 0)
+
+
+def piece_forward(q, k, v, scale, piece: Piece, relative, dropout: float, seed: int):
+    """One piece's (output [b, h, rows, d] in the accumulation dtype, log-sum-exp [b, h, rows] fp32/fp64)."""
+    acc = ACC_DTYPES.get(q.dtype, q.dtype)
+    if _use_flash(q, piece, dropout):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
+        return out.to(acc), lse.to(acc)
+    s = _scores(q.to(acc), k.to(acc), scale, piece, relative)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    if dropout:
+        p = p * _dropout_scale(p, dropout, seed)
+    return torch.matmul(p, v.to(acc)), lse
+
+
+def piece_backward(grad_out, q, k, v, out, lse, scale, piece: Piece, relative, dropout: float, seed: int):
+    """Gradients of one piece's contribution given the global output and log-sum-exp of its rows: (dq, dk, dv,
+    d relative or None), in the accumulation dtype."""
+    acc = ACC_DTYPES.get(q.dtype, q.dtype)
+    if _use_flash(q, piece, dropout):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float() if q.dtype in ACC_DTYPES else lse,
+            0.0, False, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
+        return dq.to(acc), dk.to(acc), dv.to(acc), None
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    p = torch.exp(_scores(q, k, scale, piece, relative) - _finite(lse).unsqueeze(-1))
+    dp = torch.matmul(grad_out, v.transpose(-1, -2))
+    if dropout:
+        keep = _dropout_scale(p, dropout, seed)
+        dv = torch.matmul((p * keep).transpose(-1, -2), grad_out)
+        dp = dp * keep
+    else:
+        dv = torch.matmul(p.transpose(-1, -2), grad_out)
+    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
+    drel = None
+    if piece.bias_index is not None:
+        drel = torch.zeros_like(relative, dtype=acc)
+        drel[0, :, 0].index_add_(1, piece.bias_index.flatten(), ds.sum(0).flatten(1))  # the batch shares the bias
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv, drel
+
+
+# ------------------------------------------------------------------------------------------------------ the problem
+@dataclass
+class RingProblem:
+    """Everything but the tensors: the group and geometry, the scale, what the pieces' scores see, the dropout."""
+
+    group: object
+    geometry: RingGeometry
+    scale: float
+    acc: torch.dtype  # the accumulation dtype (fp32 for half inputs)
+    mask: torch.Tensor | None = None  # this rank's rows x all padded columns in ring order, additive (acc), or None
+    visible: list[bool] | None = None  # per block: whether the mask lets any row of this rank see any of its keys
+    causal: bool = False
+    relative_length: int = 0  # L when a relative bias vector [1, h, 1, 2L - 1] is given
+    dropout: float = 0.0
+    seed: int = 0
+
+    def pieces(self, src: int) -> list[Piece]:
+        """The pieces of block ``src`` (none where the block contributes nothing)."""
+        g = self.geometry
+        if self.visible is not None and not self.visible[src]:
+            return []
+        keys = [run for run in g.runs(src) if run[2] < g.length]  # runs of padding only contribute nothing
+        pieces = []
+        for row_run in g.runs(g.rank):
+            seen = [run for run in keys if not (self.causal and run[2] > row_run[3])]
+            if seen:
+                pieces.append(self._piece(src, row_run, seen, tag=src * 1024 + len(pieces)))
+        return pieces
+
+    def _piece(self, src: int, row_run, col_runs, tag: int) -> Piece:
+        g, device = self.geometry, self.geometry.order.device
+        rows, cols = slice(row_run[0], row_run[1]), slice(col_runs[0][0], col_runs[-1][1])  # one or both segments
+        qpos, kpos = g.positions(g.rank)[rows], g.positions(src)[cols]
+        mask = None
+        if self.mask is not None:  # rows broadcast where the model's mask has one row for all queries
+            mask = self.mask[..., src * g.chunk:(src + 1) * g.chunk][..., cols]
+            mask = mask if mask.shape[-2] == 1 else mask[..., rows, :]
+        hidden = (kpos >= g.length)[None, :].expand(len(qpos), -1)
+        if self.causal:
+            hidden = hidden | (kpos[None, :] > qpos[:, None])
+        if bool(hidden.any()):
+            extra = torch.zeros(hidden.shape, dtype=self.acc, device=device).masked_fill_(hidden, -math.inf)
+            mask = extra if mask is None else mask + extra
+        index = None
+        if self.relative_length:
+            L = self.relative_length
+            index = (kpos[None, :] - qpos[:, None] + L - 1).clamp_(0, 2 * L - 2)
+        return Piece(rows, cols, mask, index, tag)
+
+
+# ------------------------------------------------------------------------------------------------ the ring's wire
+class _Ring:
+    """Point-to-point sends to ring position + 1 and receives from position - 1, started and waited on later (each
+    wait bounded by the process group's timeout)."""
+
+    def __init__(self, group, geometry: RingGeometry):
+        self.group = group
+        self.next = dist.get_global_rank(group, (geometry.rank + 1) % geometry.size)
+        self.prev = dist.get_global_rank(group, (geometry.rank - 1) % geometry.size)
+
+    def start(self, send: torch.Tensor, tag: int):
+        """Send ``send`` on and receive the previous position's tensor of the same shape. ``tag``: K/V blocks (0)
+        and gradient blocks (1) travel at once in backward."""
+        received = torch.empty_like(send)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, tag),
+                                        dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
+        return works, received
+
+    @staticmethod
+    def wait(pending) -> torch.Tensor:
+        works, received = pending
+        for work in works:
+            work.wait()
+        return received
+
+
+# -------------------------------------------------------------------------------------------------- the function
+class _RingAttention(torch.autograd.Function):
+    """forward: ring attention of this rank's queries over every rank's K/V (module docstring); backward: the K/V
+    circulate again and each block's dK/dV returns to its owner."""
+
+    @staticmethod
+    def forward(ctx, problem: RingProblem, q, k, v, relative):
+        groups, acc = q.shape[1] // k.shape[1], problem.acc
+        ring, n, r = _Ring(problem.group, problem.geometry), problem.geometry.size, problem.geometry.rank
+        out = q.new_zeros(q.shape, dtype=acc)
+        lse = q.new_full(q.shape[:-1], -math.inf, dtype=acc)
+        kv = torch.stack((k, v)).contiguous()
+        for step in range(n):
+            pending = ring.start(kv, KV) if step < n - 1 else None
+            src = (r - step) % n
+            for piece in problem.pieces(src):
+                kb, vb = (_expand_kv(t[:, :, piece.cols], groups) for t in kv)
+                o_b, lse_b = piece_forward(q[:, :, piece.rows], kb, vb, problem.scale, piece, relative,
+                                           problem.dropout, problem.seed + piece.tag)
+                out[:, :, piece.rows], lse[:, :, piece.rows] = _merge(out[:, :, piece.rows], lse[:, :, piece.rows],
+                                                                      o_b, lse_b)
+            if pending is not None:
+                kv = ring.wait(pending)
+        ctx.problem, ctx.groups = problem, groups
+        ctx.save_for_backward(q, k, v, out, lse, relative)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        problem, groups = ctx.problem, ctx.groups
+        q, k, v, out, lse, relative = ctx.saved_tensors
+        acc = out.dtype
+        grad_out = grad_out.to(acc)
+        ring, n, r = _Ring(problem.group, problem.geometry), problem.geometry.size, problem.geometry.rank
+        kv = torch.stack((k, v)).contiguous()
+        dq = torch.zeros_like(q, dtype=acc)
+        drel = None if relative is None else torch.zeros_like(relative, dtype=acc)
+        dkv_pending = None
+        for step in range(n):
+            pending = ring.start(kv, KV) if step < n - 1 else None
+            src = (r - step) % n
+            local = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+            for piece in problem.pieces(src):
+                rows = piece.rows
+                dq_b, dk_b, dv_b, drel_b = piece_backward(
+                    grad_out[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, piece.cols], groups),
+                    _expand_kv(kv[1][:, :, piece.cols], groups), out[:, :, rows], lse[:, :, rows], problem.scale,
+                    piece, relative, problem.dropout, problem.seed + piece.tag)
+                dq[:, :, rows] += dq_b
+                local[0][:, :, piece.cols] += _fold_kv(dk_b, groups)
+                local[1][:, :, piece.cols] += _fold_kv(dv_b, groups)
+                if drel_b is not None:
+                    drel += drel_b
+            dkv = local if dkv_pending is None else ring.wait(dkv_pending) + local
+            if n > 1:  # on to the next holder of this block (at the last step: its owner)
+                dkv_pending = ring.start(dkv, GRADIENTS)
+            if pending is not None:
+                kv = ring.wait(pending)
+        dkv = ring.wait(dkv_pending) if n > 1 else dkv
+        return (None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+                None if drel is None else drel.to(relative.dtype))
+
+
+def _merge(out, lse, o_b, lse_b):
+    """The running (output, log-sum-exp) merged with a piece's; a row no piece lets see any key stays 0."""
+    new = torch.logaddexp(lse, lse_b)
+    base = _finite(new)
+    return out * torch.exp(lse - base).unsqueeze(-1) + o_b * torch.exp(lse_b - base).unsqueeze(-1), new
+
+
+def ring_attention(problem: RingProblem, q, k, v, relative=None) -> torch.Tensor:
+    """Exact attention of this rank's queries q [b, hq, c, d] over the whole ring's keys and values k, v
+    [b, hk, c, d]; ``relative``: a relative position bias [1, hq, 1, 2L - 1] or None. Returns [b, hq, c, d]."""
+    return _RingAttention.apply(problem, q, k, v, relative)
+
+
+__all__ = ["RingLayout", "RingGeometry", "RingProblem", "Piece", "ring_attention", "piece_forward", "piece_backward",
+           "ACC_DTYPES"]
