@@ -221,6 +221,11 @@ class RingProblem:
         if self.visible is not None and not self.visible[src]:
             return []
         keys = [run for run in g.runs(src) if run[2] < g.length]  # runs of padding only contribute nothing
+        if not keys:
+            return []
+        if not self.causal:  # every query sees the same keys: one piece of the whole chunk
+            first, last = g.runs(g.rank)
+            return [self._piece(src, (first[0], last[1], first[2], last[3]), keys, tag=src * 1024)]
         pieces = []
         for row_run in g.runs(g.rank):
             seen = [run for run in keys if not (self.causal and run[2] > row_run[3])]
