@@ -230,10 +230,11 @@ def to_heads(xs, group, length: int | None):
     return out[0] if single else out
 
 
-def whole_sequence_bias(compute_bias, stream):
-    """Wrap a module's ``compute_bias(query_length, key_length, ...)`` (T5's relative position bias, called with the
-    local chunk's lengths) to compute the bias of the whole sequence instead: [1, h, L, L], which then travels to
-    every later layer as T5 passes it on."""
+def sequence_bias(compute_bias, stream, mode: str, arguments):
+    """Wrap a module's ``compute_bias(query_length, key_length, ..., past_seen_tokens=0)`` (T5's relative position
+    bias, which the model calls with the local chunk's lengths) to call it with ``arguments(L)`` = (query_length,
+    key_length, past_seen_tokens) of the stack's whole sequence instead; unchanged while the stack runs unsplit
+    (incremental decoding); a cache that already holds tokens is refused, naming ``mode``."""
 
     def whole(query_length, key_length, *args, past_seen_tokens=0, **kwargs):
         if stream.unsplit:
@@ -241,11 +242,18 @@ def whole_sequence_bias(compute_bias, stream):
         if past_seen_tokens:
             owner = getattr(compute_bias, "__self__", None)
             where = f"{type(owner).__name__}: " if owner is not None else ""
-            raise RuntimeError(f"{where}all-to-all sequence parallelism does not support incremental decoding "
-                               f"(KV cache): {past_seen_tokens} tokens already seen")
-        return compute_bias(stream.length, stream.length, *args, past_seen_tokens=0, **kwargs)
+            raise RuntimeError(f"{where}{mode} does not support incremental decoding (KV cache): "
+                               f"{int(past_seen_tokens)} tokens already seen")
+        query_length, key_length, past = arguments(stream.length)
+        return compute_bias(query_length, key_length, *args, past_seen_tokens=past, **kwargs)
 
     return whole
+
+
+def whole_sequence_bias(compute_bias, stream):
+    """T5's relative position bias of the whole sequence, [1, h, L, L], which then travels to every later layer as
+    T5 passes it on (all-to-all attention slices its heads)."""
+    return sequence_bias(compute_bias, stream, "all-to-all sequence parallelism", lambda length: (length, length, 0))
 
 
 def all_to_all_name(implementation: str) -> str:
@@ -255,5 +263,5 @@ def all_to_all_name(implementation: str) -> str:
 
 
 __all__ = ["IMPLEMENTATIONS", "set_attention", "all_to_all_attention", "all_to_all_name", "AllToAllContext",
-           "attention_problems", "registered_problems", "registries", "whole_sequence_bias", "call_attention",
-           "local_rng_name", "to_heads"]
+           "attention_problems", "registered_problems", "registries", "whole_sequence_bias", "sequence_bias",
+           "call_attention", "local_rng_name", "to_heads"]

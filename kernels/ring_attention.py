@@ -19,7 +19,7 @@ import torch
 
 from shardlib.parallel.collectives import all_to_all
 
-from .attention import _register_wrapper, inner_attention, to_heads
+from .attention import _register_wrapper, inner_attention, sequence_bias, to_heads
 from .ring_blocks import ACC_DTYPES, RingGeometry, RingLayout, RingProblem, ring_attention
 
 RING_PREFIX = "shardlib_ring_"
@@ -188,23 +188,10 @@ def _cross_attention(module, ctx: RingContext, g: RingGeometry, query, key, valu
 
 
 def relative_bias_vector(compute_bias, stream):
-    """Wrap a module's ``compute_bias(query_length, key_length, ..., past_seen_tokens=0)`` (T5's relative position
-    bias, called with the local chunk's lengths) to return the bias of every relative distance of the whole
-    sequence instead, [1, h, 1, 2L - 1] (entry ``L - 1 + k - q``): the model's own lookup, asked for one query at
-    position L - 1 against keys 0 .. 2L - 2. It travels to the later layers as T5 passes its bias on."""
-
-    def per_distance(query_length, key_length, *args, past_seen_tokens=0, **kwargs):
-        if stream.unsplit:
-            return compute_bias(query_length, key_length, *args, past_seen_tokens=past_seen_tokens, **kwargs)
-        if past_seen_tokens:
-            owner = getattr(compute_bias, "__self__", None)
-            where = f"{type(owner).__name__}: " if owner is not None else ""
-            raise RuntimeError(f"{where}ring attention does not support incremental decoding (KV cache): "
-                               f"{int(past_seen_tokens)} tokens already seen")
-        length = stream.length
-        return compute_bias(1, 2 * length - 1, *args, past_seen_tokens=length - 1, **kwargs)
-
-    return per_distance
+    """T5's relative position bias of every distance of the whole sequence, [1, h, 1, 2L - 1] (entry
+    ``L - 1 + k - q``): the model's own lookup, asked for one query at position L - 1 against keys 0 .. 2L - 2. It
+    travels to the later layers as T5 passes its bias on; each piece gathers its part."""
+    return sequence_bias(compute_bias, stream, "ring attention", lambda length: (1, 2 * length - 1, length - 1))
 
 
 def ring_name(implementation: str) -> str:
