@@ -9,6 +9,11 @@ Long sequences: ``--sp N`` shares each sequence between N ranks with all-to-all 
 
     shardlib run --nproc 4 examples/bert_tp_demo.py --sp 2 --seq 250
 
+``--ring`` passes K/V blocks around the sp ranks instead (ring attention: sp need not divide the heads), e.g. four
+ranks sharing each 1000-token sequence of a 2-head model:
+
+    shardlib run --nproc 4 examples/bert_tp_demo.py --sp 4 --ring --heads 2 --seq 1000
+
 Every rank builds the same unsharded model under one seed, keeps a copy as the reference, shards the other over
 tp=2 and trains both on the same synthetic masked-LM batches with AdamW (dropout off so the two must agree).
 Rank 0 prints both losses per step, then the largest weight difference after training.
@@ -51,6 +56,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sp", type=int, default=1, help="ranks per sequence (all-to-all sequence parallelism)")
+    parser.add_argument("--ring", action="store_true", help="with --sp: ring attention instead of all-to-all")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -59,10 +65,12 @@ def main() -> None:
     rank0 = torch.distributed.get_rank() == 0
     config = BertConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        max_position_embeddings=max(512, args.seq))
     torch.manual_seed(args.seed)
     reference = BertForMaskedLM(config)
-    model = shardlib.shard(copy.deepcopy(reference), mesh, sequence_parallel="all_to_all" if args.sp > 1 else False)
+    mode = ("ring" if args.ring else "all_to_all") if args.sp > 1 else False
+    model = shardlib.shard(copy.deepcopy(reference), mesh, sequence_parallel=mode)
     if rank0:
         r = shardlib.report(model)
         print(f"{mesh}\nparameters per rank: {r.local_bytes / 2**20:.1f} MiB sharded vs "
