@@ -278,9 +278,8 @@ def test_t5_heads_not_divisible_is_refused():
     (lambda: tiny_bert(num_attention_heads=6), 4,
      r"encoder.layer.0.attention.self.num_attention_heads = 6 is not divisible by tp\(1\) \* sp\(4\) = 4"),
     (lambda: tiny_bert(BertModel), 1, "needs a mesh with sp > 1"),
-    # an inferred plan (GPT-2 has no policy) names no attention sites for all-to-all yet (docs/inferred-plans.md)
-    (lambda: GPT2Model(GPT2Config(n_embd=8, n_layer=1, n_head=2)), 2, r"(?s)policy 'inferred' .* lists no attention "
-                                                                       r"modules \(Plan.attention\)"),
+    # an inferred plan (GPT-2 has no policy) names its attention sites and their head counts
+    (lambda: GPT2Model(GPT2Config(n_embd=8, n_layer=1, n_head=2)), 4, r"is not divisible by tp\(1\) \* sp\(4\) = 4"),
 ])
 def test_all_to_all_refusals(make, sp, expected):
     model = make()
@@ -288,6 +287,36 @@ def test_all_to_all_refusals(make, sp, expected):
     with pytest.raises(shardlib.PlanError, match=expected):
         shardlib.shard(model, FakeMesh(tp=1, sp=sp), sequence_parallel="all_to_all")
     assert_untouched(before, model)
+
+
+@pytest.mark.parametrize("make,sp,options,expected", [
+    (tiny_bert, 1, {}, "sequence_parallel='ring' needs a mesh with sp > 1"),
+    (tiny_bert, 4, {"ulysses": 3}, r"ulysses=3 does not divide sp=4"),
+    (lambda: tiny_bert(num_attention_heads=6), 4, {"ulysses": 4},
+     r"num_attention_heads = 6 is not divisible by tp\(1\) \* ulysses\(4\) = 4"),
+    (tiny_bert, 2, {"kernels": shardlib.kernels.Kernels(attention="sdpa"), "sequence_parallel": "all_to_all",
+                    "ulysses": 2}, r"ulysses=2 applies to sequence_parallel='ring'"),
+])
+def test_ring_refusals(make, sp, options, expected):
+    model = make()
+    before = copy.deepcopy(model)
+    with pytest.raises(shardlib.PlanError, match=expected):
+        shardlib.shard(model, FakeMesh(tp=1, sp=sp), **{"sequence_parallel": "ring", **options})
+    assert_untouched(before, model)
+
+
+def test_ring_refuses_an_attention_whose_masks_it_does_not_know():
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register("my_attention", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        model = tiny_bert()
+        model.set_attn_implementation("my_attention")
+        with pytest.raises(shardlib.PlanError, match="the model runs 'my_attention'"):
+            shardlib.shard(model, FakeMesh(tp=1, sp=2), sequence_parallel="ring")
+    finally:
+        del AttentionInterface._global_mapping["my_attention"]
 
 
 def test_sp_mesh_without_all_to_all_and_unknown_modes_are_refused():

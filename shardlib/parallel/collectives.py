@@ -221,21 +221,32 @@ def start_reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> Pending:
 
 def all_to_all_single(xs: tuple[torch.Tensor, ...], scatter_dim: int, gather_dim: int,
                       group: Group) -> tuple[torch.Tensor, ...]:
-    """For each of the same-shaped ``xs``: cut it into n chunks along ``scatter_dim``, send chunk i to rank i and
-    concatenate the chunks received (in rank order) along ``gather_dim``: [.., S, .., G, ..] -> [.., S/n, .., n*G, ..].
-    One message for all of them; each result is its own tensor (no result keeps another's memory alive)."""
+    """For each of ``xs`` (one dtype; shapes may differ, as grouped K/V heads differ from q's): cut it into n chunks
+    along ``scatter_dim``, send chunk i to rank i and concatenate the chunks received (in rank order) along
+    ``gather_dim``: [.., S, .., G, ..] -> [.., S/n, .., n*G, ..]. One message for all of them; each result is its own
+    tensor (no result keeps another's memory alive)."""
     n = group_size(group)
-    if xs[0].shape[scatter_dim] % n:
-        raise ValueError(f"all-to-all: size {xs[0].shape[scatter_dim]} of dim {scatter_dim} is not divisible by "
-                         f"{n} ranks")
-    send = torch.stack([torch.stack(x.chunk(n, dim=scatter_dim)) for x in xs], dim=1)  # [n, k, chunk]: row i -> i
+    for x in xs:
+        if x.shape[scatter_dim] % n:
+            raise ValueError(f"all-to-all: size {x.shape[scatter_dim]} of dim {scatter_dim} is not divisible by "
+                             f"{n} ranks")
+    chunks = [x.chunk(n, dim=scatter_dim) for x in xs]
+    same = len({x.shape for x in xs}) == 1
+    if same:
+        send = torch.stack([torch.stack(c) for c in chunks], dim=1)  # [n, k, chunk]: row i -> rank i
+    else:  # each rank's chunks flattened into its row
+        send = torch.stack([torch.cat([c[i].reshape(-1) for c in chunks]) for i in range(n)])
     send = send.contiguous()
     if _traced():
         received = _waited(funcol.all_to_all_single(send, None, None, group))
     else:
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
-    return tuple(torch.cat(received[:, i].unbind(0), dim=gather_dim) for i in range(len(xs)))
+    if same:
+        return tuple(torch.cat(received[:, i].unbind(0), dim=gather_dim) for i in range(len(xs)))
+    pieces = received.split([c[0].numel() for c in chunks], dim=1)
+    return tuple(torch.cat([row.view(c[0].shape) for row in piece.unbind(0)], dim=gather_dim)
+                 for piece, c in zip(pieces, chunks))
 
 
 def split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -307,13 +318,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, scatter_dim, gather_dim, *xs):
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return all_to_all_single(xs, scatter_dim, gather_dim, group)
+        out = all_to_all_single(xs, scatter_dim, gather_dim, group)
+        ctx.shapes = [o.shape for o in out]
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
         scatter_dim, gather_dim = ctx.dims
         like = next(g for g in grads if g is not None)
-        grads = tuple(torch.zeros_like(like) if g is None else g for g in grads)
+        grads = tuple(like.new_zeros(shape) if g is None else g for g, shape in zip(grads, ctx.shapes))
         return None, None, None, *all_to_all_single(grads, gather_dim, scatter_dim, ctx.group)
 
 

@@ -14,7 +14,7 @@ Lazy (PEP 562): ``shardlib.sharding.shard`` imports the sharder on first use, so
 from .._lazy import lazy_attributes
 
 __getattr__, __dir__ = lazy_attributes(__name__, {
-    "plan": ["Plan", "PlanError", "LossSpec", "LossItems", "Stack", "AttentionSite", "match_modules"],
+    "plan": ["Plan", "PlanError", "LossSpec", "LossItems", "Stack", "AttentionSite", "HeadsOf", "match_modules"],
     "sharder": ["shard", "report"],
     "shard_report": ["ShardReport", "ReportRow"],
     "sharded": ["ShardState", "shard_state"],
@@ -22,6 +22,6 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "sequence": ["SequenceParallel"],
 })
 
-__all__ = ["Plan", "PlanError", "LossSpec", "LossItems", "Stack", "AttentionSite", "match_modules", "shard", "report",
-           "ShardReport", "ReportRow", "ShardState", "shard_state", "full_state_dict", "load_full_state_dict",
+__all__ = ["Plan", "PlanError", "LossSpec", "LossItems", "Stack", "AttentionSite", "HeadsOf", "match_modules", "shard",
+           "report", "ShardReport", "ReportRow", "ShardState", "shard_state", "full_state_dict", "load_full_state_dict",
            "materialize", "SequenceParallel"]

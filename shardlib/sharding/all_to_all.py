@@ -44,10 +44,22 @@ def _all_to_all_problems(r) -> list[str]:
             if site.bias_method is not None and not callable(getattr(module, site.bias_method, None)):
                 problems.append(f"{path}: {type(module).__name__} has no method {site.bias_method!r} "
                                 "(AttentionSite.bias_method)")
-            heads = getattr(module, site.heads)
-            if heads % (tp * sp):
-                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * sp({sp}) = {tp * sp}:"
-                                " all-to-all gives each sp rank whole heads")
+            problems += head_problems(path, module, site, tp, sp)
+    return problems
+
+
+def head_problems(path: str, module, site, tp: int, n: int, dim: str = "sp") -> list[str]:
+    """Query heads, and grouped key/value heads, of attention module ``module`` (its :class:`AttentionSite` ``site``)
+    that ``tp * n`` does not divide, where ``n`` ranks of dimension ``dim`` exchange sequence for heads (all-to-all:
+    sp; Ulysses inside a ring: ulysses): each takes whole heads of both (query head i reads key/value head
+    i // groups, so equal contiguous shares keep each rank's pairs)."""
+    problems = []
+    for role, heads in site.head_counts(module).items():
+        spec = site.heads if role == "query" else site.kv_heads
+        where = f"{path}.{spec} = {heads}" if isinstance(spec, str) else f"{path}: {heads} {role} heads ({spec})"
+        if heads % (tp * n):
+            problems.append(f"{where} is not divisible by tp({tp}) * {dim}({n}) = {tp * n}: each rank exchanging "
+                            "sequence for heads takes whole heads")
     return problems
 
 

@@ -93,15 +93,51 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class HeadsOf:
+    """A head count an attention module holds in no attribute (Llama's reshapes to ``(-1, head_dim)``), read off
+    its child linear ``projection``: output width / ``parts`` (the equal q/k/v parts of a fused projection) / the
+    module's int attribute ``head_dim``."""
+
+    projection: str
+    head_dim: str
+    parts: int = 1
+
+    def count(self, module) -> int:
+        child = module.get_submodule(self.projection)
+        width = child.nf if hasattr(child, "nf") else child.out_features  # transformers' Conv1D: nf
+        return width // self.parts // getattr(module, self.head_dim)
+
+    def __str__(self) -> str:
+        parts = f" / {self.parts} parts" if self.parts > 1 else ""
+        return f"{self.projection} outputs{parts} / {self.head_dim}"
+
+
+@dataclass(frozen=True)
 class AttentionSite:
     """A module that computes q, k, v and calls transformers' attention interface. ``heads``: its head-count
-    attribute. ``kv_input``: for cross-attention, the forward argument carrying the other (replicated) sequence
-    that keys and values come from. ``bias_method``: the method that computes a relative position bias from the
-    query and key lengths (T5's ``compute_bias``), which must see the whole sequence's lengths."""
+    attribute, or :class:`HeadsOf` where it holds none. ``kv_input``: for cross-attention, the forward argument
+    carrying the other (replicated) sequence that keys and values come from. ``bias_method``: the method that
+    computes a relative position bias from the query and key lengths (T5's ``compute_bias``), which must see the
+    whole sequence's lengths. ``kv_heads``: the key/value head count where it differs from ``heads`` (grouped KV
+    heads), as ``heads``. ``positions``: forward arguments carrying a tensor, or a tuple of tensors, per position of
+    the whole sequence along dim 1 (rotary ``position_embeddings``), which sequence parallelism over sp cuts to this
+    rank's chunk."""
 
-    heads: str
+    heads: str | HeadsOf
     kv_input: str | None = None
     bias_method: str | None = None
+    kv_heads: str | HeadsOf | None = None
+    positions: tuple[str, ...] = ()
+
+    def head_counts(self, module) -> dict[str, int]:
+        """``{"query": n}``, and ``"key/value"`` where the site names grouped KV heads, counted on ``module``."""
+        def count(spec):
+            return spec.count(module) if isinstance(spec, HeadsOf) else getattr(module, spec)
+
+        counts = {"query": count(self.heads)}
+        if self.kv_heads is not None:
+            counts["key/value"] = count(self.kv_heads)
+        return counts
 
 
 @dataclass(frozen=True, kw_only=True)

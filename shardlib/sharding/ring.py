@@ -19,6 +19,7 @@ from ..kernels.ring_blocks import RingLayout
 from ..parallel.collectives import all_gather
 from ..parallel.mesh import FAKE_BACKEND
 from ..parallel.styles import CopyInputs, ShardContext
+from .all_to_all import head_problems
 from .sequence import SequenceParallel, install_sequence_parallel, sequence_parallel_problems
 
 #: the inner implementations whose mask semantics the ring reproduces (it computes the attention itself)
@@ -76,10 +77,8 @@ def _ring_problems(r) -> list[str]:
     for pattern, site in r.plan.attention.items():
         for path in r.match(pattern, "attention"):
             module = r.modules[path]
-            heads = getattr(module, site.heads)
-            if ulysses > 1 and heads % (tp * ulysses):
-                problems.append(f"{path}.{site.heads} = {heads} is not divisible by tp({tp}) * ulysses({ulysses}) = "
-                                f"{tp * ulysses}: each rank of a Ulysses group takes whole heads")
+            if ulysses > 1:
+                problems += head_problems(path, module, site, tp, ulysses, "ulysses")
             if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
                 problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
             if site.bias_method is not None:

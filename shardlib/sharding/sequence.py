@@ -42,6 +42,8 @@ from ..parallel.gradsync import ReplicatedGradSync
 from ..parallel.styles import class_path
 
 SEQ_DIM = 1
+#: set on a key/value cache object that a sequence-split forward filled
+SPLIT_CACHE = "_shardlib_split_sequence"
 
 
 @dataclass
@@ -132,10 +134,18 @@ class SequenceStream:
         return self.sp.unsplit.get(self.stack, False)
 
     def runs_unsplit(self, kwargs: dict) -> bool:
-        """Decide (at the stack's first layer) whether this forward runs unsplit: a key/value cache that already
-        holds tokens, or any cache while ``generate()`` runs (it will be reused)."""
+        """Decide (at the stack's first layer) whether this forward runs unsplit: any key/value cache while
+        ``generate()`` runs (it will be reused). A cache that a split forward filled holds each rank's chunk only:
+        reusing it is refused."""
         cache = kwargs.get("past_key_values")
-        unsplit = cache is not None and (self.sp.decoding or cache.get_seq_length() > 0)
+        unsplit = cache is not None and self.sp.decoding
+        if cache is not None and not unsplit:
+            if cache.__dict__.get(SPLIT_CACHE) and cache.get_seq_length() > 0:
+                raise RuntimeError(f"sequence parallelism over sp: this key/value cache was filled by a forward that "
+                                   f"split the sequence ({cache.get_seq_length()} tokens, each rank holding its chunk "
+                                   "only) and cannot be reused; decode with generate(), whose decoding steps run "
+                                   "unsplit")
+            cache.__dict__[SPLIT_CACHE] = True
         self.sp.unsplit[self.stack] = unsplit
         return unsplit
 

@@ -23,7 +23,7 @@ from ..parallel.random import RNGStatesTracker, rng_streams
 from .adapters import peft_inner_model
 from .passes import Resolved, passes_for
 from .plan import INFERRED, PlanError
-from .sequence import sequence_mode
+from .sequence import SP_MODES, sequence_mode
 from .shard_report import ShardReport
 from .sharded import ShardState, shard_state
 from .transaction import restoring
@@ -107,7 +107,8 @@ def _shard(wrapper: nn.Module, mesh: Mesh, policy, verify_plan: bool, options: d
     _check(r, passes, policy, _inferred_problems(model, mesh) if inferred else [])
 
     if inferred and verify_plan:
-        report.verified_s = _verify_inferred(model, policy, r.plan, mesh, options["sequence_parallel"])
+        report.verified_s = _verify_inferred(model, policy, r.plan, mesh, options["sequence_parallel"],
+                                             options.get("ulysses", 1))
     if options["rng_tracker"] is None:
         options["rng_tracker"] = rng_streams(RNGStatesTracker(), torch.initial_seed(), mesh)
     report.unsharded_bytes = _param_bytes(model.parameters())
@@ -151,20 +152,22 @@ def _inferred_problems(model: nn.Module, mesh) -> list[str]:
     return infer(model).head_problems(model, mesh.tp)
 
 
-def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel) -> float | None:
-    """Prove an inferred plan before use (:mod:`.inference.verify`) on the mesh's tp group, and its pipeline cuts
-    (:mod:`.inference.cuts`) when the model is pipelined; the seconds it took, None when there was nothing to
-    prove (tp=1, no pipeline)."""
+def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel, ulysses: int = 1) -> float | None:
+    """Prove an inferred plan before use (:mod:`.inference.verify`) on the mesh's tp group (and sp group, under
+    sequence parallelism over sp), and its pipeline cuts (:mod:`.inference.cuts`) when the model is pipelined; the
+    seconds it took, None when there was nothing to prove (tp=1 without sp, no pipeline)."""
     from ..parallel.mesh import DEFAULT_TIMEOUT_S
     from ..parallel.timeouts import stalled_ranks_named
     from .inference.cuts import verify_cuts
     from .inference.verify import verify
 
     seconds = None
-    if mesh.tp > 1 and getattr(mesh, "tp_group", None) is not None:
-        with stalled_ranks_named("shard() (proving the inferred plan on the tensor-parallel group)",
+    over_sp = sequence_parallel in SP_MODES and getattr(mesh, "sp", 1) > 1
+    if (mesh.tp > 1 or over_sp) and getattr(mesh, "tp_group", None) is not None:
+        with stalled_ranks_named("shard() (proving the inferred plan on the tensor- and sequence-parallel groups)",
                                  getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S)):
-            seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel)
+            seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel,
+                             **({"ulysses": ulysses} if ulysses > 1 else {}))
     if getattr(mesh, "pp", 1) > 1:
         seconds = (seconds or 0.0) + verify_cuts(model, plan)
     return seconds

@@ -10,7 +10,8 @@
    the heads tied to them, are vocab-parallel; per-head tables inside attention blocks are split by head;
 3. the facts become a plan (:mod:`.assemble`): Megatron styles, input copies where the projections read the
    block's own arguments, per-rank RNG on sharded activations, head attributes to divide, the layer trunk (with
-   what a cut between two layers carries), and patterns over the layer index;
+   what a cut between two layers carries), and patterns over the layer index; the attention blocks that call
+   transformers' attention interface become the sites sequence parallelism over sp wraps (:mod:`.attention_sites`);
 4. before ``shard()`` uses it, the plan is **proven** on a verification twin (:mod:`.verify`), and so are its
    pipeline cuts when the mesh has pp > 1 (:mod:`.cuts`).
 
@@ -20,6 +21,7 @@ cached per model class and config structure (the plan depends on the architectur
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from .assemble import (
     Facts, attributes_read, build_plan, divided_attributes, entry_arguments, inputs_only_projected, layer_carries,
     pattern_of, stacks_of,
 )
+from .attention_sites import attention_sites, observe_blocks
 from .graph import ExportError, export_twin, out_features
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
 from .twin import ROLES, analysis_twin
@@ -80,6 +83,9 @@ class Inferred:
         for stack in self.plan.trunk:
             carry = f", carry {list(stack.carry)}" if stack.carry != ((0, 0),) else ""
             lines.append(f"  trunk {stack.layers} (before {list(stack.before)}, after {list(stack.after)}{carry})")
+        for pattern, site in self.plan.attention.items():
+            fields = {k: v for k, v in vars(site).items() if v not in (None, ())}
+            lines.append(f"  attention site {pattern}: {', '.join(f'{k} {v}' for k, v in fields.items())}")
         if self.plan.sequence_dropout:
             lines.append(f"  sequence-parallel dropouts: {', '.join(self.plan.sequence_dropout)}")
         if self.plan.loss is not None:
@@ -94,6 +100,8 @@ class Inferred:
 
 
 _CACHE: dict[tuple, Inferred] = {}
+#: the analysis twin's example sequence length (a dim of 7 is the sequence)
+SEQ = 7
 
 
 def _structure_key(model: nn.Module) -> tuple:
@@ -121,7 +129,7 @@ def _infer(model: nn.Module) -> Inferred:
     with preserved_rng():
         torch.manual_seed(0)
         twin, sizes = analysis_twin(model)
-        inputs = example_batch(twin, 2, 7, device="cpu", generator=torch.Generator().manual_seed(0))
+        inputs = example_batch(twin, 2, SEQ, device="cpu", generator=torch.Generator().manual_seed(0))
         g = export_twin(twin, inputs)
     unplaced: list[Unplaced] = []
     attention = attention_facts(g, sizes, unplaced)
@@ -140,13 +148,15 @@ def _infer(model: nn.Module) -> Inferred:
     facts.carries = layer_carries(twin, inputs, stacks)
     facts.divide = divided_attributes(twin, blocks, sizes, attributes_read(twin, inputs, blocks))
     plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
+    sites, unsited = attention_sites(g, facts, twin, sizes, SEQ, observe_blocks(twin, inputs, blocks))
+    plan = dataclasses.replace(plan, attention=sites)
     evidence = {f"attention {f.block}": f.evidence for f in attention}
     evidence |= {f"mlp {f.down}": f.evidence for f in mlps}
     if tables:
         evidence["vocabulary"] = [f"{', '.join(tables)}: {sizes.vocab} rows (the twin's vocabulary)"]
     if facts.relative:
         evidence["per-head tables"] = [f"{', '.join(facts.relative)}: {sizes.heads} columns, inside attention blocks"]
-    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped, time.perf_counter() - start,
+    return Inferred(type(model).__name__, plan, evidence, unplaced + dropped + unsited, time.perf_counter() - start,
                     _head_counts(twin, attention, sizes, stacks))
 
 

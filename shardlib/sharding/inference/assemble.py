@@ -32,13 +32,14 @@ class Facts:
     relative: list[str]
     stacks: list[str]
     unplaced: list[Unplaced]
-    entries: dict[str, tuple[str, ...]] = field(default_factory=dict)  # module -> forward args entering TP
+    #: module -> {projection: the forward argument of the module it reads unchanged} (the args entering TP)
+    entries: dict[str, dict[str, str]] = field(default_factory=dict)
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
     carries: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # stack -> Stack.carry
 
 
-def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
-    """For each ``module -> projections`` group: the forward arguments of ``module`` that its projections read
+def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]) -> dict[str, dict[str, str]]:
+    """For each ``module -> projections`` group: the forward argument of ``module`` that each projection reads
     unchanged (found by tensor identity in one eager forward); a group whose projections read anything else gets
     none (each projection then copies its own input)."""
     seen_args: dict[str, dict[int, str]] = {}
@@ -61,10 +62,15 @@ def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]
     _run_observed(model, inputs, handles)
     out = {}
     for owner, paths in groups.items():
-        names = [seen_args.get(owner, {}).get(read.get(p)) for p in paths]
-        if all(names):
-            out[owner] = tuple(dict.fromkeys(names))
+        names = {p: seen_args.get(owner, {}).get(read.get(p)) for p in paths}
+        if all(names.values()):
+            out[owner] = names
     return out
+
+
+def entry_names(facts: Facts, owner: str) -> tuple[str, ...]:
+    """The forward arguments of ``owner`` its projections read unchanged, each once; () when not all are known."""
+    return tuple(dict.fromkeys(facts.entries.get(owner, {}).values()))
 
 
 def _run_observed(model: nn.Module, inputs: dict, handles: list) -> None:
@@ -222,14 +228,14 @@ def build_plan(facts: Facts, g: Graph, model: nn.Module, task: str, forward_para
     reported), so a plan never reaches a layer the analysis did not read."""
     concrete: dict[str, tuple] = {}
     for fact in facts.attention:
-        names = facts.entries.get(fact.block)
+        names = entry_names(facts, fact.block)
         concrete[fact.block] = (CopyInputs(*names), LocalRNG()) if names else (LocalRNG(),)
         for path in dict.fromkeys((fact.q, fact.k, fact.v)):
             concrete[path] = (ColwiseParallel(copy_input=not names, blocks=fact.blocks.get(path, 1)),)
         concrete[fact.out] = (RowwiseParallel(),)
     for fact in facts.mlps:
         owner = _common_parent(fact.up)
-        names = facts.entries.get(owner) if len(fact.up) > 1 else None
+        names = entry_names(facts, owner) if len(fact.up) > 1 else None
         if names:  # an MLP's input is the residual stream (sequence-sharded under sequence parallelism)
             concrete[owner] = concrete.get(owner, ()) + (CopyInputs(*names, sequence_inputs=names),)
         for path in fact.up:
@@ -299,4 +305,5 @@ def _sequence_dropouts(g: Graph, facts: Facts, styles: dict) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-__all__ = ["Facts", "entry_arguments", "inputs_only_projected", "attributes_read", "divided_attributes", "stacks_of", "trunk", "pattern_of", "build_plan"]
+__all__ = ["Facts", "entry_arguments", "entry_names", "inputs_only_projected", "attributes_read", "divided_attributes",
+           "stacks_of", "trunk", "pattern_of", "build_plan"]

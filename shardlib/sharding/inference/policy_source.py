@@ -31,6 +31,7 @@ def policy_source(inferred: Inferred, model_class: type) -> str:
     trunk = "\n".join(f"            Stack(layers={s.layers!r}, before={s.before!r}, after={s.after!r}, carry={s.carry!r}, "
                       f"end={s.end!r}, output_arg={s.output_arg!r})," for s in plan.trunk)
     loss = (f"LossSpec(kind={plan.loss.kind!r}, head={plan.loss.head!r})" if plan.loss is not None else "None")
+    attention = "\n".join(f"            {pattern!r}: {site!r}," for pattern, site in plan.attention.items())
     evidence = "\n".join(f"#   {site}: {item}" for site, items in inferred.evidence.items() for item in items)
     unplaced = "\n".join(f"#   {u.module}: {u.why}" for u in inferred.unplaced) or "#   (none)"
     name = model_class.__name__
@@ -41,7 +42,7 @@ from transformers import {name}
 
 from shardlib.parallel.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
 from shardlib.policies import Policy, register_policy
-from shardlib.sharding.plan import LossItems, LossSpec, Plan, Stack
+from shardlib.sharding.plan import AttentionSite, HeadsOf, LossItems, LossSpec, Plan, Stack
 
 # Evidence (graph nodes of a 2-layer twin):
 {evidence}
@@ -62,6 +63,9 @@ def make_plan(model, tp: int) -> Plan:
         ),
         loss={loss},
         sequence_dropout={plan.sequence_dropout!r},
+        attention={{
+{attention}
+        }},
         loss_items={plan.loss_items!r},
     )
 

@@ -27,6 +27,7 @@ class AttentionFact:
     nodes: dict[str, fx.Node] = field(default_factory=dict, repr=False)  # the projections' calls, by role
     evidence: list[str] = field(default_factory=list)
     blocks: dict[str, int] = field(default_factory=dict)  # fused projection -> the equal parts its output splits into
+    operands: tuple[fx.Node, ...] = field(default=(), repr=False)  # the attention op's q, k and v inputs
 
 
 @dataclass
@@ -136,7 +137,7 @@ def attention_facts(g: Graph, sizes: Sizes, unplaced: list[Unplaced]) -> list[At
         evidence.append(f"heads {heads}, key/value heads {kv_heads}, head dim {head_dim} (q {list(shape(operands[0]))})")
         facts.append(AttentionFact(block=block, q=g.module_of(roles["q"]), k=g.module_of(roles["k"]),
                                    v=g.module_of(roles["v"]), out=g.module_of(out), heads=heads, kv_heads=kv_heads,
-                                   nodes=roles, evidence=evidence, blocks=blocks))
+                                   nodes=roles, evidence=evidence, blocks=blocks, operands=operands[:3]))
     return facts
 
 

@@ -2,8 +2,9 @@
 returns, and must give the same loss (or outputs) and every parameter's gradient.
 
 It runs on a verification twin (:func:`.twin.verification_twin`: same class, 2 layers, widths tp divides, float64,
-dropout off) on the mesh's tensor-parallel group, so every tp rank takes part, and it never touches the model being
-sharded: a mismatch refuses with the first module whose output diverges, and the model is left as it was.
+dropout off) on the mesh's tensor-parallel group, so every tp rank takes part, and with sequence parallelism over sp
+(all-to-all, ring) on its tp x sp groups, with heads tp * sp divides under all-to-all. It never touches the model
+being sharded: a mismatch refuses with the first module whose output diverges, and the model is left as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from ...parallel.random import preserved_rng
 from ..examples import example_batch
 from ..plan import PlanError
+from ..sequence import ALL_TO_ALL, SP_MODES
 from .twin import verification_twin
 
 #: float64 on 2 layers: reorderings of sums at 1e-16 unit roundoff; a wrong plan is off by O(1)
@@ -29,26 +31,43 @@ LOSS_TOLERANCE = {"causal_lm": (1e-4, 1e-6)}
 
 
 @dataclass(frozen=True)
-class TensorParallelMesh:
-    """The tensor-parallel group of a mesh alone (no pipeline, no data or sequence parallelism): what the twin is
-    sharded over."""
+class ProofMesh:
+    """The tensor-parallel group of a mesh, and its sequence-parallel group when the proof covers sequence
+    parallelism over sp (no pipeline, no data parallelism): what the twin is sharded over."""
 
     tp: int
     tp_rank: int
     tp_group: object
     device_type: str = "cpu"
+    sp: int = 1
+    sp_rank: int = 0
+    sp_group: object = None
+    source: object = None  # the mesh these groups are of (its sp dimension splits for Ulysses x ring)
     dp: int = 1
     pp: int = 1
-    sp: int = 1
 
     def size(self, dim: str) -> int:
-        return self.tp if dim == "tp" else 1
+        return {"tp": self.tp, "sp": self.sp}.get(dim, 1)
 
     def group(self, dim: str):
-        return self.tp_group
+        return self.sp_group if dim == "sp" else self.tp_group
+
+    def split_sp(self, ulysses: int):
+        return self.source.split_sp(ulysses)
 
     def __str__(self) -> str:
-        return f"the tp={self.tp} group of the mesh"
+        return f"tp={self.tp}" + (f", sp={self.sp}" if self.sp > 1 else "")
+
+
+def proof_mesh(mesh, sequence_parallel, ulysses: int = 1) -> tuple[ProofMesh, int]:
+    """The groups of ``mesh`` the proof runs on, and the degree the verification twin's heads are multiples of:
+    tp, and with sequence parallelism over sp the sp group too (all-to-all splits the heads over tp * sp, Ulysses
+    inside a ring over tp * ulysses)."""
+    device = getattr(mesh, "device_type", "cpu")
+    if sequence_parallel in SP_MODES and getattr(mesh, "sp", 1) > 1:
+        view = ProofMesh(mesh.tp, mesh.tp_rank, mesh.tp_group, device, mesh.sp, mesh.sp_rank, mesh.group("sp"), mesh)
+        return view, mesh.tp * (mesh.sp if sequence_parallel == ALL_TO_ALL else ulysses)
+    return ProofMesh(mesh.tp, mesh.tp_rank, mesh.tp_group, device), mesh.tp
 
 
 def weighted_sum(value: torch.Tensor) -> torch.Tensor:
@@ -69,17 +88,18 @@ def _objective(out) -> torch.Tensor:
 
 
 def verify(model: nn.Module, policy, mesh, **options) -> float:
-    """Prove ``policy``'s plan for ``model``'s class at ``mesh.tp`` with ``shard()``'s ``options`` (sequence
-    parallelism; module docstring); returns the seconds it took. Raises :class:`PlanError` naming the first diverging
-    module, or the module that raised when the sharded twin does not run at all."""
+    """Prove ``policy``'s plan for ``model``'s class at ``mesh.tp`` (and ``mesh.sp`` under sequence parallelism over
+    sp) with ``shard()``'s ``options`` (sequence parallelism; module docstring); returns the seconds it took. Raises
+    :class:`PlanError` naming the first diverging module, or the module that raised when the sharded twin does not run
+    at all."""
     from ..sharder import shard
     from ..state import full_state_dict
 
     start = time.perf_counter()
-    view = TensorParallelMesh(mesh.tp, mesh.tp_rank, mesh.tp_group, getattr(mesh, "device_type", "cpu"))
+    view, degree = proof_mesh(mesh, options.get("sequence_parallel"), options.get("ulysses", 1))
     with preserved_rng():
-        torch.manual_seed(0)  # every tp rank builds the same twin and batch
-        twin, _ = verification_twin(model, mesh.tp)
+        torch.manual_seed(0)  # every rank of the groups builds the same twin and batch
+        twin, _ = verification_twin(model, degree)
         twin.eval()  # no dropout anywhere (some heads' rates are constants, not config fields); gradients still flow
         sharded = shard(copy.deepcopy(twin), view, policy=policy, gather_logits=True, verify_plan=False, **options)
         batch = example_batch(twin, 2, 6, device="cpu", generator=torch.Generator().manual_seed(1))
@@ -91,13 +111,13 @@ def verify(model: nn.Module, policy, mesh, **options) -> float:
                 actual = _objective(sharded(**batch))
                 actual.backward()
             except Exception as exc:  # noqa: BLE001 - the plan does not even run: say where, refuse
-                raise PlanError(f"the inferred plan for {type(model).__name__} does not run at tp={mesh.tp}"
+                raise PlanError(f"the inferred plan for {type(model).__name__} does not run at {view}"
                                 f"{' with ' + repr(options) if any(options.values()) else ''} (verified on a 2-layer "
                                 f"twin): {type(exc).__name__} in module {where[-1] if where else '(the model)'!r}: "
                                 f"{str(exc).splitlines()[0]}. The model was not changed; write a policy for it "
                                 "(docs/policy-authoring.md)") from exc
         grads = full_state_dict(sharded, grads=True)
-    plan = policy.plan(twin, mesh.tp)
+    plan = policy.plan(twin, view.tp)
     rtol, atol = LOSS_TOLERANCE.get(plan.loss.kind if plan.loss is not None else "", (RTOL, ATOL))
     problems = []
     if not torch.allclose(actual.detach(), expected.detach(), rtol=rtol, atol=atol):
@@ -110,7 +130,7 @@ def verify(model: nn.Module, policy, mesh, **options) -> float:
     if problems:
         where = first_divergence(twin, sharded, batch)
         raise PlanError(f"the inferred plan for {type(model).__name__} does not compute what the model computes at "
-                        f"tp={mesh.tp} (verified on a 2-layer float64 twin): first diverging module: {where}; "
+                        f"{view} (verified on a 2-layer float64 twin): first diverging module: {where}; "
                         f"{'; '.join(problems[:4])}{' ...' if len(problems) > 4 else ''}. The model was not changed; "
                         "write a policy for it (docs/policy-authoring.md) or report the model")
     return time.perf_counter() - start
@@ -169,4 +189,4 @@ def first_divergence(reference: nn.Module, sharded: nn.Module, batch: dict) -> s
     return "none found module by module (the loss or a gradient differs)"
 
 
-__all__ = ["verify", "first_divergence", "TensorParallelMesh"]
+__all__ = ["verify", "first_divergence", "ProofMesh", "proof_mesh"]
