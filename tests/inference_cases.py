@@ -88,10 +88,11 @@ FAMILIES = {
 CLASS_CONFIG = {"RobertaForCausalLM": dict(is_decoder=True)}
 
 
-def make_model(cls: str, family: str, dtype=torch.float64, seed: int = 0) -> torch.nn.Module:
+def make_model(cls: str, family: str, dtype=torch.float64, seed: int = 0, **overrides) -> torch.nn.Module:
+    """``cls`` of ``family`` at its small config (changed by ``overrides``), every dropout off."""
     config_cls, kwargs, _ = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**kwargs, **CLASS_CONFIG.get(cls, {}))
+    config = getattr(transformers, config_cls)(**{**kwargs, **CLASS_CONFIG.get(cls, {}), **overrides})
     # no random drops left on by a family's defaults (BEiT's stochastic depth 0.1, ELECTRA's summary dropout):
     # the models are compared in training mode, one forward after the other, so the two would draw differently
     for name, value in config.to_dict().items():

@@ -8,7 +8,7 @@ import shardlib
 from shardlib.train import Trainer, dp_shard
 
 from harness import mesh as pool_mesh
-from pipeline_tasks import build, reference_loss
+from pipeline_tasks import build, first_output_objective, reference_loss
 from rank_tasks import DTYPES, _adamw, cases, cast_batch
 
 #: float64 training steps: relative 1e-10 (atol for gradients that cancel to ~0)
@@ -21,8 +21,10 @@ def training_steps(spec: dict) -> dict:
     gradient (without ZeRO: ZeRO-1/2 keep this rank's partition of them) and weight after AdamW (up to ZeRO-2:
     ZeRO-3's are FSDP2's dp shards, whose next losses are compared) equal to ``EXACT``."""
     spec = {"pp": 1, "schedule": "1f1b", "microbatches": 1, "steps": 3, "trainer": {}, **spec}
-    mesh, ref, model, _ = build(spec)
-    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"], **spec["trainer"])
+    mesh, ref, model, batch = build(spec)
+    has_loss = "labels" in batch  # without labels (a causal LM here): a weighted sum of the first output
+    trainer = Trainer(model, _adamw, microbatches=spec["microbatches"], schedule=spec["schedule"],
+                      loss_fn=None if has_loss else first_output_objective, **spec["trainer"])
     zero = spec["trainer"].get("zero", 0)
     ref_opt, ref_params = _adamw(ref.parameters()), dict(ref.named_parameters())
     compared = 0
@@ -31,7 +33,7 @@ def training_steps(spec: dict) -> dict:
                            DTYPES[spec["dtype"]])
         loss = trainer.forward_backward(dp_shard(batch, mesh))
         trainer.reduce_gradients()
-        ref_loss = reference_loss(ref, batch, True)
+        ref_loss = reference_loss(ref, batch, has_loss)
         ref_loss.backward()
         _exact(f"step {step} loss", torch.tensor(loss, dtype=torch.float64), ref_loss.detach().double())
         for name, g in (shardlib.full_state_dict(model, grads=True) if not zero else {}).items():
