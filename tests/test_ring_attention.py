@@ -44,9 +44,9 @@ def test_ring_trains_three_steps_exactly(pool, case, tp, sp, ulysses):
 
 def _three_layers(case: dict) -> dict:
     """The case with three layers (two stages of unequal length) where its config counts them so."""
-    if case["family"] == "inferred":
+    if case.get("family") == "inferred":
         return {**case, "config": {**case["config"], "num_hidden_layers": 3}}
-    return case if case["family"] == "t5" else {**case, "config": {**case["config"], "layers": 3}}
+    return case if case.get("family") == "t5" else {**case, "config": {**case["config"], "layers": 3}}
 
 
 @pytest.mark.parametrize("case", THREE_STEPS, ids=[c["cls"] for c in THREE_STEPS])
