@@ -8,12 +8,19 @@ from bert_cases import CLASSES as BERT_CLASSES
 
 
 def sequence_parallel(draw, tp: int, all_to_all: bool = True) -> dict:
-    """Off, Megatron (on the TP group) or all-to-all over sp_size ranks (tp * sp_size <= the pool's 4 ranks)."""
-    modes = [False, True] + (["all_to_all"] if all_to_all and tp < 4 else [])
+    """Off, Megatron (on the TP group), or all-to-all or ring attention over sp_size ranks (tp * sp_size <= the
+    pool's 4 ranks). ``all_to_all=False``: neither mode on the sp dimension."""
+    modes = [False, True] + (["all_to_all", "ring"] if all_to_all and tp < 4 else [])
     mode = draw(st.sampled_from(modes))
-    if mode != "all_to_all":
+    if mode not in ("all_to_all", "ring"):
         return {"sp": mode}
     return {"sp": mode, "sp_size": draw(st.sampled_from([2, 4] if tp == 1 else [2]))}
+
+
+def heads_per_rank_group(sp: dict) -> int:
+    """What the head count must be a multiple of beyond tp: sp_size under all-to-all (each rank takes whole heads),
+    nothing under the ring."""
+    return sp.get("sp_size", 1) if sp.get("sp") == "all_to_all" else 1
 
 
 def kernel_choice(draw, act: str | None = None) -> dict:
@@ -28,7 +35,7 @@ def bert_specs(draw, classes=BERT_CLASSES, tp=(1, 2, 4), all_to_all=True):
     cls = draw(st.sampled_from(classes))
     sp = sequence_parallel(draw, tp, all_to_all)
     config = {
-        "heads": tp * sp.get("sp_size", 1) * draw(st.integers(1, 2)),
+        "heads": tp * heads_per_rank_group(sp) * draw(st.integers(1, 2)),
         "head_dim": draw(st.sampled_from([2, 4, 8])),
         "layers": draw(st.integers(1, 2)),
         "intermediate": tp * draw(st.integers(1, 6)),
@@ -58,14 +65,17 @@ def vit_specs(draw, tp=(1, 2, 4), all_to_all=True):
     sp = sequence_parallel(draw, tp, all_to_all)
     config = {
         "image": patch * draw(st.integers(1, 3)), "patch": patch,
-        "heads": tp * sp.get("sp_size", 1) * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
+        "heads": tp * heads_per_rank_group(sp) * draw(st.integers(1, 2)), "head_dim": draw(st.sampled_from([2, 4, 8])),
         "layers": draw(st.integers(1, 2)), "intermediate": tp * draw(st.integers(1, 6)),
         "act": draw(st.sampled_from(["gelu", "relu"])), "num_labels": draw(st.integers(2, 7)),  # tp need not divide
         "qkv_bias": draw(st.booleans()),
     }
-    return {"family": "vit", "cls": draw(st.sampled_from(vit_cases.CLASSES)), "tp": tp, "config": config,
+    spec = {"family": "vit", "cls": draw(st.sampled_from(vit_cases.CLASSES)), "tp": tp, "config": config,
             "interpolate": draw(st.booleans()), **{k: draw(v) for k, v in SPEC_COMMON.items()}, **sp,
             "kernels": kernel_choice(draw, config["act"])}
+    if sp["sp"] == "ring":  # the ring's softmax runs in the input dtype, ViT's eager one in float32: compare to SDPA
+        spec["reference_attention"] = "sdpa"
+    return spec
 
 
 @st.composite
@@ -78,7 +88,7 @@ def t5_specs(draw, tp=(1, 2, 4), classes=t5_cases.CLASSES, all_to_all=True):
         # never split: need not divide. >= 4: an RMSNorm over 2 features maps onto a circle, and its gradient
         # amplifies float32 summation-order noise past any sane tolerance (float64 passes at 1e-9 there)
         "d_model": draw(st.integers(4, 12)),
-        "d_kv": draw(st.sampled_from([1, 2, 4])), "heads": tp * sp.get("sp_size", 1) * draw(st.integers(1, 2)),
+        "d_kv": draw(st.sampled_from([1, 2, 4])), "heads": tp * heads_per_rank_group(sp) * draw(st.integers(1, 2)),
         "d_ff": tp * draw(st.integers(1, 5)), "layers": draw(st.integers(1, 2)),
         "decoder_layers": draw(st.integers(1, 2)), "buckets": buckets,
         "max_distance": buckets * draw(st.sampled_from([2, 4, 16])), "ffn": draw(st.sampled_from(["relu", "gated-gelu"])),
