@@ -104,8 +104,8 @@ def _self_mask(mask: torch.Tensor, g: RingGeometry, acc: torch.dtype):
     rows, seen = rows.index_select(-1, g.order), seen.index_select(-1, g.order)  # columns in ring order
     if not bool(seen.any(-1).all()):
         return rows, None
-    per_block = seen.unflatten(-1, (g.size, g.chunk)).any(-1)  # [..., rows, n]
-    return rows, per_block.flatten(0, -2).any(0).tolist()
+    per_block = seen.unflatten(-1, (g.size, g.chunk)).any(-1).flatten(0, -2).any(0)  # [n]
+    return rows, [bool(block) for block in per_block]  # (bool(), not tolist(): the dry run answers it on meta)
 
 
 def ring_attention_forward(module, query, key, value, attention_mask, *, position_bias=None, **kwargs):

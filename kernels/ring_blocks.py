@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -85,18 +85,16 @@ class RingGeometry:
     chunk: int
     length: int
     order: torch.Tensor
-    _runs: dict = field(default_factory=dict, repr=False)
 
     def positions(self, block: int) -> torch.Tensor:
         return self.order[block * self.chunk:(block + 1) * self.chunk]
 
     def runs(self, block: int) -> list[tuple[int, int, int, int]]:
-        """(start, stop, first position, last position) of the two segments of block ``block`` (a ring position
-        holds two; each is a run of consecutive positions)."""
-        if block not in self._runs:
-            pos, half = self.positions(block).tolist(), self.chunk // 2
-            self._runs[block] = [(a, b, pos[a], pos[b - 1]) for a, b in ((0, half), (half, self.chunk))]
-        return self._runs[block]
+        """(start, stop, first position, last position) of the two segments of block ``block``: ring position p
+        holds segments p and 2n - 1 - p (:class:`RingLayout`), each a run of consecutive positions. Arithmetic, not
+        read from ``order``: the same on the meta device (the dry run) and without a device sync."""
+        half, far = self.chunk // 2, 2 * self.size - 1 - block
+        return [(0, half, block * half, (block + 1) * half - 1), (half, self.chunk, far * half, (far + 1) * half - 1)]
 
 
 @dataclass
@@ -132,7 +130,8 @@ def _scores(q, k, scale, piece: Piece, relative):
 
 
 def _dropout_keep(shape, p: float, seed: int, device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
+    device = torch.device(device)
+    gen = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)  # meta: the dry run
     return torch.rand(shape, generator=gen, device=device) >= p
 
 
@@ -150,7 +149,9 @@ def _kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
 
 
 def _use_flash(q, piece: Piece, dropout: float) -> bool:
-    return q.device.type == "cpu" and piece.bias_index is None and not dropout
+    """ATen's CPU flash kernel where it computes the piece: on CPU (and on the meta device, where the dry run
+    predicts a CPU step), without a bias gradient or dropout."""
+    return q.device.type in ("cpu", "meta") and piece.bias_index is None and not dropout
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -241,10 +242,12 @@ class RingProblem:
         if self.mask is not None:  # rows broadcast where the model's mask has one row for all queries
             mask = self.mask[..., src * g.chunk:(src + 1) * g.chunk][..., cols]
             mask = mask if mask.shape[-2] == 1 else mask[..., rows, :]
-        hidden = (kpos >= g.length)[None, :].expand(len(qpos), -1)
-        if self.causal:
-            hidden = hidden | (kpos[None, :] > qpos[:, None])
-        if bool(hidden.any()):
+        padded = any(run[3] >= g.length for run in col_runs)
+        future = self.causal and max(run[3] for run in col_runs) > row_run[2]
+        if padded or future:  # from the runs' positions: no device sync (and the same on the meta device)
+            hidden = (kpos >= g.length)[None, :].expand(len(qpos), -1)
+            if self.causal:
+                hidden = hidden | (kpos[None, :] > qpos[:, None])
             extra = torch.zeros(hidden.shape, dtype=self.acc, device=device).masked_fill_(hidden, -math.inf)
             mask = extra if mask is None else mask + extra
         index = None
@@ -266,8 +269,12 @@ class _Ring:
 
     def start(self, send: torch.Tensor, tag: int):
         """Send ``send`` on and receive the previous position's tensor of the same shape. ``tag``: K/V blocks (0)
-        and gradient blocks (1) travel at once in backward."""
+        and gradient blocks (1) travel at once in backward. On the meta device (the dry run's fake process group,
+        which has no backend for it to coalesce) the two are issued one by one."""
         received = torch.empty_like(send)
+        if send.is_meta:
+            works = [dist.isend(send, self.next, self.group, tag), dist.irecv(received, self.prev, self.group, tag)]
+            return [w for w in works if w is not None], received
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, tag),
                                         dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
         return works, received

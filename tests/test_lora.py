@@ -53,6 +53,22 @@ def test_what_cannot_be_sharded_is_refused_by_name(pool):
     assert "lora_bias" in bias and "output.dense" in bias
 
 
+@pytest.mark.parametrize("mode", ["all_to_all", "ring"])
+def test_lora_on_the_sp_dimension_with_tp_is_refused(mode):
+    """On the sp dimension every layer gradient is summed over sp; an adapter's partial gradients would need one
+    sum over tp and sp together: refused (offline mesh, before anything changes) for both modes."""
+    import shardlib
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertModel
+
+    from shardlib.parallel.mesh import OfflineMesh
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    model = get_peft_model(BertModel(config), LoraConfig(r=2, target_modules=["query"]))
+    with pytest.raises(shardlib.PlanError, match=f"LoRA adapters with sequence_parallel='{mode}' need tp=1"):
+        shardlib.shard(model, OfflineMesh(tp=2, sp=2), sequence_parallel=mode)
+
+
 def test_lora_on_a_family_sharded_by_an_inferred_plan(pool):
     for result in pool.run(lora_tasks.lora_on_an_inferred_plan):
         assert result["policy"] == "inferred" and result["grads"] >= 8 and result["weights"], result

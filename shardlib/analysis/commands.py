@@ -27,6 +27,7 @@ def add_plan_parser(sub) -> None:
                    "Exit 2 when shard() refuses the layout, 1 on bad input.")
     examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
                 "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json\n"
+                "  shardlib plan ./llama-1b --sp ring 4 --seq 16384\n"
                 "  shardlib plan ./bert-large --world 64 --memory 16GiB --profile h100.json --global-batch 512")
     p = sub.add_parser("plan", help="dry run of a layout, or a search of every layout", description=description,
                        epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,7 +35,8 @@ def add_plan_parser(sub) -> None:
     for dim in ("tp", "pp", "dp"):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
     p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
-                   help="sequence parallelism: 'megatron' (on the tp group) or 'all_to_all N' (N ranks per sequence)")
+                   help="sequence parallelism: 'megatron' (on the tp group), 'all_to_all N' or 'ring N' (N ranks per "
+                        "sequence)")
     p.add_argument("--class", dest="cls", help="model class in transformers (default: the config's architectures[0])")
     p.add_argument("--batch", type=int, default=8, help="examples per microbatch and dp rank (default 8)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128; image models: the config's)")
@@ -59,16 +61,16 @@ def add_plan_parser(sub) -> None:
 def _sequence_args(values: list[str] | None) -> tuple[object, int]:
     """``--sp`` as (sequence_parallel, sp size)."""
     from .metarun import PlanInputError
-    from ..sharding.sequence import ALL_TO_ALL, MEGATRON
+    from ..sharding.sequence import ALL_TO_ALL, MEGATRON, RING, SP_MODES
 
     if not values:
         return False, 1
     if values[0] == MEGATRON and len(values) == 1:
         return True, 1
-    if values[0] == ALL_TO_ALL and len(values) == 2 and values[1].isdigit():
-        return ALL_TO_ALL, int(values[1])
-    raise PlanInputError(f"--sp {' '.join(values)}: expected '--sp {MEGATRON}' (on the tp group) or "
-                         f"'--sp {ALL_TO_ALL} N' (N ranks per sequence)")
+    if values[0] in SP_MODES and len(values) == 2 and values[1].isdigit():
+        return values[0], int(values[1])
+    raise PlanInputError(f"--sp {' '.join(values)}: expected '--sp {MEGATRON}' (on the tp group), "
+                         f"'--sp {ALL_TO_ALL} N' or '--sp {RING} N' (N ranks per sequence)")
 
 
 def _planning(run) -> tuple[int, object]:

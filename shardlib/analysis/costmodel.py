@@ -18,7 +18,8 @@ Memory, on the rank of each stage that holds the most (the worst dp rank), is th
 Time: a microbatch on a stage costs its GEMMs (each priced at its size by the profile), the memory traffic of its
 other ops and the fixed cost of dispatching every op (on a CPU added to the work; on a GPU, which runs kernels while
 the host queues the next ones, only where dispatching takes longer than the work: "host dispatch"), its tensor /
-sequence-parallel collectives and its pipeline sends; the schedule chains them (``m``
+sequence-parallel collectives (ring attention's transfers only where they outlast the block compute they run
+under) and its pipeline sends; the schedule chains them (``m``
 microbatches on ``pp`` stages: ``sum(stage times) + (m - 1) * max(stage times)``, the bubble being the first term
 less one stage); then the data-parallel gradient sync (exposed: it overlaps backward only on GPUs, where compute
 does not share the cores that run the collective) and the optimizer step.
@@ -182,13 +183,35 @@ def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dty
         terms = {"compute": compute, "host dispatch": max(0.0, host - compute)}
     for entry in stage.collectives:
         for c in entry.collectives:
-            key = f"{c.dim} {c.op}"
-            terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes, c.dim)
+            if not _is_ring(c):
+                key = f"{c.dim} {c.op}"
+                terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes, c.dim)
+    ring = _ring_exposed(stage, profile, dtype)
+    if ring is not None:
+        terms["sp ring send_recv"] = ring
     forward, backward = stage.send_bytes
     if stage.sends:
         terms["pipeline sends"] = (profile.collective_seconds("send_recv", 2, forward)
                                    + profile.collective_seconds("send_recv", 2, backward))
     return terms
+
+
+def _is_ring(c) -> bool:
+    return c.op == "send_recv" and c.dim == "sp"  # ring attention's K/V blocks and their gradients
+
+
+def _ring_exposed(stage: StageInfo, profile: Profile, dtype: str) -> float | None:
+    """Seconds of ring attention's transfers that its block compute does not hide (None: no ring). Each step of the
+    ring sends a block on while it computes with the one it holds, so a step costs max(block compute, transfer), not
+    their sum; with the steps of a layer alike, the transfers add max(0, transfers - block compute) to the compute,
+    per layer. A transfer is priced as the send/recv pair the profile measured (each rank sends one block and
+    receives one)."""
+    transfers = {e.layer: sum(profile.collective_seconds("send_recv", 2, c.bytes, c.dim)
+                              for c in e.collectives if _is_ring(c)) for e in stage.collectives}
+    if not any(transfers.values()):
+        return None
+    compute = {w.layer: sum(n * profile.gemm_seconds(f, dtype) for f, n in w.ring) for w in stage.work}
+    return sum(max(0.0, seconds - compute.get(layer, 0.0)) for layer, seconds in transfers.items())
 
 
 def _buckets(nbytes: int, limit: int) -> int:

@@ -5,8 +5,9 @@
 (the innermost module running the op, forward or backward, as :class:`~shardlib.analysis.metarun.CollectiveRecorder`
 attributes collectives):
 
-* the FLOPs of every matrix multiply and attention (torch's own formulas, ``torch.utils.flop_counter``), by size,
-  so a profile's GEMM throughput can be looked up at the sizes the model uses;
+* the FLOPs of every matrix multiply and attention (torch's own formulas, ``torch.utils.flop_counter``; the CPU's
+  fused flash attention, which torch's table lacks, by the formula of the other fused kernels), by size, so a
+  profile's GEMM throughput can be looked up at the sizes the model uses;
 * the memory traffic of every other op that computes something (bytes of its tensor inputs and outputs; views
   move nothing);
 * the bytes saved for backward (``torch.autograd.graph.saved_tensors_hooks``; each storage once, parameters and
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 
@@ -132,11 +133,11 @@ class WorkRecorder(TorchDispatchMode):
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = ("collective" if func.namespace in _COLLECTIVE_NAMESPACES else
-                                   "gemm" if func._overloadpacket in flop_registry else
+                                   "gemm" if func._overloadpacket in _FLOPS else
                                    "view" if func.is_view else "other")
         self.work[self.where()].ops += 1
         if kind == "gemm":
-            flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+            flops = int(_FLOPS[func._overloadpacket](*args, **kwargs, out_val=out))
             gemms = self.work[self.where()].gemms
             gemms[flops] = gemms.get(flops, 0) + 1
         elif kind == "other":
@@ -181,6 +182,14 @@ class WorkRecorder(TorchDispatchMode):
 
 
 _KINDS: dict = {}  # op overload -> "collective", "gemm", "view" or "other" (looked up once per op)
+#: torch's FLOP formulas and the CPU flash attention's (forward and backward), counted like the CUDA kernels'
+_FLOPS = flop_registry | {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_val=None, **kwargs: sdpa_flop_count(q.shape, k.shape, v.shape),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_val=None, **kwargs: sdpa_backward_flop_count(grad.shape, q.shape, k.shape,
+                                                                                        v.shape),
+}
 
 
 def _tensors(values) -> list[torch.Tensor]:

@@ -27,7 +27,10 @@ from the code a real rank runs, not from a model of it:
 
 Under sequence parallelism a real backward all-gathers each saved sequence again (Megatron; all-to-all exchanges
 its saved attention output again, ``SequenceParallel.saving_shards``); those are matched by storage identity, which
-meta tensors have too, so the dry run records them as a real run does (tests/test_plan.py compares them).
+meta tensors have too, so the dry run records them as a real run does (tests/test_plan.py compares them). Ring
+attention's K/V blocks travel by point-to-point sends (recorded as ``send_recv``, one per block and hop; the
+ring's kernel runs on meta tensors as on a CPU); the work of its blocks is kept apart per layer
+(``LayerWork.ring``), the compute its transfers run under.
 
 When torch.distributed is already initialized (a real run), ``fake_world`` cannot be used in this process and the
 dry run is done by ``python -m shardlib.cli plan ... --json`` in a subprocess, rebuilt from its JSON.
@@ -48,11 +51,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.ring_attention import CONTEXT_ATTR as RING_CONTEXT
 from ..parallel.collectives import all_reduce_flat
 from ..parallel.flat import DEFAULT_BUCKET_BYTES, flat_buckets
 from ..parallel.gradsync import late_gradients
 from ..parallel.mesh import fake_world, init_mesh
 from ..sharding.plan import PlanError
+from ..sharding.sequence import ALL_TO_ALL, MEGATRON, RING, SP_MODES  # shard(sequence_parallel=...)'s modes
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
 from .counting import KernelsAsOn, WorkRecorder, by_layer
@@ -63,8 +68,6 @@ from .dryrun_report import (  # noqa: F401  (the report's types, importable from
 from .metarun import (
     CollectiveRecorder, PlanInputError, example_batch, group_dims, meta_model, planned_policy, tensor_spec,
 )
-
-MEGATRON, ALL_TO_ALL = "megatron", "all_to_all"  # shard(sequence_parallel=...)'s modes (True is Megatron too)
 
 
 # ------------------------------------------------------------------------------------------- running a stage
@@ -211,6 +214,21 @@ def _stage_paths(model: nn.Module, index: int) -> tuple[list[str], list[str]]:
     return list(plan.layers[index]), list(plan.modules[index])
 
 
+def ring_paths(model: nn.Module) -> set[str]:
+    """The paths of the modules whose own ops are ring attention's blocks (self-attention under
+    ``sequence_parallel="ring"``; cross-attention runs the inner implementation, under no transfer)."""
+    contexts = {path: m.__dict__.get(RING_CONTEXT) for path, m in model.named_modules()}
+    return {path for path, context in contexts.items() if context is not None and not context.cross}
+
+
+def _layer_work(work: dict, layers: list[str], blocks: set[str]) -> list[LayerWork]:
+    """Per trunk layer (then the rest of the stage) the work of ``work`` (module path -> ModuleWork), the GEMMs of
+    ring attention's blocks (the modules ``blocks``) apart too."""
+    ring = by_layer({path: w for path, w in work.items() if path in blocks}, layers)
+    return [LayerWork(layer, sorted(w.gemms.items()), w.traffic, w.saved, w.ops, sorted(ring[layer].gemms.items()))
+            for layer, w in by_layer(work, layers).items()]
+
+
 def _by_layer(records: list[Collective], layers: list[str]) -> list[LayerCollectives]:
     """Per-microbatch collectives by trunk layer (the layer whose path prefixes the module), then the rest."""
     entries = {layer: LayerCollectives(layer) for layer in layers}
@@ -224,15 +242,18 @@ def _by_layer(records: list[Collective], layers: list[str]) -> list[LayerCollect
 def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, inputs: dict, received: tuple,
                 activation_checkpointing: bool = False, keep: dict | None = None, optimizer: bool = True,
                 precision: str = "fp32", device_type: str = "cpu"):
-    """Shard ``model`` as the ranks of pipeline stage ``index`` do (fake rank (dp, pp, sp, tp) = (0, index, 0, 0)),
-    run one microbatch through it (counting its work and memory) and the step's collectives. Returns (StageInfo,
-    sent tensors, ShardReport). ``keep``: a dict given the raw counts too (``work`` by module path, ``params``,
-    AdamW ``state`` by id, ``late`` ids), for :mod:`shardlib.analysis.layertable`; ``optimizer=False``: leave the
-    AdamW step out (its counts are zeros; the layer table counts it once); ``precision`` and ``device_type``: the
-    forward as it runs there (:func:`_device_view`)."""
+    """Shard ``model`` as the ranks of pipeline stage ``index`` do (fake rank (dp, pp, sp, tp) = (0, index, 0, 0);
+    under ring attention (0, index, sp - 1, 0): the zigzag layout gives every ring rank the same work, the last one
+    holds the most padding), run one microbatch through it (counting its
+    work and memory) and the step's collectives. Returns (StageInfo, sent tensors, ShardReport). ``keep``: a dict
+    given the raw counts too (``work`` by module path, ``ring``: the paths of the modules running ring attention's
+    blocks, ``params``, AdamW ``state`` by id, ``late`` ids), for :mod:`shardlib.analysis.layertable`;
+    ``optimizer=False``: leave the AdamW step out (its counts are zeros; the layer table counts it once);
+    ``precision`` and ``device_type``: the forward as it runs there (:func:`_device_view`)."""
     forward_context = _device_view(precision, device_type)
     dp, pp, sp, tp = (sizes[d] for d in ("dp", "pp", "sp", "tp"))
-    with fake_world(dp * pp * sp * tp, rank=index * sp * tp):
+    ring = shard_options.get("sequence_parallel") == RING
+    with fake_world(dp * pp * sp * tp, rank=(index * sp + (sp - 1 if ring else 0)) * tp):
         mesh = init_mesh(dp, pp, tp, sp=sp)
         # verify_plan=False: an inferred plan cannot be proven in a fake world (its collectives compute nothing);
         # the shard() of a real run proves it before anything changes
@@ -266,8 +287,8 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
     peak, peak_with_gradients = work.peaks([p.grad for p in params if p.grad is not None])
     memory = MemoryCounts(work.saved_bytes(), peak, peak_with_gradients, step.peaks([])[0],
                           sum(w.traffic for w in step.work.values()))
-    per_layer = [LayerWork(layer, sorted(w.gemms.items()), w.traffic, w.saved, w.ops)
-                 for layer, w in by_layer(work.work, layers).items()]
+    blocks = ring_paths(model)
+    per_layer = _layer_work(work.work, layers, blocks)
     per_microbatch = [c for c in recorder.records if c.phase != "step"]
     info = StageInfo(index=index, layers=layers, modules=modules, parameter_bytes=state.report.local_bytes,
                      gradient_bytes=_nbytes(p for p in params if p.requires_grad),
@@ -276,7 +297,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
                      step=[c for c in recorder.records if c.phase == "step"], sends=[tensor_spec(t) for t in sent],
                      work=per_layer, memory=memory, late_gradient_bytes=late_gradient_bytes(params, late))
     if keep is not None:
-        keep.update(work=work.work, params=params, state=optimizer, late=late)
+        keep.update(work=work.work, ring=blocks, params=params, state=optimizer, late=late)
     return info, sent, state.report
 
 
@@ -291,7 +312,8 @@ def _mode(sequence_parallel, sp: int):
     """shard()'s ``sequence_parallel`` (None: all-to-all when sp > 1, else off) and its name in the report."""
     if sequence_parallel is None:
         sequence_parallel = ALL_TO_ALL if sp > 1 else False
-    name = {False: "off", True: MEGATRON, MEGATRON: MEGATRON, ALL_TO_ALL: ALL_TO_ALL}.get(sequence_parallel)
+    name = {False: "off", True: MEGATRON, MEGATRON: MEGATRON, ALL_TO_ALL: ALL_TO_ALL, RING: RING}.get(
+        sequence_parallel)
     return sequence_parallel, name or str(sequence_parallel)
 
 
@@ -305,10 +327,10 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
     ``model_or_config``: a model (only its class, config and dtype are used), a transformers config, a model
     directory or a config.json file. ``cls``: the model class or its name in transformers (default: the model's,
     else the config's ``architectures[0]``). ``sequence_parallel``, ``policy``: as :func:`shardlib.shard` (default:
-    all-to-all when ``sp > 1``). ``batch`` x ``seq``: one microbatch of one dp rank (the inputs and labels of the
-    model's task, :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the parameters (default: the
-    model's, else torch's default dtype). ``precision``: the Trainer's ("fp32", or "bf16" / "fp16": the forward
-    under autocast's casts as on ``device_type``, "cpu" or "cuda").
+    all-to-all when ``sp > 1``; ``"ring"``: ring attention). ``batch`` x ``seq``: one microbatch of one dp rank (the
+    inputs and labels of the model's task, :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the
+    parameters (default: the model's, else torch's default dtype). ``precision``: the Trainer's ("fp32", or "bf16" /
+    "fp16": the forward under autocast's casts as on ``device_type``, "cpu" or "cuda").
 
     Raises :class:`~shardlib.PlanError` (the one :func:`shardlib.shard` raises) for a refused layout and
     :class:`PlanInputError` for bad input. Run from a process where torch.distributed is initialized, the dry run
@@ -353,8 +375,8 @@ def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> P
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + flags
     if sequence_parallel in (True, MEGATRON):
         argv += ["--sp", MEGATRON]
-    elif sp > 1 or sequence_parallel == ALL_TO_ALL:
-        argv += ["--sp", ALL_TO_ALL, str(sp)]
+    elif sp > 1 or sequence_parallel in SP_MODES:
+        argv += ["--sp", sequence_parallel if sequence_parallel in SP_MODES else ALL_TO_ALL, str(sp)]
     argv += [f"--class={cls if isinstance(cls, str) else cls.__name__}"] if cls is not None else []
     argv += [f"--dtype={str(dtype).removeprefix('torch.')}"] if dtype is not None else []
     with tempfile.TemporaryDirectory() as tmp:

@@ -65,13 +65,16 @@ class ZeroBytes:
 class LayerWork:
     """The compute of one trunk layer (``layer``: its path; "" for the rest of the stage) in one microbatch,
     forward and backward: ``gemms`` (FLOPs of one matrix multiply or attention call, calls), ``traffic`` (bytes the
-    other ops read and write), ``saved`` (bytes saved for backward), ``ops`` (every op run)."""
+    other ops read and write), ``saved`` (bytes saved for backward), ``ops`` (every op run); ``ring``: the calls
+    among ``gemms`` that ring attention's blocks run (``sequence_parallel="ring"``), the compute its K/V transfers
+    overlap."""
 
     layer: str
     gemms: list[tuple[int, int]]
     traffic: int
     saved: int
     ops: int = 0
+    ring: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def flops(self) -> int:
@@ -136,7 +139,7 @@ class PlanReport:
     model_class: str
     policy: str
     mesh: dict[str, int]  # dp, pp, sp, tp
-    sequence_parallel: str  # "off", "megatron" or "all_to_all"
+    sequence_parallel: str  # "off", "megatron", "all_to_all" or "ring"
     microbatches: int
     inputs: dict[str, TensorSpec]  # one microbatch of one dp rank
     sharding: ShardReport

@@ -54,6 +54,7 @@ class Root:
     """One root of the shallow model at one microbatch size (module docstring)."""
 
     work: ModuleWork = field(default_factory=ModuleWork)
+    ring: ModuleWork = field(default_factory=ModuleWork)  # the part of ``work`` ring attention's blocks run
     collectives: list[Collective] = field(default_factory=list)
     inputs: list[TensorSpec] = field(default_factory=list)
 
@@ -161,7 +162,10 @@ class _Run:
         self.inputs, self.memory = inputs, info.memory
         self.parameter_bytes = info.parameter_bytes
         for path, work in keep["work"].items():
-            self.by_root[_root_of(path, self.roots)].work.add(work)
+            root = self.by_root[_root_of(path, self.roots)]
+            root.work.add(work)
+            if path in keep["ring"]:
+                root.ring.add(work)
         for entry in info.collectives:
             for c in entry.collectives:
                 self.by_root[_root_of(c.module, self.roots)].collectives.append(c)
@@ -249,7 +253,7 @@ class LayerTable:
         one, two = (run.by_root[_shallow_path(root, self.depth)] for run in self.runs)
         work = LayerWork(root, _gemms_at(one.work.gemms, two.work.gemms, b),
                          _affine(one.work.traffic, two.work.traffic, b), _affine(one.work.saved, two.work.saved, b),
-                         two.work.ops)
+                         two.work.ops, _gemms_at(one.ring.gemms, two.ring.gemms, b))
         inputs = [TensorSpec(y.shape, y.dtype, _affine(x.bytes, y.bytes, b), y.requires_grad)
                   for x, y in zip(one.inputs, two.inputs)]
         return work, _collectives_at(one.collectives, two.collectives, b), inputs
@@ -270,6 +274,7 @@ class LayerTable:
                 outside.traffic += w.traffic
                 outside.saved += w.saved
                 outside.ops += w.ops
+                outside.ring += w.ring
                 collectives.append(LayerCollectives("", c))
         work.append(outside)
         merged = [c for entry in collectives if not entry.layer for c in entry.collectives]

@@ -8,7 +8,11 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-SEQUENCE_MODES = ("off", "megatron", "all_to_all")
+#: each sequence-parallel mode's :func:`shardlib.shard` argument (``sequence_parallel=``)
+SHARD_MODES = {"off": False, "megatron": "megatron", "all_to_all": "all_to_all", "ring": "ring"}
+SEQUENCE_MODES = tuple(SHARD_MODES)
+#: the short name of each mode on the sp dimension in :meth:`Layout.name` (``sp4-a2a``, ``sp4-ring``)
+_SP_NAMES = {"all_to_all": "a2a", "ring": "ring"}
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -16,8 +20,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 @dataclass(frozen=True)
 class Layout:
     """One way to train a model on ``world`` ranks. ``batch``: examples per microbatch on one dp rank (so the global
-    batch is ``batch * microbatches * dp``); ``sequence_parallel``: "off", "megatron" (on the tp group) or
-    "all_to_all" (over ``sp`` ranks)."""
+    batch is ``batch * microbatches * dp``); ``sequence_parallel``: "off", "megatron" (on the tp group),
+    "all_to_all" or "ring" (over ``sp`` ranks)."""
 
     dp: int = 1
     pp: int = 1
@@ -42,7 +46,7 @@ class Layout:
 
     def shard_mode(self):
         """:func:`shardlib.shard`'s ``sequence_parallel`` argument."""
-        return {"off": False, "megatron": "megatron", "all_to_all": "all_to_all"}[self.sequence_parallel]
+        return SHARD_MODES[self.sequence_parallel]
 
     def training_args(self) -> dict:
         """The :class:`shardlib.train.TrainingArguments` fields this layout sets (``batch_size`` is global)."""
@@ -57,8 +61,8 @@ class Layout:
         parts = [f"dp{self.dp}", f"pp{self.pp}", f"tp{self.tp}"]
         if self.sequence_parallel == "megatron":
             parts.append("sp-megatron")
-        elif self.sequence_parallel == "all_to_all":
-            parts.append(f"sp{self.sp}-a2a")
+        elif self.sequence_parallel in _SP_NAMES:
+            parts.append(f"sp{self.sp}-{_SP_NAMES[self.sequence_parallel]}")
         parts += [f"zero{self.zero}", f"mb{self.microbatches}"]
         if self.pp > 1:
             parts.append(self.schedule)

@@ -24,7 +24,9 @@ from .dryrun_report import Collective, TensorSpec
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
 _SAME_AS = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
-            "_reduce_scatter_base_": "reduce_scatter_tensor", "alltoall_base_": "all_to_all_single"}
+            "_reduce_scatter_base_": "reduce_scatter_tensor", "alltoall_base_": "all_to_all_single",
+            "send": "send_recv"}  # a point-to-point pair is recorded once, at its send (what the profile prices)
+_RECEIVES = ("recv_", "recv_any_source_")  # the other half of a pair: not recorded
 _INPUT_ARGS = ("input", "input_tensor", "input_tensors", "inputs", "tensors")  # what this rank puts in
 _GROUP_ARGS = ("group_name", "process_group")
 _IS_COLLECTIVE: dict = {}  # op overload -> whether it is a collective (looked up once: every op of a run passes)
@@ -41,6 +43,8 @@ class CollectiveRecorder(TorchDispatchMode):
     belongs to the module holding the parameter. (torch's ModTracker tells backward modules apart by gradient
     hooks on module inputs and outputs, which keeps a T5 layer "running" until the position bias it shares with
     the other layers has its whole gradient, so the collectives of later layers land in it.)
+
+    Point-to-point transfers (ring attention's K/V blocks) are recorded at their send as ``send_recv``.
 
     ``dims``: process-group name -> (mesh dim, size). ``phase``: None (forward / backward as they happen) or the
     phase to record instead ("step")."""
@@ -91,7 +95,7 @@ class CollectiveRecorder(TorchDispatchMode):
         collective = _IS_COLLECTIVE.get(func)
         if collective is None:
             collective = _IS_COLLECTIVE[func] = func.namespace in _NAMESPACES and func._opname not in _NOT_COLLECTIVES
-        if collective:
+        if collective and func._opname not in _RECEIVES:
             self.records.append(self._describe(func, args, kwargs))
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return _meta_value(args[0])

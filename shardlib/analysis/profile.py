@@ -35,7 +35,8 @@ BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 GEMM_DTYPES = ("float32", "bfloat16", "float16")
 #: the collectives a profile measures, each with the names the cost model may pass for it (torch's functional
-#: collectives' names among them). A broadcast is priced as an all-reduce of the same bytes.
+#: collectives' names among them). A broadcast is priced as an all-reduce of the same bytes; ``send_recv`` is a rank
+#: sending a message while it receives one (a pipeline boundary, a step of ring attention).
 COLLECTIVES = {
     "all_reduce": ("all_reduce", "broadcast"),
     "all_gather": ("all_gather", "all_gather_into_tensor"),

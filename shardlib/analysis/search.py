@@ -1,12 +1,13 @@
 """The layout search: every layout of a model on ``world`` ranks that the Trainer accepts, priced by the cost model
 (:mod:`shardlib.analysis.costmodel`) and ranked by predicted step time among those that fit a memory budget.
 
-Enumeration (:func:`candidate_layouts`): dp x pp x sp x tp = world; sequence parallelism off, Megatron (tp > 1) or
-all-to-all (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1); microbatches
+Enumeration (:func:`candidate_layouts`): dp x pp x sp x tp = world; sequence parallelism off, Megatron (tp > 1), or
+all-to-all and ring attention (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1); microbatches
 dividing the global batch's share of a dp rank (1, 2, 4, 8 without a pipeline; pp, 2 pp, 4 pp with one); the 1F1B
 and GPipe schedules; activation checkpointing off and on. What ``shard()`` refuses (heads or a vocabulary that tp
-does not divide, a sequence all-to-all cannot split, more stages than layers) is dropped with its reason, as is
-every layout over the budget.
+does not divide, heads that all-to-all cannot split over tp x sp (ring attention keeps every head of its rank, so
+any sp; ring layouts are priced only there), more stages than layers) is dropped with its reason, as is every
+layout over the budget.
 
 Pricing is cached: one :class:`~shardlib.analysis.layertable.LayerTable` per (tp, sp, mode, checkpointing,
 precision) (a
@@ -23,11 +24,9 @@ from ..sharding.plan import PlanError
 from .costmodel import Prediction, predict
 from .dryrun_report import size_text
 from .layertable import LayerTable
-from .layout import Layout
+from .layout import SHARD_MODES as MODES, Layout
 from .metarun import PlanInputError, meta_model, planned_policy
 from .profile import Profile, default_profile
-
-MODES = {"off": False, "megatron": "megatron", "all_to_all": "all_to_all"}
 
 
 @dataclass
@@ -68,7 +67,7 @@ def mesh_shapes(world: int) -> list[tuple[int, int, int, int, str]]:
         for sp in _divisors(world // tp):
             for pp in _divisors(world // (tp * sp)):
                 dp = world // (tp * sp * pp)
-                modes = ["all_to_all"] if sp > 1 else (["off", "megatron"] if tp > 1 else ["off"])
+                modes = ["all_to_all", "ring"] if sp > 1 else (["off", "megatron"] if tp > 1 else ["off"])
                 shapes += [(dp, pp, sp, tp, mode) for mode in modes]
     return shapes
 
@@ -110,6 +109,8 @@ class _Pricer:
         plain = self.tables.get(key[:3] + (False,) + key[4:])
         if isinstance(plain, str):  # shard() refused the mesh: checkpointing does not change that
             self.tables[key] = plain
+        if key not in self.tables and layout.sequence_parallel == "ring":
+            self._ring_only_past_the_heads(layout, key)
         if key not in self.tables:
             like = next((t for k, t in self.tables.items() if k[:3] == key[:3] and isinstance(t, LayerTable)), None)
             try:
@@ -126,6 +127,17 @@ class _Pricer:
         if isinstance(found, str):
             raise PlanError(found)
         return found
+
+    def _ring_only_past_the_heads(self, layout: Layout, key: tuple) -> None:
+        """A ring layout is priced only where all-to-all cannot split the heads over tp x sp: at the same sp both
+        keep 1/sp of every activation, and a ring table's dry run runs sp blocks per attention (at 64 ranks it made
+        the search several times slower)."""
+        try:
+            self.table(replace(layout, sequence_parallel="all_to_all"))
+        except PlanError:
+            return
+        self.tables[key] = (f"all-to-all splits the heads at tp={layout.tp} x sp={layout.sp}: ring layouts are "
+                            "searched where it cannot (shardlib plan --sp ring N prices one)")
 
     def report(self, layout: Layout):
         table = self.table(layout)

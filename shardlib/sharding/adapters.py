@@ -23,8 +23,9 @@ are sharded to match, inside peft's own module (so ``set_adapter``, ``disable_ad
 
 Merging works on the shards as they are (``B_r A`` and ``B A_r`` are the base shard's own delta). Not supported
 (refused by name before anything changes): LoRA on embeddings or convolutions, DoRA and the other LoRA variants,
-``lora_bias`` on a row-parallel base, all-to-all sequence parallelism with tp > 1. Adapters are added before
-:func:`shardlib.shard`, not after (peft sizes a new adapter from the wrapper's unsharded feature counts).
+``lora_bias`` on a row-parallel base, sequence parallelism on the sp dimension (all-to-all, ring) with tp > 1.
+Adapters are added before :func:`shardlib.shard`, not after (peft sizes a new adapter from the wrapper's unsharded
+feature counts).
 
 peft is optional: nothing here imports it; a model can hold its layers only if it was imported.
 """
@@ -40,6 +41,7 @@ from ..parallel.gradsync import ReplicatedGradSync
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.styles import ColwiseParallel, LocalRNG, ReplicatedRNG, RowwiseParallel, ShardContext, Style, \
     class_path
+from .sequence import SP_MODES
 
 ADAPTED_STYLES = (ColwiseParallel, RowwiseParallel)
 
@@ -92,9 +94,9 @@ def adapter_problems(path: str, module: nn.Module, styles: tuple[Style, ...], r)
         if isinstance(linear_styles[0], RowwiseParallel) and module.lora_B[name].bias is not None:
             problems.append(f"{where}: adapter {name!r} has lora_bias on a row-parallel base (its bias would be "
                             "added on every rank before the reduction): set lora_bias=False")
-    if r.options.get("sequence_mode") == "all_to_all" and r.tp > 1:
-        problems.append(f"{where}: LoRA adapters with sequence_parallel='all_to_all' need tp=1 (the adapter's "
-                        "partial gradients would need one sum over tp and sp together)")
+    if r.options.get("sequence_mode") in SP_MODES and r.tp > 1:
+        problems.append(f"{where}: LoRA adapters with sequence_parallel={r.options['sequence_mode']!r} need tp=1 (the "
+                        "adapter's partial gradients would need one sum over tp and sp together)")
     return problems
 
 

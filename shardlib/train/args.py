@@ -39,11 +39,12 @@ class TrainingArguments:
     tp: int = field(default_factory=_env_int("SHARDLIB_TP", 1), metadata={"help": "tensor-parallel ranks"})
     pp: int = field(default_factory=_env_int("SHARDLIB_PP", 1), metadata={"help": "pipeline stages"})
     sp: int = field(default_factory=_env_int("SHARDLIB_SP", 1),
-                    metadata={"help": "all-to-all sequence-parallel ranks per sequence"})
+                    metadata={"help": "sequence-parallel ranks per sequence (all-to-all or ring)"})
     dp: Optional[int] = field(default_factory=_env_int("SHARDLIB_DP", None),
                               metadata={"help": "data-parallel replicas (default: inferred from the world size)"})
-    sequence_parallel: Optional[Literal["megatron", "all_to_all"]] = field(
-        default=None, metadata={"help": "Megatron SP on the tp group, or all-to-all over --sp ranks"})
+    sequence_parallel: Optional[Literal["megatron", "all_to_all", "ring"]] = field(
+        default=None, metadata={"help": "Megatron SP on the tp group; all-to-all (Ulysses) or ring attention over "
+                                        "--sp ranks (default with --sp > 1: all_to_all)"})
     transport: Optional[Literal["auto", "c10d", "shm"]] = field(default=None, metadata={
         "help": "how tp/sp ranks exchange tensors: c10d (the backend), shm (shared memory, CPU ranks on one host) or "
                 "auto (shm where a CPU group can use it, else c10d; default: SHARDLIB_TRANSPORT, else auto)"})
