@@ -187,8 +187,9 @@ class AllToAllContext:
 def all_to_all_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask, **kwargs):
     """Ulysses attention (see module docstring). q: [b, h, L/n, d] (L/n = this rank's padded chunk); k, v the same
-    for self-attention, [b, h, Lk, d] of a replicated sequence for cross-attention (no exchange: this rank keeps
-    its h/n heads). Returns ([b, L/n, h, d], None) like HF's attention functions (weights are not gathered)."""
+    for self-attention (or fewer, grouped heads [b, hk, L/n, d]: each rank takes hk/n of them), [b, hk, Lk, d] of a
+    replicated sequence for cross-attention (no exchange: this rank keeps its hk/n heads). Returns ([b, L/n, h, d],
+    None) like HF's attention functions (weights are not gathered)."""
     ctx: AllToAllContext = module.__dict__[CONTEXT_ATTR]
     if ctx.stream.unsplit:  # incremental decoding: the whole sequence on every rank
         return inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask, **kwargs)
