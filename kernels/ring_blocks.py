@@ -228,8 +228,8 @@ class RingProblem:
             first, last = g.runs(g.rank)
             return [self._piece(src, (first[0], last[1], first[2], last[3]), keys, tag=src * 1024)]
         pieces = []
-        for row_run in g.runs(g.rank):
-            seen = [run for run in keys if not (self.causal and run[2] > row_run[3])]
+        for row_run in g.runs(g.rank):  # causal: a query segment sees the key segments that start before its end
+            seen = [run for run in keys if run[2] <= row_run[3]]
             if seen:
                 pieces.append(self._piece(src, row_run, seen, tag=src * 1024 + len(pieces)))
         return pieces
