@@ -6,8 +6,10 @@ Layouts (``MODES``): ``unsharded`` (one process, both cores: a hand loop, what a
 ``world1`` (the same model through ``shardlib.shard`` at a world of one and ``Trainer.train_step``), ``tp2`` and
 ``tp2_sp`` (two ranks of one thread each: ``shard`` at tp=2, without and with Megatron sequence parallelism, trained
 by ``Trainer.train_step``, over the default transport: shared memory on one host), ``tp2_c10d`` and ``tp2_sp_c10d``
-(the same over gloo's sockets). Every layout starts from the same weights (``torch.manual_seed(0)``) and the same
-batches, and runs AdamW.
+(the same over gloo's sockets), ``sp{2,4}_a2a`` and ``sp{2,4}_ring`` (sp ranks of one thread each at tp=1: Ulysses
+all-to-all and ring attention). Every layout starts from the same weights (``torch.manual_seed(0)``) and the same
+batches, and runs AdamW. ``layers`` overrides the size's depth, ``padding`` masks the last fraction of every row
+(a padding attention mask), ``peak_step`` measures a step's peak of live tensors (long-sequence memory).
 
 A profiled step is split into categories by each op's *self* time (``CATEGORIES``, first match wins; an op inside
 the optimizer's step counts as optimizer, one inside the vocab-parallel cross-entropy as loss); what no op accounts for (Python, autograd bookkeeping, hooks, the
@@ -16,6 +18,7 @@ profiler's own cost) is ``host``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -24,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import _checkout  # noqa: E402,F401  (shardlib from this checkout)
+import _long_sequence  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -37,13 +41,17 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
     # data parallel (each rank the whole model on the same batch): ZeRO-1 with its parameter all-gathers waited for
     # in the step, or overlapped with the next forward (issue 35), against zero=0 (DDP)
     **{f"dp{n}{suffix}": (n, 1, {}) for n in (2, 4) for suffix in ("_zero0", "_zero1", "_zero1_overlap")},
+    # sequence parallelism on an sp dimension (tp=1): Ulysses all-to-all against ring attention
+    **{f"sp{n}_{kind}": (n, 1, {"sequence_parallel": option}) for n in (2, 4)
+       for kind, option in (("a2a", "all_to_all"), ("ring", "ring"))},
 }
 #: what ``step_anatomy.py`` runs without ``--modes``
 DEFAULT_MODES = ("unsharded", "world1", "tp2", "tp2_sp", "tp2_c10d", "tp2_sp_c10d")
 #: init_mesh options of a layout (default: tp over its ranks, the default transport): the ``_c10d`` layouts move
 #: tensors through gloo's sockets, the ``dp`` ones are data parallel
 MESH_OPTIONS = {"tp2_c10d": {"tp": 2, "transport": "c10d"}, "tp2_sp_c10d": {"tp": 2, "transport": "c10d"},
-                **{m: {"dp": MODES[m][0]} for m in MODES if m.startswith("dp")}}
+                **{m: {"dp": MODES[m][0]} for m in MODES if m.startswith("dp")},
+                **{m: {"tp": 1, "sp": MODES[m][0]} for m in MODES if m.startswith("sp")}}
 #: Trainer options of a layout (default: none)
 TRAINER_OPTIONS = {**{m: {"zero": 1} for m in MODES if m.endswith("_zero1")},
                    **{m: {"zero": 1, "overlap_param_gather": True} for m in MODES if m.endswith("_overlap")}}
@@ -52,7 +60,9 @@ TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one
           "tp2_sp_c10d": "shardlib tp=2 + SP, gloo transport",
           **{f"dp{n}_zero0": f"shardlib dp={n}, zero=0" for n in (2, 4)},
           **{f"dp{n}_zero1": f"shardlib dp={n}, zero=1" for n in (2, 4)},
-          **{f"dp{n}_zero1_overlap": f"shardlib dp={n}, zero=1, overlapped gathers" for n in (2, 4)}}
+          **{f"dp{n}_zero1_overlap": f"shardlib dp={n}, zero=1, overlapped gathers" for n in (2, 4)},
+          **{f"sp{n}_a2a": f"shardlib sp={n} all-to-all" for n in (2, 4)},
+          **{f"sp{n}_ring": f"shardlib sp={n} ring" for n in (2, 4)}}
 SIZES = {
     "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
     "bert-small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
@@ -64,6 +74,7 @@ SIZES = {
 
 #: (category, substrings of an op's name): the first category with a match takes the op's self time
 CATEGORIES = (
+    ("ring p2p wait", ("ring wait",)),  # _long_sequence.RingProbe's marks: the ring's waits for K/V and dK/dV blocks
     ("collectives", ("c10d::", "gloo", "nccl", "_ReduceFromTP", "_CopyToTP", "_GatherFromTP", "_ScatterToTP",
                      "_ReduceScatterToTP", "_AllGatherFromTP", "_AllToAll", "_ColumnLinearBackward",
                      "all_reduce", "all_gather", "reduce_scatter")),
@@ -75,25 +86,29 @@ CATEGORIES = (
                       "aten::contiguous")),
     ("element-wise", ("aten::",)),
 )
-ORDER = ("GEMMs", "attention", "loss", "element-wise", "norms", "casts/copies", "collectives", "optimizer", "host")
+ORDER = ("GEMMs", "attention", "loss", "element-wise", "norms", "casts/copies", "collectives", "ring p2p wait",
+         "optimizer", "host")
 
 
-def config(size: str, dropout: float):
+def config(size: str, dropout: float, seq: int = 512, layers: int | None = None):
     import transformers
 
-    fields = {"vocab_size": 30522, **SIZES[size]}
-    return transformers.BertConfig(**fields, max_position_embeddings=512, hidden_dropout_prob=dropout,
+    fields = {"vocab_size": 30522, **SIZES[size], **({"num_hidden_layers": layers} if layers else {})}
+    return transformers.BertConfig(**fields, max_position_embeddings=max(512, seq), hidden_dropout_prob=dropout,
                                    attention_probs_dropout_prob=dropout)
 
 
-def batches(n: int, batch: int, seq: int, vocab: int = 30522) -> list[dict]:
-    """MLM batches: random ids, 15% of positions labelled (the rest -100), the same on every rank."""
+def batches(n: int, batch: int, seq: int, vocab: int = 30522, padding: float = 0.0) -> list[dict]:
+    """MLM batches: random ids, 15% of positions labelled (the rest -100), the same on every rank; the attention
+    mask hides the last ``padding`` fraction of every row."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = torch.where(torch.rand(batch, seq, generator=g) < 0.15, ids, torch.full_like(ids, -100))
-        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+        mask = torch.ones_like(ids)
+        mask[:, seq - int(seq * padding):] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
 
@@ -109,7 +124,7 @@ class Step:
     """
 
     def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm",
-                 hand_loop: bool = False):
+                 hand_loop: bool = False, layers: int | None = None, padding: float = 0.0):
         import transformers
 
         import shardlib
@@ -118,9 +133,10 @@ class Step:
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         cls = transformers.BertForMaskedLM if workload == "mlm" else transformers.BertModel
-        model = cls(config(size, dropout))
+        model = cls(config(size, dropout, seq, layers))
         vocab = model.config.vocab_size
-        self.data, self.i, self.world, self.workload = batches(4, batch, seq, vocab), 0, world, workload
+        self.data, self.i, self.world, self.workload = batches(4, batch, seq, vocab, padding), 0, world, workload
+        self.ring = options is not None and options.get("sequence_parallel") == "ring"
         if workload == "encoder":
             self.data = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in self.data]
         make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-5)  # noqa: E731
@@ -137,13 +153,13 @@ class Step:
             elif workload == "mlm":  # the sharded model in the unsharded model's hand loop
                 self.optimizer = make_optimizer(self.model.parameters())
 
-    def run(self) -> float:
+    def run(self, keep_grads: bool = False) -> float:
         batch = self.data[self.i % len(self.data)]
         self.i += 1
         if self.trainer is not None:
             return self.trainer.train_step(batch)
         if self.workload == "encoder":
-            self.model.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=not keep_grads)
             loss = self.model(**batch).last_hidden_state.float().pow(2).mean()
             loss.backward()
             return loss.item()
@@ -154,8 +170,9 @@ class Step:
         return loss.item()
 
 
-def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str) -> Step:
-    step = Step(mode, size, batch, seq, dropout, workload)
+def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str,
+          layers: int | None = None, padding: float = 0.0) -> Step:
+    step = Step(mode, size, batch, seq, dropout, workload, layers=layers, padding=padding)
     for _ in range(2):  # warm-up: allocator, optimizer state, first-call paths
         step.run()
     return step
@@ -189,6 +206,8 @@ def serve(step: Step, command: str, steps: int = 1, variants: str = ""):
         return sorted(times)[len(times) // 2]
     if command == "profile":
         return profile_steps(step, steps)
+    if command == "peak":
+        return _long_sequence.peak_step(step)
     if command == "switch":
         return switched_steps(step, variants, steps)
     raise ValueError(command)
@@ -223,7 +242,8 @@ def profile_steps(step: Step, steps: int) -> dict:
 
     if step.world > 1:
         dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _long_sequence.RingProbe() if step.ring else contextlib.nullcontext() as ring, \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             step.run()
@@ -235,7 +255,8 @@ def profile_steps(step: Step, steps: int) -> dict:
         totals[_category(event)] += event.self_cpu_time_total / 1e3
     accounted = sum(totals.values())
     totals["host"] = max(0.0, wall * 1e3 - accounted + totals["host"])
-    return {"wall_ms": wall * 1e3 / steps, **{k: v / steps for k, v in totals.items()}}
+    return {"wall_ms": wall * 1e3 / steps, **{k: v / steps for k, v in totals.items()},
+            **({"ring": ring.summary(steps)} if ring else {})}
 
 
 def _category(event) -> str:

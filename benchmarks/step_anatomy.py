@@ -33,7 +33,11 @@ before a change), so before and after are timed in the same rounds.
    variant's median step and the median over pairs of variant / first variant with its quartiles. A pair of steps
    seconds apart sees the same neighbours, so this resolves a change of 2-3% that rounds minutes apart cannot.
 
-4. **One GPU** (``--gpu``, ``_gpu_anatomy.py``): the world of one against the hand loops a user writes without
+4. **Peak of live tensors** (``--peak``, ``_long_sequence.py``): per rank, one step's tensors beyond the weights and
+   their gradients. Long sequences: ``--layers``, ``--padding``, layouts ``sp*_a2a`` / ``sp*_ring`` (the ring's
+   block compute, waits and one exchange alone are timed in its profiled steps).
+
+5. **One GPU** (``--gpu``, ``_gpu_anatomy.py``): the world of one against the hand loops a user writes without
    shardlib, eager and compiled, bf16 and fp16, BERT-base MLM at 32 and 128 x 128, ViT-base and T5-base; step
    time per round, GPU kernel time, first-step (compile) time. Each case in its own process; ``--budget`` seconds
    after which no case starts (a device run's time is counted).
@@ -47,6 +51,8 @@ How to run
     .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes tp2_sp --switch reduce-scatter --rounds 12
     .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes unsharded,tp2@base,tp2 \
         --baseline /tmp/before                                   # after `git worktree add /tmp/before <commit>`
+    .venv/bin/python benchmarks/step_anatomy.py --workload encoder --batch 1 --seq 4096 --layers 2 --padding 0.1 \
+        --modes sp2_a2a,sp2_ring --base sp2_a2a     # ring against Ulysses; --modes unsharded,sp4_ring --peak --seq 8192
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _anatomy_workload as workload  # noqa: E402
+import _long_sequence  # noqa: E402
 from _harness import median_spread, print_table, write_json  # noqa: E402
 from _rank_pool import RankPool  # noqa: E402
 
@@ -72,6 +79,10 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", default=",".join(workload.DEFAULT_MODES), help="of: " + ", ".join(workload.MODES))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layers", type=int, help="layers of the model (default: the size's)")
+    ap.add_argument("--padding", type=float, default=0.0, help="fraction of every row the attention mask hides")
+    ap.add_argument("--base", default="unsharded", help="the layout of the paired ratios base / layout")
+    ap.add_argument("--peak", action="store_true", help="each layout's peak of live tensors in one step, per rank")
     ap.add_argument("--workload", default="mlm", choices=("mlm", "encoder"),
                     help="mlm: BertForMaskedLM training step (Trainer for shardlib); encoder: BertModel fwd+bwd")
     ap.add_argument("--dropout", type=float, default=None,
@@ -94,8 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
                                        "named MODE@base run it, in the same rounds as this checkout's")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.size = "bert-small"
+    args.size = "bert-small" if args.quick else args.size
     if args.dropout is None:
         args.dropout = 0.1 if args.workload == "mlm" else 0.0
     modes = args.modes.split(",")
@@ -119,7 +129,8 @@ def main(argv=None) -> None:
         for mode in modes:
             name, _, baseline = mode.partition("@")
             setup = functools.partial(workload.setup, mode=name, size=args.size, batch=args.batch, seq=args.seq,
-                                      dropout=args.dropout, workload=args.workload)
+                                      dropout=args.dropout, workload=args.workload, layers=args.layers,
+                                      padding=args.padding)
             with checkout(args.baseline if baseline else None):
                 pools[mode] = RankPool(workload.MODES[name][0], setup, workload.serve)
         seconds, cpu, faults = ({m: [] for m in modes} for _ in range(3))
@@ -130,14 +141,17 @@ def main(argv=None) -> None:
                 cpu[mode].append(cpu_s)
                 faults[mode].append(minor)
             print(f"  round {r + 1}: " + ", ".join(f"{m} {seconds[m][-1] * 1e3:.0f} ms" for m in modes), flush=True)
-        anatomy = {m: pools[m].call("profile", steps=args.profile_steps)[0] for m in modes}
+        anatomy = {m: pools[m].call("profile", steps=args.profile_steps)[0] for m in modes if args.profile_steps}
+        peaks = {m: pools[m].call("peak") for m in modes} if args.peak else {}
     finally:
         for pool in pools.values():
             pool.close()
-    report(modes, seconds, cpu, faults, anatomy)
+    report(modes, seconds, cpu, faults, anatomy, args)
+    if peaks:
+        _long_sequence.peak_rows(modes, peaks, title, args.base)
     if args.json:
         write_json(args.json, {"args": vars(args), "seconds": seconds, "cpu_seconds": cpu, "minor_faults": faults,
-                               "anatomy_ms": anatomy})
+                               "anatomy_ms": anatomy, "peaks": peaks})
     print(f"total wall time {time.perf_counter() - started:.0f} s")
 
 
@@ -172,8 +186,6 @@ def switched(args, mode: str) -> None:
 
 def in_process(args) -> None:
     """``--in-process``: the world-of-one variants timed in this process, interleaved; wall and CPU per step."""
-    import time as clock
-
     import shardlib
 
     shardlib.init_mesh()
@@ -182,11 +194,11 @@ def in_process(args) -> None:
     names = list(steps)
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            start, cpu0 = clock.perf_counter(), clock.process_time()
+            start, cpu0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 steps[name].run()
-            seconds[name].append((clock.perf_counter() - start) / args.steps)
-            cpu[name].append((clock.process_time() - cpu0) / args.steps)
+            seconds[name].append((time.perf_counter() - start) / args.steps)
+            cpu[name].append((time.process_time() - cpu0) / args.steps)
         print(f"  round {r + 1}: " + ", ".join(f"{m} {seconds[m][-1] * 1e3:.1f} ms" for m in names), flush=True)
     rows = []
     for m in names:
@@ -255,23 +267,27 @@ def title(mode: str) -> str:
     return workload.TITLES[name] + (f" ({baseline})" if baseline else "")
 
 
-def report(modes: list[str], seconds: dict, cpu: dict, faults: dict, anatomy: dict) -> None:
-    base, base_cpu = seconds.get("unsharded"), cpu.get("unsharded")
+def report(modes: list[str], seconds: dict, cpu: dict, faults: dict, anatomy: dict, args) -> None:
+    base, base_cpu, tokens = seconds.get(args.base), cpu.get(args.base), args.batch * args.seq
     rows = []
-    for m in modes:
-        row = [title(m), _spread(seconds[m], 1e3, ".0f"), _spread(cpu[m], 1e3, ".0f"),
-               _spread(faults[m], 1e-3, ".1f")]
+    for m in modes if args.rounds else ():
+        row = [title(m), _spread(seconds[m], 1e3, ".0f"), _spread([tokens / s for s in seconds[m]], 1, ".0f"),
+               _spread(cpu[m], 1e3, ".0f"), _spread(faults[m], 1e-3, ".1f")]
         if base is not None:
             row += [_spread([b / s for b, s in zip(base, seconds[m])], 1, ".3f"),
                     _spread([b / s for b, s in zip(base_cpu, cpu[m])], 1, ".3f")]
         rows.append(row)
-    print_table("Step time (median of rounds [range])", ["layout", "wall ms / step", "CPU ms / step (all ranks)",
-                                                         "k page faults / step (all ranks)"]
-                + (["unsharded / layout, wall (paired)", "unsharded / layout, CPU (paired)"] if base else []), rows)
+    header = ["layout", "wall ms / step", "tokens / s", "CPU ms / step (all ranks)", "k page faults / step (all ranks)"]
+    if rows:
+        print_table("Step time (median of rounds [range])", header + (
+            [f"{args.base} / layout, wall (paired)", f"{args.base} / layout, CPU (paired)"] if base else []), rows)
+    if not anatomy:
+        return
     header = ["ms / step (profiled)"] + [title(m) for m in modes]
     rows = [[c] + [f"{anatomy[m][c]:.0f}" for m in modes] for c in workload.ORDER]
     rows.append(["**profiled wall**"] + [f"**{anatomy[m]['wall_ms']:.0f}**" for m in modes])
     print_table("Anatomy (torch.profiler, self time per category, rank 0)", header, rows)
+    _long_sequence.ring_rows(modes, anatomy, title)
 
 
 def _spread(values, scale: float, fmt: str) -> str:
