@@ -13,6 +13,7 @@ mask are skipped, unless some row sees no key at all: such a row averages over e
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -61,35 +62,34 @@ class RingContext:
 
 
 class MaskCache:
-    """The last mask converted for a stack: (the HF mask it came from, the true length) -> (rows, visible)."""
+    """The last mask converted for a stack: (the HF mask it came from, the true length) -> (rows, visible). The HF
+    mask is held by weak reference: the cache does not keep the whole-sequence mask alive through backward."""
 
     def __init__(self):
-        self.key, self.value = None, None
+        self.key, self.source, self.value = None, lambda: None, None
 
     def get(self, mask, length, make):
         key = (id(mask), mask.shape, length)
-        if self.key != key or self.value[0] is not mask:
-            self.key, self.value = key, (mask, make())
-        return self.value[1]
+        if self.key != key or self.source() is not mask:
+            self.key, self.source, self.value = key, weakref.ref(mask), make()
+        return self.value
 
 
 def _rows(mask: torch.Tensor, g: RingGeometry) -> torch.Tensor:
-    """The rows of this rank's queries of a mask [..., L | 1, Lk] (padding rows see every key)."""
+    """The rows of this rank's queries of a mask [..., L | 1, Lk]; a padding query (position >= L, its output cut off
+    at the stack exit) takes the last real query's row. One row [..., 1, Lk] where they are all the same (a
+    padding mask): the pieces broadcast it."""
     if mask.shape[-2] == 1:
         return mask
-    positions = g.positions(g.rank)
-    rows = mask.index_select(-2, positions.clamp(max=g.length - 1))
-    padding = positions >= g.length
-    if bool(padding.any()):
-        rows = rows.masked_fill(padding[:, None], True if rows.dtype == torch.bool else 0)
-    return rows
+    rows = mask.index_select(-2, g.positions(g.rank).clamp(max=g.length - 1))
+    return rows[..., :1, :] if bool((rows == rows[..., :1, :]).all()) else rows
 
 
 def _self_mask(mask: torch.Tensor, g: RingGeometry, acc: torch.dtype):
-    """This rank's rows of a self-attention mask over all padded columns, additive in ``acc`` (a hidden entry of
-    a boolean mask is ``finfo.min``, as HF's eager masks; padding columns -inf), and per block whether any row sees
-    any key through it (None when some row sees no key at all: then no block is skipped, as the reference averages
-    over every key of such a row)."""
+    """This rank's rows of a self-attention mask over all padded columns in position order, additive in ``acc`` (a
+    hidden entry of a boolean mask is ``finfo.min``, as HF's eager masks; padding columns -inf), and per block
+    whether any row sees any key through it (None when some row sees no key at all: then no block is skipped, as
+    the reference averages over every key of such a row)."""
     rows = _rows(mask, g)
     if rows.dtype == torch.bool:
         seen = rows
@@ -101,11 +101,11 @@ def _self_mask(mask: torch.Tensor, g: RingGeometry, acc: torch.dtype):
     if extra:
         rows = torch.nn.functional.pad(rows, (0, extra), value=-math.inf)
         seen = torch.nn.functional.pad(seen, (0, extra), value=False)
-    rows, seen = rows.index_select(-1, g.order), seen.index_select(-1, g.order)  # columns in ring order
     if not bool(seen.any(-1).all()):
         return rows, None
-    per_block = seen.unflatten(-1, (g.size, g.chunk)).any(-1).flatten(0, -2).any(0)  # [n]
-    return rows, [bool(block) for block in per_block]  # (bool(), not tolist(): the dry run answers it on meta)
+    per_segment = seen.unflatten(-1, (2 * g.size, g.chunk // 2)).any(-1).flatten(0, -2).any(0)  # [2n]
+    # (bool(), not tolist(): the dry run answers it on meta)
+    return rows, [bool(per_segment[p]) or bool(per_segment[2 * g.size - 1 - p]) for p in range(g.size)]
 
 
 def ring_attention_forward(module, query, key, value, attention_mask, *, position_bias=None, **kwargs):

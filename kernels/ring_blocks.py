@@ -209,7 +209,7 @@ class RingProblem:
     geometry: RingGeometry
     scale: float
     acc: torch.dtype  # the accumulation dtype (fp32 for half inputs)
-    mask: torch.Tensor | None = None  # this rank's rows x all padded columns in ring order, additive (acc), or None
+    mask: torch.Tensor | None = None  # this rank's rows (or one row for all) x all padded columns, additive, or None
     visible: list[bool] | None = None  # per block: whether the mask lets any row of this rank see any of its keys
     causal: bool = False
     relative_length: int = 0  # L when a relative bias vector [1, h, 1, 2L - 1] is given
@@ -239,8 +239,9 @@ class RingProblem:
         rows, cols = slice(row_run[0], row_run[1]), slice(col_runs[0][0], col_runs[-1][1])  # one or both segments
         qpos, kpos = g.positions(g.rank)[rows], g.positions(src)[cols]
         mask = None
-        if self.mask is not None:  # rows broadcast where the model's mask has one row for all queries
-            mask = self.mask[..., src * g.chunk:(src + 1) * g.chunk][..., cols]
+        if self.mask is not None:  # the key segments' columns (in position order); one row broadcasts
+            parts = [self.mask[..., run[2]:run[3] + 1] for run in col_runs]
+            mask = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
             mask = mask if mask.shape[-2] == 1 else mask[..., rows, :]
         padded = any(run[3] >= g.length for run in col_runs)
         future = self.causal and max(run[3] for run in col_runs) > row_run[2]

@@ -80,8 +80,7 @@ def _dense(p, problem, q, k, v, relative, mask):
     if relative is not None:
         s = s + relative[0, :, 0][:, (torch.arange(L)[None, :] - rows[:, None] + L - 1).clamp(0, 2 * L - 2)]
     if mask is not None:
-        m = mask.index_select(-2, rows.clamp(max=L - 1))
-        m = m.masked_fill((rows >= L)[:, None], True if m.dtype == torch.bool else 0)
+        m = mask.index_select(-2, rows.clamp(max=L - 1))  # a padding query takes the last real query's row
         s = s.masked_fill(~m, torch.finfo(s.dtype).min) if m.dtype == torch.bool else s + m
     if p["mask"] == "causal":
         s = s.masked_fill(torch.arange(L)[None, :] > rows[:, None], -math.inf)
