@@ -164,7 +164,8 @@ def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel, ul
     seconds = None
     over_sp = sequence_parallel in SP_MODES and getattr(mesh, "sp", 1) > 1
     if (mesh.tp > 1 or over_sp) and getattr(mesh, "tp_group", None) is not None:
-        with stalled_ranks_named("shard() (proving the inferred plan on the tensor- and sequence-parallel groups)",
+        groups = "tensor- and sequence-parallel groups" if over_sp else "tensor-parallel group"
+        with stalled_ranks_named(f"shard() (proving the inferred plan on the {groups})",
                                  getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S)):
             seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel,
                              **({"ulysses": ulysses} if ulysses > 1 else {}))
