@@ -27,14 +27,16 @@ class AllToAllSequenceParallel:
         _install_all_to_all_attention(r, r.sequence, r.model.config._attn_implementation)
 
 
-def _all_to_all_problems(r) -> list[str]:
-    tp, sp = r.tp, getattr(r.mesh, "sp", 1)
-    if sp < 2:
-        return ["sequence_parallel='all_to_all' needs a mesh with sp > 1 ranks per sequence "
-                "(init_mesh(..., sp=N)); this mesh has sp=1"]
+def sp_mode_problems(r, mode: str, what: str, site_problems) -> list[str]:
+    """What stops sequence parallelism ``mode`` (``what``: its name in a sentence) on the mesh's sp dimension: an sp
+    of one, a plan without attention sites, a site whose module lacks the argument or method it names; then
+    ``site_problems(path, module, site)`` of every site."""
+    if getattr(r.mesh, "sp", 1) < 2:
+        return [f"sequence_parallel={mode!r} needs a mesh with sp > 1 ranks per sequence (init_mesh(..., sp=N)); "
+                "this mesh has sp=1"]
     if not r.plan.attention:
-        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that all-to-all sequence "
-                "parallelism can wrap (docs/sequence-parallel.md says which models support it)"]
+        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that {what} can wrap "
+                "(docs/sequence-parallel.md says which models support it)"]
     problems = []
     for pattern, site in r.plan.attention.items():
         for path in r.match(pattern, "attention"):
@@ -44,8 +46,13 @@ def _all_to_all_problems(r) -> list[str]:
             if site.bias_method is not None and not callable(getattr(module, site.bias_method, None)):
                 problems.append(f"{path}: {type(module).__name__} has no method {site.bias_method!r} "
                                 "(AttentionSite.bias_method)")
-            problems += head_problems(path, module, site, tp, sp)
+            problems += site_problems(path, module, site)
     return problems
+
+
+def _all_to_all_problems(r) -> list[str]:
+    return sp_mode_problems(r, "all_to_all", "all-to-all sequence parallelism",
+                            lambda path, module, site: head_problems(path, module, site, r.tp, r.mesh.sp))
 
 
 def head_problems(path: str, module, site, tp: int, n: int, dim: str = "sp") -> list[str]:

@@ -19,7 +19,7 @@ from ..kernels.ring_blocks import RingLayout
 from ..parallel.collectives import all_gather
 from ..parallel.mesh import FAKE_BACKEND
 from ..parallel.styles import CopyInputs, ShardContext
-from .all_to_all import head_problems
+from .all_to_all import head_problems, sp_mode_problems
 from .sequence import SequenceParallel, install_sequence_parallel, sequence_parallel_problems
 
 #: the inner implementations whose mask semantics the ring reproduces (it computes the attention itself)
@@ -57,39 +57,26 @@ def base_implementation(implementation: str | None) -> str:
 
 
 def _ring_problems(r) -> list[str]:
-    sp = getattr(r.mesh, "sp", 1)
-    if sp < 2:
-        return ["sequence_parallel='ring' needs a mesh with sp > 1 ranks per sequence (init_mesh(..., sp=N)); "
-                "this mesh has sp=1"]
-    if not r.plan.attention:
-        return [f"the policy of {r.name} lists no attention modules (Plan.attention) that ring attention can "
-                "wrap (docs/sequence-parallel.md says which models support it)"]
-    ulysses, tp = r.options.get("ulysses", 1), r.tp
-    if ulysses < 1 or sp % ulysses:
+    sp, ulysses = getattr(r.mesh, "sp", 1), r.options.get("ulysses", 1)
+    if sp > 1 and (ulysses < 1 or sp % ulysses):
         return [f"ulysses={ulysses} does not divide sp={sp} (Ulysses x ring: sp = ulysses * ring positions)"]
     chosen = r.options["kernels"].attention if r.options.get("kernels") is not None else None
     implementation = base_implementation(chosen or getattr(r.model.config, "_attn_implementation", None))
     problems = []
-    if implementation not in RING_IMPLEMENTATIONS:
+    if sp > 1 and r.plan.attention and implementation not in RING_IMPLEMENTATIONS:
         problems.append(f"{r.name}: ring attention computes attention itself with the mask semantics of "
                         f"{' or '.join(RING_IMPLEMENTATIONS)}; the model runs {implementation!r} "
                         "(shard(..., kernels=Kernels(attention='sdpa')) to switch)")
-    for pattern, site in r.plan.attention.items():
-        for path in r.match(pattern, "attention"):
-            module = r.modules[path]
-            if ulysses > 1:
-                problems += head_problems(path, module, site, tp, ulysses, "ulysses")
-            if site.kv_input and site.kv_input not in inspect.signature(module.forward).parameters:
-                problems.append(f"{path}: forward has no argument {site.kv_input!r} (AttentionSite.kv_input)")
-            if site.bias_method is not None:
-                method = getattr(module, site.bias_method, None)
-                if not callable(method):
-                    problems.append(f"{path}: {type(module).__name__} has no method {site.bias_method!r} "
-                                    "(AttentionSite.bias_method)")
-                elif "past_seen_tokens" not in inspect.signature(method).parameters:
-                    problems.append(f"{path}: {type(module).__name__}.{site.bias_method} takes no past_seen_tokens: "
-                                    "ring attention computes a relative bias per distance through it")
-    return problems
+
+    def site_problems(path, module, site) -> list[str]:
+        found = head_problems(path, module, site, r.tp, ulysses, "ulysses") if ulysses > 1 else []
+        method = getattr(module, site.bias_method, None) if site.bias_method is not None else None
+        if callable(method) and "past_seen_tokens" not in inspect.signature(method).parameters:
+            found.append(f"{path}: {type(module).__name__}.{site.bias_method} takes no past_seen_tokens: ring "
+                         "attention computes a relative bias per distance through it")
+        return found
+
+    return sp_mode_problems(r, "ring", "ring attention", site_problems) + problems
 
 
 def _agreement_check(group, where: str):
