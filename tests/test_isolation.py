@@ -13,6 +13,7 @@ MODES = {
     "tp": dict(tp=2, options={}),
     "megatron-sp": dict(tp=2, options={"sequence_parallel": True}),
     "all-to-all": dict(tp=1, sp=2, options={"sequence_parallel": "all_to_all"}),
+    "ring": dict(tp=1, sp=2, options={"sequence_parallel": "ring"}),
     "eager-attention": dict(tp=2, options={"kernels": shardlib.Kernels(attention="eager")}),
     "all-kernels": dict(tp=2, options={"kernels": shardlib.Kernels(attention="sdpa", fused_qkv=True,
                                                                    bias_gelu=True, dropout_add=True)}),

@@ -89,7 +89,7 @@ def cases(draw):
     family = draw(st.sampled_from(["bert", "vit", "t5"]))
     spec = draw({"bert": strategies.bert_specs, "vit": strategies.vit_specs, "t5": strategies.t5_specs}[family]())
     spec.update(family=family, meta=False)
-    sp = spec.get("sp_size", 1) if spec.get("sp") == "all_to_all" else 1
+    sp = spec.get("sp_size", 1) if spec.get("sp") in rank_tasks.SP_DIM_MODES else 1
     pp = draw(st.sampled_from([1, 2])) if sp == 1 else 1
     if pp > 1:
         spec["config"]["layers"] = 2
