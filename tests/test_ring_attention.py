@@ -89,11 +89,12 @@ def test_ulysses_by_ring(pool, case):
     assert all(r["grads"] > 10 for r in results)
 
 
-@pytest.mark.parametrize("mode,ulysses", [("ring", 1), ("ring", 2), ("all_to_all", 1)])
-def test_generate_under_sequence_parallelism(pool, mode, ulysses):
+@pytest.mark.parametrize("mode,ulysses,tp", [("ring", 1, 1), ("ring", 2, 1), ("all_to_all", 1, 1), (True, 1, 2)])
+def test_generate_under_sequence_parallelism(pool, mode, ulysses, tp):
     """T5 generate() (greedy and beam search, KV cache on) gives the unsharded tokens at sp=4: the encoder runs
-    split, the decoding steps, which fill and reuse a key/value cache, run unsplit on every rank."""
-    spec = {"family": "t5", "cls": "T5ForConditionalGeneration", "tp": 1, "sp": mode, "sp_size": 4,
+    split, the decoding steps, which fill and reuse a key/value cache, run unsplit on every rank. Megatron SP
+    (tp=2), whose attention sees the whole sequence, decodes split with whole caches."""
+    spec = {"family": "t5", "cls": "T5ForConditionalGeneration", "tp": tp, "sp": mode, "sp_size": 4,
             "ulysses": ulysses, "seq": 6, "batch": 3, "padding": True, "dtype": "float32", "seed": 4, "new_tokens": 8,
             "config": {**FIXED_T5, "vocab": 41, "d_model": 64, "d_kv": 8, "d_ff": 64, "heads": 4, "ffn": "gated-gelu",
                        "init": 10.0}}

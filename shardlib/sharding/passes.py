@@ -341,10 +341,10 @@ def passes_for(r: Resolved) -> list:
         passes.append(AllToAllSequenceParallel())
     elif mode == RING:
         passes.append(RingSequenceParallel())
-    if mode in SP_MODES and any(site.positions for site in r.plan.attention.values()):
-        passes.append(SequencePositions())
     elif mode == MEGATRON:
         passes.append(MegatronSequenceParallel())
+    if mode in SP_MODES and any(site.positions for site in r.plan.attention.values()):
+        passes.append(SequencePositions())
     if o.get("ulysses", 1) != 1 and mode != RING:
         r.problems.append(f"ulysses={o['ulysses']} applies to sequence_parallel='ring' (Ulysses x ring), not to "
                           f"sequence_parallel={o['sequence_parallel']!r}")

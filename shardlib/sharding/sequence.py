@@ -285,7 +285,7 @@ def install_sequence_parallel(r, sp: SequenceParallel, *, sp_dimension: bool = F
         if not layers:
             continue
         owner = stack.layers.rpartition(".")[0]
-        _hook_stack(sp, k, layers, model.get_submodule(owner) if owner else model)
+        _hook_stack(sp, k, layers, model.get_submodule(owner) if owner else model, sp_dimension)
         for layer in layers:
             grad_sync(layer)
             layer.register_forward_pre_hook(grad_sync)
@@ -307,14 +307,15 @@ def _decoding(generate, sp: SequenceParallel):
     return generate_unsplit
 
 
-def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Module) -> None:
+def _hook_stack(sp: SequenceParallel, k: int, layers: list, owner: torch.nn.Module, sp_dimension: bool) -> None:
     """Stack ``k``: scatter before its first layer, gather after its last; in eager mode saved activations are kept
     as shards (:meth:`SequenceParallel.saving_shards`) from the first layer until the stack's owner returns or
-    raises, whichever layer raised."""
+    raises, whichever layer raised. On the sp dimension a decoding step may run unsplit
+    (:meth:`SequenceStream.runs_unsplit`); Megatron's attention sees the whole sequence, so its caches are whole."""
     seq, saving = sp.stream(k), []
 
     def enter(mod, args, kwargs):
-        if seq.runs_unsplit(kwargs):
+        if sp_dimension and seq.runs_unsplit(kwargs):
             sp.lengths[k] = args[0].shape[SEQ_DIM]
             return None
         if not sp.saving_managed_outside and not torch.compiler.is_compiling():
