@@ -8,12 +8,15 @@ The package is layered (docs/architecture.md); each layer is a sub-package that 
 below it:
 
 * :mod:`shardlib.parallel`: what a rank runs: mesh, collectives, parallel layers and styles, layouts, RNG streams,
-  overlap, gradient sync, timeouts (and :mod:`shardlib.safetensors_io`, file I/O);
+  overlap, gradient sync, timeouts, dp-sharded tensors, the optimizer's state by parameter (and
+  :mod:`shardlib.safetensors_io`, file I/O);
 * :mod:`shardlib.kernels`: fused ops, each with its reference;
-* :mod:`shardlib.sharding`: the compiler: plans, passes, ``shard()``, sequence parallelism, losses, state; with
-  :mod:`shardlib.policies` (one plan per architecture) and :mod:`shardlib.pipeline` (stages cut from the trunk);
-* :mod:`shardlib.analysis`: what reads a sharded model without training it: dry run, meta run, export, compile;
-* :mod:`shardlib.train` and :mod:`shardlib.checkpoint`: training (ZeRO, launch) and checkpoints;
+* :mod:`shardlib.sharding.plan`: the plan's vocabulary (plain data, pattern matching);
+* :mod:`shardlib.policies` (one plan per architecture) and :mod:`shardlib.pipeline` (stages cut from the trunk);
+* :mod:`shardlib.sharding`: the compiler: passes, ``shard()``, sequence parallelism, losses, state;
+* :mod:`shardlib.analysis` (what reads a sharded model without training it: dry run, meta run, export, compile) and
+  :mod:`shardlib.checkpoint` (checkpoints);
+* :mod:`shardlib.train`: training (ZeRO, launch), saving through the checkpoints;
 * :mod:`shardlib.cli`: the ``shardlib`` command.
 
 ``import shardlib`` imports none of them (nor torch): every name below loads its module on first use.

@@ -138,3 +138,40 @@ def refused_optimizers(spec: dict) -> dict:
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]) and p.data_ptr() == storages[name], name
     return messages
+
+
+def full_state_after_zero3(spec: dict) -> dict:
+    """One ``train_step`` with ``zero=3`` at ``spec["layout"]`` and the unsharded model's step on the same global
+    batch (same seed, same clipping, AdamW): ``shardlib.full_state_dict`` of the parameters and of the gradients,
+    each value's type and its worst difference from the unsharded model's; then ``load_full_state_dict`` of new
+    full tensors (without a pipeline), read back through ``full_state_dict``."""
+    from rank_tasks import cases
+
+    mesh, model = build_sharded(spec)
+    trainer = shardlib.Trainer(model, adamw, microbatches=spec["microbatches"], max_grad_norm=MAX_GRAD_NORM, zero=3)
+    train, _ = dataset(spec, spec["batch_size"])
+    batch = torch.utils.data.default_collate(train)
+    trainer.train_step(shardlib.dp_shard(batch, mesh))
+    got = {"params": shardlib.full_state_dict(model), "grads": shardlib.full_state_dict(model, grads=True)}
+
+    reference = cases(spec).make_model(spec)
+    optimizer = adamw(reference.parameters())
+    reference(**batch).loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
+    grads = {name: p.grad.clone() for name, p in reference.named_parameters() if p.grad is not None}
+    optimizer.step()
+    expected = {"params": {name: p.detach() for name, p in reference.named_parameters()}, "grads": grads}
+
+    result = {"layout": str(mesh), "all": sorted(expected["params"])}
+    for kind, values in got.items():
+        result[kind] = {"names": sorted(values), "types": sorted({type(v).__name__ for v in values.values()}),
+                        "shapes": [n for n, v in values.items() if v.shape != expected[kind][n].shape],
+                        "worst": _worst_of_kind(values, {n: expected[kind][n] for n in values}, False)}
+    if mesh.pp == 1:
+        generator = torch.Generator().manual_seed(7)  # the same new values on every rank
+        new = {name: torch.randn(p.shape, generator=generator, dtype=p.dtype)
+               for name, p in reference.named_parameters()}
+        shardlib.load_full_state_dict(model, new)
+        back = shardlib.full_state_dict(model)
+        result["reloaded"] = back.keys() == new.keys() and all(torch.equal(back[n], new[n]) for n in new)
+    return result

@@ -14,13 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..parallel.dp_shards import like, local
 from ..parallel.layout import Layout, layout_of
+from ..parallel.optim_state import holds_state, set_param_state
 from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError, SafetensorsFiles
 from ..sharding.sharded import shard_state
 from ..sharding.state import materialize
-from ..train.fsdp import like, local
-from ..train.optim import holds_state, set_param_state
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .outcome import all_ranks, timeout_of
 from .reader import ShardedCheckpoint

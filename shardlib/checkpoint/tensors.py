@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.dp_shards import whole
 from ..parallel.layout import Layout, layout_of
+from ..parallel.optim_state import param_state
 from ..safetensors_io import CheckpointError
 from ..sharding.sharded import settle_parameters, shard_state
 from ..sharding.state import _pipeline
-from ..train.fsdp import whole
-from ..train.optim import param_state
 from .format import OPTIMIZER_PREFIX
 
 

@@ -7,6 +7,8 @@ shardlib.
 * :mod:`.layout`: how a parameter is split (recorded once, read by everything downstream);
 * :mod:`.random`: per-rank and replicated dropout streams;
 * :mod:`.overlap`, :mod:`.gradsync`: communication overlapped with backward, replicated-gradient buckets;
+* :mod:`.flat`, :mod:`.dp_shards`: ZeRO-1/2's flat buckets, and what FSDP2's dp-sharded tensors look like;
+* :mod:`.optim_state`: an optimizer's state by model parameter, whoever holds it (what checkpoints read);
 * :mod:`.timeouts`: every collective wait bounded, the stalled ranks named.
 """
 

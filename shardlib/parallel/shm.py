@@ -1,7 +1,7 @@
 """Collectives through shared memory for the ranks of one group on one host (``init_mesh(transport="shm")``).
 
 Why not gloo: gloo moves a tensor between two processes of one machine over loopback TCP. Measured on the project's
-2-core VM (``benchmarks/comm_overlap.py``): a 3 MiB all-reduce takes 3.5-9 ms, an all-gather of 1.5 -> 3 MiB 3.4 ms,
+2-core VM (two gloo ranks): a 3 MiB all-reduce takes 3.5-9 ms, an all-gather of 1.5 -> 3 MiB 3.4 ms,
 where copying 3 MiB takes 0.14 ms and adding two of them 0.16 ms. Tensor and sequence parallelism send such a tensor
 at every region boundary (BERT-base: 48 a step at tp=2, 120 with sequence parallelism), so on one host the
 transport, not the arithmetic, bounds them. torch has no shared-memory backend for CPU tensors (DeepSpeed and vLLM

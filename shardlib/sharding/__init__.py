@@ -7,8 +7,10 @@ against one model and mesh and applied by a sequence of passes (:mod:`.passes`) 
 * :mod:`.sequence` (Megatron) and :mod:`.all_to_all` (Ulysses): sequence parallelism;
 * :mod:`.losses`: vocab-parallel losses; :mod:`.state`: full state dicts to and from the shards.
 
-Lazy (PEP 562): ``shardlib.sharding.shard`` imports the sharder on first use, so that :mod:`shardlib.policies` and
-:mod:`shardlib.pipeline`, which import :mod:`.plan`, never wait for it.
+:mod:`.plan` is a layer of its own, below :mod:`shardlib.policies` and :mod:`shardlib.pipeline` (which import it)
+and below the rest of this package (which imports them). So this ``__init__`` is lazy (PEP 562) and imports nothing
+of the package: importing :mod:`.plan` runs it, and must not load the compiler; ``shardlib.sharding.shard`` imports
+the sharder on first use.
 """
 
 from .._lazy import lazy_attributes

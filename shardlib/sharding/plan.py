@@ -2,6 +2,9 @@
 
 Module-path patterns are dotted paths relative to the model root where ``*`` matches exactly one path atom
 (``bert.encoder.layer.*.attention.self``) and ``**`` matches any number of atoms (zero or more).
+
+A layer of its own (docs/architecture.md): policies and the pipeline read it, the rest of :mod:`shardlib.sharding`
+applies it, so it imports nothing of shardlib but :mod:`shardlib.parallel`.
 """
 
 from __future__ import annotations

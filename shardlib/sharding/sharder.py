@@ -167,7 +167,7 @@ def _verify_inferred(model: nn.Module, policy, plan, mesh, sequence_parallel, ul
         groups = "tensor- and sequence-parallel groups" if over_sp else "tensor-parallel group"
         with stalled_ranks_named(f"shard() (proving the inferred plan on the {groups})",
                                  getattr(mesh, "timeout_s", DEFAULT_TIMEOUT_S)):
-            seconds = verify(model, policy, mesh, sequence_parallel=sequence_parallel,
+            seconds = verify(model, policy, mesh, shard, sequence_parallel=sequence_parallel,
                              **({"ulysses": ulysses} if ulysses > 1 else {}))
     if getattr(mesh, "pp", 1) > 1:
         seconds = (seconds or 0.0) + verify_cuts(model, plan)

@@ -1,7 +1,9 @@
 """Full (unsharded) views of a sharded model's tensors, and loading full tensors into shards.
 
 Both read every tensor's layout from where it was recorded (:func:`shardlib.parallel.layout.layout_of`). Gathering is a
-collective over the TP group: every TP rank must call it. Loading slices locally and needs no communication.
+collective over the TP group, and over the dp group for parameters FSDP2 shards (ZeRO-3: DTensors, see
+:mod:`shardlib.parallel.dp_shards`): every rank of those groups must call it. Loading slices locally and needs no
+communication.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from ..parallel.collectives import all_gather
+from ..parallel import dp_shards
 from ..parallel.layout import layout_of
 from .sequence import rehook_replicated_grads
 from .sharded import shard_state
@@ -38,7 +41,9 @@ def gather_full(tensor: torch.Tensor, layout, group) -> torch.Tensor:
 
 
 def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Parameter (or, with ``grads=True``, gradient) name -> full unsharded tensor, on every TP rank.
+    """Parameter (or, with ``grads=True``, gradient) name -> full unsharded tensor, on every rank: a plain tensor
+    (never a DTensor) of the global shape at every layout, gathered over tp and, after ``Trainer(zero=3)``, over dp.
+    A collective: every rank of this rank's tp and dp groups calls it.
 
     Tied parameters appear under their first name only, like ``named_parameters()``. Parameters without a
     gradient are left out when ``grads=True``. A pipelined model gives the parameters of this rank's stages.
@@ -51,7 +56,7 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
         tensor = p.grad if grads else p
         if tensor is None or (local is not None and id(p) not in local):
             continue
-        out[name] = gather_full(tensor, layout_of(model, name), group)
+        out[name] = gather_full(dp_shards.whole(tensor), layout_of(model, name), group)
     return out
 
 
@@ -97,7 +102,8 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu", *, init: s
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Copy full tensors into a sharded model, each rank keeping its slice (padding zeroed).
+    """Copy full tensors into a sharded model, each rank keeping its slice (padding zeroed; after
+    ``Trainer(zero=3)``, its dp shard of it).
 
     Meta tensors are materialized first (:func:`materialize`). With ``strict``, every parameter must be present
     and every key must name a parameter or buffer; shapes must equal the global shape of the layout.
@@ -118,4 +124,5 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         raise ValueError("cannot load state dict:\n  " + "\n  ".join(problems))
     for name, full in state_dict.items():
         if name in targets:
-            targets[name].copy_(layout_of(model, name).shard(full, rank))
+            target, piece = targets[name], layout_of(model, name).shard(full, rank)
+            dp_shards.local(target).copy_(dp_shards.local(dp_shards.like(piece, target)))

@@ -9,8 +9,9 @@
 * :class:`TrainingArguments` (:mod:`.args`): one dataclass of command-line arguments, the mesh and the launch
   (:mod:`.launch`: torchrun's elastic agent, on loopback for one node).
 
-Lazy (PEP 562), like the package: :mod:`shardlib.checkpoint` reads the optimizer state of :mod:`.optim` and
-:mod:`.fsdp` without importing the Trainer, which saves through :mod:`shardlib.checkpoint`.
+Lazy (PEP 562), like the package: ``import shardlib.train`` loads none of them. Training sits above
+:mod:`shardlib.checkpoint`, which it saves through; the checkpoints read the optimizer state through
+:mod:`shardlib.parallel.optim_state` and FSDP2's dp shards through :mod:`shardlib.parallel.dp_shards`.
 """
 
 from .._lazy import lazy_attributes

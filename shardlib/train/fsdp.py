@@ -20,9 +20,13 @@ shared by two groups.
   that is not the last ends the HF forward with an exception raised in a hook at its cut
   (:mod:`shardlib.pipeline.split`), so the root's post-forward hook never runs: the runner calls it
   (:func:`complete_root_forward`), which registers the root's pre-backward unshard on the boundary tensors, and
-  tied parameters are summed over pp as dp-local shards (:func:`local_shape` for a rank not holding one).
+  tied parameters are summed over pp as dp-local shards (:func:`~shardlib.parallel.dp_shards.local_shape` for a
+  rank not holding one).
 * ``offload=True``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, the
   step on CPU); refused on a mesh without CUDA, where everything already is in host memory.
+
+What a dp-sharded tensor looks like to the rest of shardlib (this rank's shard, the whole tp-local tensor, a value
+placed as a parameter is) is :mod:`shardlib.parallel.dp_shards`, re-exported here.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..parallel.dp_shards import like, local, local_shape, whole  # noqa: F401 - re-exported
 from ..parallel.gradsync import unbucket
 from ..sharding.sharded import shard_state
 
@@ -73,35 +77,6 @@ def complete_root_forward(model: nn.Module, boundary: tuple[torch.Tensor, ...]) 
     with warnings.catch_warnings():  # boundary tensors may be views (T5's sliced position bias): none is modified
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
         return fully_shard.state(model)._post_forward(model, (), boundary)
-
-
-def local_shape(shape: torch.Size, dp: int, dp_rank: int) -> torch.Size:
-    """The shape of dp rank ``dp_rank``'s FSDP2 shard of a tensor of ``shape`` (``Shard(0)``: ``torch.chunk``'s
-    rows, the last ranks' possibly fewer or none)."""
-    if not shape:
-        return shape
-    rows = -(-shape[0] // dp)
-    return torch.Size((max(0, min(rows, shape[0] - dp_rank * rows)), *shape[1:]))
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The tp-local tensor of a dp-sharded DTensor, gathered over dp (a collective on the dp group); a plain tensor
-    itself."""
-    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """``value`` (a tp-local tensor) placed as ``reference`` is: this rank's dp slice of it when ``reference`` is a
-    DTensor of the same shape (no communication: every rank slices its own copy)."""
-    if isinstance(reference, DTensor) and value.shape == reference.shape:
-        return distribute_tensor(value.to(reference.device), reference.device_mesh, reference.placements,
-                                 src_data_rank=None)
-    return value
 
 
 def reshard(model: nn.Module) -> None:

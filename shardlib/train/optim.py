@@ -12,6 +12,8 @@ Everything else talks to any of them through :func:`param_pairs`, :func:`param_s
 :func:`set_param_state`: which parameters this rank steps (and the tensor whose ``.grad`` the step reads), and
 each parameter's state by model parameter, as the sharded checkpoint stores it (``optimizer.<key>.<param name>``,
 ``optimizer.master.<param name>`` for master weights), so a checkpoint saved at one setting loads at any other.
+The per-parameter state view is :mod:`shardlib.parallel.optim_state` (below the checkpoints that read it; both
+wrappers implement its :class:`~shardlib.parallel.optim_state.ParamStateOptimizer`), re-exported here.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import inspect
 import torch
 from torch.optim import Optimizer
 
-from .fsdp import local
-from .zero import MASTER_KEY, FlatZero, InnerOptimizer, check_elementwise
+from ..parallel.dp_shards import local
+from ..parallel.optim_state import MASTER_KEY, holds_state, param_state, set_param_state  # noqa: F401 - re-exported
+from .zero import FlatZero, InnerOptimizer, check_elementwise
 
 
 def _groups(params) -> list[dict]:
@@ -106,19 +109,6 @@ def copy_grads(optimizer) -> None:
         optimizer.copy_grads()
 
 
-def holds_state(optimizer, param) -> bool:
-    """Whether this rank steps ``param`` (some elements of it, under zero=1/2) and so holds state to load."""
-    return optimizer.owns(param) if isinstance(optimizer, FlatZero) else True
-
-
-def param_state(optimizer, param) -> dict:
-    """The whole (tp-local) optimizer state of model parameter ``param``: under zero=1/2 gathered over dp, a
-    collective every dp rank makes for the same parameters in the same order."""
-    if isinstance(optimizer, (FlatZero, MasterWeightsOptimizer)):
-        return optimizer.param_state(param)
-    return optimizer.state.get(param, {})
-
-
 def held_state_bytes(optimizer, params) -> int:
     """Bytes of optimizer state (moments, master weights) this rank holds (its pieces' under zero=1/2, its dp
     shards' under zero=3)."""
@@ -126,17 +116,6 @@ def held_state_bytes(optimizer, params) -> int:
         return optimizer.held_state_bytes()
     tensors = [v for p in params for v in param_state(optimizer, p).values() if torch.is_tensor(v)]
     return sum(local(v).numel() * v.element_size() for v in tensors)
-
-
-def set_param_state(optimizer, param, state: dict) -> None:
-    """Restore ``param``'s state from its whole (tp-local) tensors (under zero=1/2 this rank keeps its piece); a
-    master weight missing from ``state`` (a checkpoint saved without master weights) is taken from the parameter."""
-    if isinstance(optimizer, (FlatZero, MasterWeightsOptimizer)):
-        optimizer.set_param_state(param, state)
-        return
-    state = {k: v for k, v in state.items() if k != MASTER_KEY}
-    if state:
-        optimizer.state[param] = state
 
 
 def _constructor_defaults(optimizer: Optimizer) -> dict:

@@ -58,6 +58,7 @@ from torch.optim import Optimizer
 
 from ..parallel.collectives import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 from ..parallel.flat import DEFAULT_BUCKET_BYTES, Bucket, flat_buckets
+from ..parallel.optim_state import ParamStateOptimizer
 from ..sharding.sharded import shard_state
 from .zero_state import MASTER_KEY, StateByParameter
 
@@ -91,9 +92,10 @@ class Piece:
     tensor: torch.Tensor
 
 
-class InnerOptimizer(Optimizer):
+class InnerOptimizer(ParamStateOptimizer, Optimizer):
     """An optimizer whose parameter groups and state live in ``self.inner`` (over other tensors than the model's),
-    whose state is read and written per model parameter by the sharded checkpoint, not by ``state_dict``.
+    whose state is read and written per model parameter (:class:`~shardlib.parallel.optim_state.ParamStateOptimizer`:
+    the sharded checkpoint's view), not by ``state_dict``.
     ``Optimizer.__init__`` is not called on purpose."""
 
     @property
@@ -246,7 +248,7 @@ class FlatZero(StateByParameter, InnerOptimizer):
         if self._gloo:
             # gloo's reduce-scatter copies its whole input into a scratch buffer (a third bucket beside the flat copy
             # and the filling one) and runs slower than its all-reduce (a 24 MiB bucket on 2 ranks: +36 MiB and 65 ms
-            # against +12 MiB and 42 ms, benchmarks/comm_overlap.py --bucket-rounds): the flat copy is all-reduced
+            # against +12 MiB and 42 ms, measured on two gloo ranks): the flat copy is all-reduced
             # in place and this rank's range kept when it is settled
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._inflight = (bucket, flat, None, work)

@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from ..parallel.collectives import ALL_GATHER_SINGLE
 from ..parallel.flat import Bucket
-
-MASTER_KEY = "master"
+from ..parallel.optim_state import MASTER_KEY
 
 
 class StateByParameter:

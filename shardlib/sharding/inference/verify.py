@@ -21,6 +21,7 @@ from ...parallel.random import preserved_rng
 from ..examples import example_batch
 from ..plan import PlanError
 from ..sequence import ALL_TO_ALL, SP_MODES
+from ..state import full_state_dict
 from .twin import verification_twin
 
 #: float64 on 2 layers: reorderings of sums at 1e-16 unit roundoff; a wrong plan is off by O(1)
@@ -87,14 +88,14 @@ def _objective(out) -> torch.Tensor:
     return total
 
 
-def verify(model: nn.Module, policy, mesh, **options) -> float:
+def verify(model: nn.Module, policy, mesh, shard, **options) -> float:
     """Prove ``policy``'s plan for ``model``'s class at ``mesh.tp`` (and ``mesh.sp`` under sequence parallelism over
     sp) with ``shard()``'s ``options`` (sequence parallelism; module docstring); returns the seconds it took. Raises
     :class:`PlanError` naming the first diverging module, or the module that raised when the sharded twin does not run
-    at all."""
-    from ..sharder import shard
-    from ..state import full_state_dict
+    at all.
 
+    ``shard``: the function that shards the twin, :func:`shardlib.sharding.sharder.shard` (its caller passes it: the
+    proof sits below the sharder, which runs it)."""
     start = time.perf_counter()
     view, degree = proof_mesh(mesh, options.get("sequence_parallel"), options.get("ulysses", 1))
     with preserved_rng():
