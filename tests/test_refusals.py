@@ -1,7 +1,7 @@
 """Every refusal of the core modules that no other test triggers: each case checks the exception type and the text
 that names the offending module, size or value, and where the refusal promises it, that nothing changed. One
 process; ``OfflineMesh`` for sharding without processes, ``fake_world`` where a mesh needs a process group. The
-table of every refusal of these modules and the test of each: docs/testing.md, "Bad-input table"."""
+table of every refusal of these modules and the test of each: docs/bad-input.md."""
 
 import dataclasses
 
