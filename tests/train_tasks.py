@@ -77,7 +77,8 @@ def fit_run(spec: dict, workdir: str | None = None) -> dict:
             "checkpoints": [str(p) for p in result.checkpoints], "mesh": str(mesh),
             "optimizer_bytes": optimizer_bytes(trainer), "scaler": scaler.state_dict() if scaler else None,
             "ddp": getattr(trainer.data_parallel, "ddp", None) is not None,
-            "left_out_of_ddp": len(getattr(trainer.data_parallel, "left_out_of_ddp", []))}
+            "left_out_of_ddp": len(getattr(trainer.data_parallel, "left_out_of_ddp", [])),
+            "find_unused": getattr(getattr(trainer.data_parallel, "ddp", None), "find_unused_parameters", None)}
 
 
 def optimizer_bytes(trainer) -> int:

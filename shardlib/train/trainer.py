@@ -81,6 +81,9 @@ class Trainer:
     by its first reader (:mod:`shardlib.train.zero`).
     ``compile``: ``torch.compile`` the model in place (True, or a dict of ``torch.compile`` options; pipeline stages
     compile their layers; see :mod:`shardlib.analysis.compiling` and docs/compile.md).
+    ``find_unused_parameters``: torch DDP's setting where zero=0 sums over dp with DDP; None (the default) lets the
+    first step decide from the gradients it produced (:mod:`shardlib.train.dataparallel`); True for a model whose
+    set of parameters its loss reaches changes from step to step (layer drop, mixtures of experts).
 
     Models whose outputs carry no loss: ``forward_step(model, batch) -> loss | {"loss": ...}`` (an argument, or a
     subclass method) replaces ``model(**batch)``; its loss is taken as a mean over the microbatch's examples. Under
@@ -96,7 +99,7 @@ class Trainer:
                  precision: str = "fp32", loss_scaler=None, master_weights: bool = False, zero: int = 0,
                  offload: bool = False, bucket_mb: float = 25.0, activation_checkpointing: bool = False,
                  compile: bool | dict = False, overlap_param_gather: bool = False, skip_nonfinite: bool = False,
-                 max_consecutive_skips: int | None = None,
+                 max_consecutive_skips: int | None = None, find_unused_parameters: bool | None = None,
                  loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  forward_step: Callable | None = None):
         state = shard_state(model)
@@ -108,6 +111,8 @@ class Trainer:
                    compiled=bool(compile))
         _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
         check_skip_options(skip_nonfinite, max_consecutive_skips)
+        if find_unused_parameters is not None and not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"find_unused_parameters must be None, True or False, got {find_unused_parameters!r}")
         self.model, self.mesh, self.split = model, state.mesh, state.pipeline
         apart = generator_disagreement(state.mesh)  # before anything changes the model
         if apart:
@@ -141,7 +146,7 @@ class Trainer:
             if overlap_param_gather:
                 install_gather_waits(model, self.optimizer)
         self.data_parallel = data_parallel(model, self.mesh, self.split, zero, self.optimizer, params,
-                                           self.custom_forward)
+                                           self.custom_forward, find_unused_parameters)
         self.gradients = StepGradients(model, self.mesh, self.split, params, self.optimizer, zero)
         self.runner = None
         if self.split is not None:
