@@ -23,10 +23,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/step_anatomy.py --quick
-	$(VPY) benchmarks/comm_overlap.py
-	$(VPY) benchmarks/tp_throughput.py
+	$(VPY) benchmarks/step_anatomy.py --throughput
 	$(VPY) benchmarks/train_throughput.py --quick
 	$(VPY) benchmarks/plot_train_throughput.py --out benchmarks/results/train_throughput_quick --img-dir benchmarks/results/img
+	$(VPY) benchmarks/zero_memory.py --quick --dps-bytes 2 --dps 2 --rss-stages 0,3
+	$(VENV)/bin/shardlib run --nproc 2 benchmarks/pipeline.py --quick --wait-idle 0
+	$(VPY) benchmarks/plan_accuracy.py --quick
+	$(VPY) benchmarks/checkpoint_io.py --quick --wait-idle 0
+	$(VPY) benchmarks/kernels.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

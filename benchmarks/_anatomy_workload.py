@@ -1,35 +1,30 @@
-"""The workload of ``benchmarks/step_anatomy.py``: one BERT step per layout (an MLM training step, or the encoder's
-forward and backward: :class:`Step`), kept alive in a :class:`_rank_pool.RankPool` per layout, timed and profiled on
-command.
+"""The workload of ``benchmarks/step_anatomy.py``: one step of a model in one layout (:class:`Step`), kept alive in a
+:class:`_rank_pool.RankPool` per layout and timed, profiled or probed on command (:func:`serve`).
 
-Layouts (``MODES``): ``unsharded`` (one process, both cores: a hand loop, what a user writes without shardlib),
-``world1`` (the same model through ``shardlib.shard`` at a world of one and ``Trainer.train_step``), ``tp2`` and
-``tp2_sp`` (two ranks of one thread each: ``shard`` at tp=2, without and with Megatron sequence parallelism, trained
-by ``Trainer.train_step``, over the default transport: shared memory on one host), ``tp2_c10d`` and ``tp2_sp_c10d``
-(the same over gloo's sockets), ``sp{2,4}_a2a`` and ``sp{2,4}_ring`` (sp ranks of one thread each at tp=1: Ulysses
-all-to-all and ring attention). Every layout starts from the same weights (``torch.manual_seed(0)``) and the same
-batches, and runs AdamW. ``layers`` overrides the size's depth, ``padding`` masks the last fraction of every row
-(a padding attention mask), ``peak_step`` measures a step's peak of live tensors (long-sequence memory).
+Workloads: ``mlm``, a ``BertForMaskedLM`` training step with AdamW (a hand loop for the unsharded model,
+``Trainer.train_step`` for shardlib's layouts); ``encoder``, the bare model's (``BertModel``, ``ViTModel``,
+``T5Model``) forward and backward of the mean square of its final hidden states (T5: the decoder's and the
+encoder's), no optimizer, a hand loop for every layout. Every layout starts from the same weights
+(``torch.manual_seed(0)``) and sees the same batches.
 
-A profiled step is split into categories by each op's *self* time (``CATEGORIES``, first match wins; an op inside
-the optimizer's step counts as optimizer, one inside the vocab-parallel cross-entropy as loss); what no op accounts for (Python, autograd bookkeeping, hooks, the
-profiler's own cost) is ``host``.
+Layouts (``MODES``): ``unsharded`` (one process, both cores: the hand loop a user writes without shardlib),
+``world1`` (``shard`` at a world of one), ``tp2`` / ``tp2_sp`` (two ranks of one thread each, without and with
+Megatron SP, over the default transport: shared memory on one host), ``tp2_c10d`` / ``tp2_sp_c10d`` (over gloo's
+sockets), ``dp{2,4}_zero{0,1}`` and ``_zero1_overlap`` (ZeRO-1's parameter all-gathers waited for in the step or
+overlapped with the next forward), ``sp{2,4}_a2a`` / ``sp{2,4}_ring`` (Ulysses all-to-all and ring attention at
+tp=1). Suffixes: ``_compiled`` (``shardlib.compile_model``, ``Trainer(compile=True)``); ``_loop`` / ``_fit`` (a window
+of ``--steps`` steps timed whole: a ``train_step`` loop, or one ``Trainer.fit`` call over the same samples).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import resource
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import _checkout  # noqa: E402,F401  (shardlib from this checkout)
-import _long_sequence  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 MODES = {  # name: (world, threads per rank, shard() options or None for the hand loop)
     "unsharded": (1, 2, None),
@@ -38,17 +33,16 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
     "tp2_sp": (2, 1, {"sequence_parallel": True}),
     "tp2_c10d": (2, 1, {}),
     "tp2_sp_c10d": (2, 1, {"sequence_parallel": True}),
-    # data parallel (each rank the whole model on the same batch): ZeRO-1 with its parameter all-gathers waited for
-    # in the step, or overlapped with the next forward (issue 35), against zero=0 (DDP)
     **{f"dp{n}{suffix}": (n, 1, {}) for n in (2, 4) for suffix in ("_zero0", "_zero1", "_zero1_overlap")},
-    # sequence parallelism on an sp dimension (tp=1): Ulysses all-to-all against ring attention
     **{f"sp{n}_{kind}": (n, 1, {"sequence_parallel": option}) for n in (2, 4)
        for kind, option in (("a2a", "all_to_all"), ("ring", "ring"))},
 }
+SUFFIXES = {"_compiled": ", compiled", "_loop": ", train_step loop", "_fit": ", Trainer.fit"}
+MODES.update({m + "_compiled": MODES[m] for m in ("unsharded", "world1", "tp2", "tp2_sp", "sp2_a2a")})
+MODES.update({m + s: MODES[m] for m in ("world1", "tp2", "dp2_zero0") for s in ("_loop", "_fit")})
 #: what ``step_anatomy.py`` runs without ``--modes``
 DEFAULT_MODES = ("unsharded", "world1", "tp2", "tp2_sp", "tp2_c10d", "tp2_sp_c10d")
-#: init_mesh options of a layout (default: tp over its ranks, the default transport): the ``_c10d`` layouts move
-#: tensors through gloo's sockets, the ``dp`` ones are data parallel
+#: init_mesh options of a layout (default: tp over its ranks, the default transport)
 MESH_OPTIONS = {"tp2_c10d": {"tp": 2, "transport": "c10d"}, "tp2_sp_c10d": {"tp": 2, "transport": "c10d"},
                 **{m: {"dp": MODES[m][0]} for m in MODES if m.startswith("dp")},
                 **{m: {"tp": 1, "sp": MODES[m][0]} for m in MODES if m.startswith("sp")}}
@@ -63,39 +57,59 @@ TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one
           **{f"dp{n}_zero1_overlap": f"shardlib dp={n}, zero=1, overlapped gathers" for n in (2, 4)},
           **{f"sp{n}_a2a": f"shardlib sp={n} all-to-all" for n in (2, 4)},
           **{f"sp{n}_ring": f"shardlib sp={n} ring" for n in (2, 4)}}
-SIZES = {
-    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
-    "bert-small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
-    "bert-tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256),
-    #: host-bound: each op's dispatch costs about what its arithmetic does (the Trainer's per-step work shows)
-    "bert-host": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256,
-                      vocab_size=1000),
-}
 
-#: (category, substrings of an op's name): the first category with a match takes the op's self time
-CATEGORIES = (
-    ("ring p2p wait", ("ring wait",)),  # _long_sequence.RingProbe's marks: the ring's waits for K/V and dK/dV blocks
-    ("collectives", ("c10d::", "gloo", "nccl", "_ReduceFromTP", "_CopyToTP", "_GatherFromTP", "_ScatterToTP",
-                     "_ReduceScatterToTP", "_AllGatherFromTP", "_AllToAll", "_ColumnLinearBackward",
-                     "all_reduce", "all_gather", "reduce_scatter")),
-    ("GEMMs", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")),
-    ("loss", ("log_softmax", "nll_loss", "cross_entropy")),
-    ("attention", ("scaled_dot_product", "aten::_softmax", "aten::softmax", "_softmax_backward")),
-    ("norms", ("layer_norm",)),
-    ("casts/copies", ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::stack",
-                      "aten::contiguous")),
-    ("element-wise", ("aten::",)),
-)
-ORDER = ("GEMMs", "attention", "loss", "element-wise", "norms", "casts/copies", "collectives", "ring p2p wait",
-         "optimizer", "host")
+_BASE = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072)
+_SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024)
+_TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256)
+#: config fields per size; the family (bert, vit, t5) is the part of the name before the dash
+SIZES = {
+    "bert-base": _BASE, "bert-small": _SMALL, "bert-tiny": _TINY,
+    #: host-bound: each op's dispatch costs about what its arithmetic does (the Trainer's per-step work shows)
+    "bert-host": dict(_TINY, vocab_size=1000),
+    "vit-base": dict(_BASE, image_size=224, patch_size=16), "vit-small": dict(_SMALL, image_size=224, patch_size=16),
+    "vit-tiny": dict(_TINY, image_size=32, patch_size=8),
+    "t5-base": dict(num_layers=12, d_model=768, d_kv=64, num_heads=12, d_ff=3072),
+    "t5-small": dict(num_layers=4, d_model=256, d_kv=64, num_heads=4, d_ff=1024),
+    "t5-tiny": dict(num_layers=2, d_model=64, d_kv=16, num_heads=4, d_ff=256, vocab_size=1000),
+}
+MODEL_CLASS = {"bert": "BertModel", "vit": "ViTModel", "t5": "T5Model"}
+
+
+def base_mode(mode: str) -> str:
+    """The layout of a mode, its suffix (``_compiled``, ``_loop``, ``_fit``) removed."""
+    return next((mode.removesuffix(s) for s in SUFFIXES if mode.endswith(s)), mode)
+
+
+def title(mode: str) -> str:
+    return TITLES[base_mode(mode)] + next((t for s, t in SUFFIXES.items() if mode.endswith(s)), "")
+
+
+def family(size: str) -> str:
+    return size.split("-")[0]
+
+
+def tokens(size: str, batch: int, seq: int) -> int:
+    """Tokens per step: ViT's patches and CLS per image, T5's encoder and decoder sequences."""
+    if family(size) == "vit":
+        return batch * ((SIZES[size]["image_size"] // SIZES[size]["patch_size"]) ** 2 + 1)
+    return batch * seq * (2 if family(size) == "t5" else 1)
 
 
 def config(size: str, dropout: float, seq: int = 512, layers: int | None = None):
     import transformers
 
-    fields = {"vocab_size": 30522, **SIZES[size], **({"num_hidden_layers": layers} if layers else {})}
-    return transformers.BertConfig(**fields, max_position_embeddings=max(512, seq), hidden_dropout_prob=dropout,
-                                   attention_probs_dropout_prob=dropout)
+    fields = dict(SIZES[size])
+    if family(size) == "t5":  # T5-base's vocabulary and buckets, ReLU feed-forward, as many decoder layers
+        fields = {"vocab_size": 32128, **fields, **({"num_layers": layers} if layers else {})}
+        return transformers.T5Config(**fields, num_decoder_layers=fields["num_layers"], feed_forward_proj="relu",
+                                     dropout_rate=dropout, relative_attention_num_buckets=32,
+                                     relative_attention_max_distance=128, pad_token_id=0, eos_token_id=1,
+                                     decoder_start_token_id=0)
+    fields.update({"num_hidden_layers": layers} if layers else {})
+    drop = dict(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    if family(size) == "vit":
+        return transformers.ViTConfig(**fields, num_channels=3, **drop)
+    return transformers.BertConfig(**{"vocab_size": 30522, **fields}, max_position_embeddings=max(512, seq), **drop)
 
 
 def batches(n: int, batch: int, seq: int, vocab: int = 30522, padding: float = 0.0) -> list[dict]:
@@ -112,16 +126,23 @@ def batches(n: int, batch: int, seq: int, vocab: int = 30522, padding: float = 0
     return out
 
 
+def encoder_batches(size: str, cfg, batch: int, seq: int, padding: float) -> list[dict]:
+    """The ``encoder`` workload's inputs: ids and mask (T5: the same ids into the decoder), or random images."""
+    if family(size) == "vit":
+        g = torch.Generator().manual_seed(1)
+        return [{"pixel_values": torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g)} for _ in range(4)]
+    out = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+           for b in batches(4, batch, seq, cfg.vocab_size, padding)]
+    if family(size) == "t5":
+        for b in out:
+            b.update(decoder_input_ids=b["input_ids"], use_cache=False)
+    return out
+
+
 class Step:
-    """One layout's model, optimizer and batches; ``run()`` is one step of ``workload``:
-
-    * ``mlm``: a training step of ``BertForMaskedLM`` with AdamW: a hand loop for the unsharded model,
-      ``Trainer.train_step`` for shardlib's layouts (what a user runs);
-    * ``encoder``: forward and backward of ``BertModel`` with the loss ``last_hidden_state.pow(2).mean()``, no
-      optimizer, a hand loop for every layout (``benchmarks/tp_throughput.py``'s workload: the layers alone).
-
-    ``hand_loop``: a sharded model stepped by the hand loop instead of the Trainer (what the Trainer adds).
-    """
+    """One layout's model, optimizer and batches; :meth:`run` is one step of ``workload`` (module docstring),
+    :meth:`window` ``n`` of them (one ``Trainer.fit`` call for a ``_fit`` mode). ``hand_loop``: a sharded model
+    stepped by the hand loop instead of the Trainer (what the Trainer adds)."""
 
     def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm",
                  hand_loop: bool = False, layers: int | None = None, padding: float = 0.0):
@@ -130,27 +151,35 @@ class Step:
         import shardlib
 
         world, threads, options = MODES[mode]
+        layout, compiled = base_mode(mode), mode.endswith("_compiled")
+        if workload != "mlm" and mode.endswith(("_loop", "_fit")):
+            raise ValueError(f"{mode} times the Trainer: --workload mlm")
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        cls = transformers.BertForMaskedLM if workload == "mlm" else transformers.BertModel
-        model = cls(config(size, dropout, seq, layers))
-        vocab = model.config.vocab_size
-        self.data, self.i, self.world, self.workload = batches(4, batch, seq, vocab, padding), 0, world, workload
+        cls = "BertForMaskedLM" if workload == "mlm" else MODEL_CLASS[family(size)]
+        model = getattr(transformers, cls)(config(size, dropout, seq, layers))
+        if workload == "mlm":
+            self.data = batches(4, batch, seq, model.config.vocab_size, padding)
+        else:
+            self.data = encoder_batches(size, model.config, batch, seq, padding)
+        self.i, self.world, self.workload, self.batch = 0, world, workload, batch
         self.ring = options is not None and options.get("sequence_parallel") == "ring"
-        if workload == "encoder":
-            self.data = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in self.data]
+        self.fit, self.windowed = mode.endswith("_fit"), mode.endswith(("_loop", "_fit"))
         make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-5)  # noqa: E731
         self.trainer = self.optimizer = None
+        self.mesh = None
         if options is None:
             self.model = model
-            if workload == "mlm":
-                self.optimizer = make_optimizer(model.parameters())
         else:
-            mesh = shardlib.init_mesh(**MESH_OPTIONS.get(mode, {"tp": world}))
-            self.model = shardlib.shard(model, mesh, **options)
-            if workload == "mlm" and not hand_loop:
-                self.trainer = shardlib.Trainer(self.model, make_optimizer, **TRAINER_OPTIONS.get(mode, {}))
-            elif workload == "mlm":  # the sharded model in the unsharded model's hand loop
+            self.mesh = shardlib.init_mesh(**MESH_OPTIONS.get(layout, {"tp": world}))
+            self.model = shardlib.shard(model, self.mesh, **options)
+        if workload == "mlm" and options is not None and not hand_loop:
+            self.trainer = shardlib.Trainer(self.model, make_optimizer, compile=compiled,
+                                            **TRAINER_OPTIONS.get(layout, {}))
+        else:
+            if compiled:
+                shardlib.compile_model(self.model)
+            if workload == "mlm":
                 self.optimizer = make_optimizer(self.model.parameters())
 
     def run(self, keep_grads: bool = False) -> float:
@@ -160,7 +189,9 @@ class Step:
             return self.trainer.train_step(batch)
         if self.workload == "encoder":
             self.model.zero_grad(set_to_none=not keep_grads)
-            loss = self.model(**batch).last_hidden_state.float().pow(2).mean()
+            out = self.model(**batch)
+            states = (out.last_hidden_state, getattr(out, "encoder_last_hidden_state", None))
+            loss = sum(h.float().pow(2).mean() for h in states if h is not None)
             loss.backward()
             return loss.item()
         self.optimizer.zero_grad(set_to_none=True)
@@ -169,108 +200,29 @@ class Step:
         self.optimizer.step()
         return loss.item()
 
+    def window(self, n: int) -> None:
+        """``n`` steps: ``run`` ``n`` times, or for a ``_fit`` mode one ``Trainer.fit`` over an epoch of ``n``
+        global batches (the same samples, this rank's share of each as in the other layouts; shuffled, logging
+        every 10 steps, no checkpoints)."""
+        if not self.fit:
+            for _ in range(n):
+                self.run()
+            return
+        dp = self.mesh.dp if self.mesh is not None else 1
+        rows = [{k: v[i] for k, v in b.items()} for b in self.data for i in range(self.batch)]
+        samples = (rows * (n * dp // 4 + 1))[:n * self.batch * dp]
+        result = self.trainer.fit(samples, batch_size=self.batch * dp, max_steps=n, log_interval=10, progress=False)
+        assert len(result.losses) == n
+
 
 def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str,
           layers: int | None = None, padding: float = 0.0) -> Step:
     step = Step(mode, size, batch, seq, dropout, workload, layers=layers, padding=padding)
-    for _ in range(2):  # warm-up: allocator, optimizer state, first-call paths
+    for _ in range(2):  # warm-up: allocator, optimizer state, first-call paths (and compiling)
         step.run()
+    if step.fit:
+        step.window(2)  # fit's imports, DataLoader
     return step
-
-
-def _over_ranks(wall: float, cpu: float, faults: int, world: int) -> tuple[float, float, float]:
-    """(the slowest rank's wall seconds, the CPU seconds and minor page faults of all ranks together)."""
-    if world == 1:
-        return wall, cpu, float(faults)
-    t = torch.tensor([wall], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    c = torch.tensor([cpu, faults], dtype=torch.float64)
-    dist.all_reduce(c)
-    return float(t[0]), float(c[0]), float(c[1])
-
-
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def serve(step: Step, command: str, steps: int = 1, variants: str = ""):
-    if command == "time":  # the median step of ``steps``: (slowest rank's wall, all ranks' CPU time, page faults)
-        times = []
-        for _ in range(steps):
-            if step.world > 1:
-                dist.barrier()
-            start, cpu, faults = time.perf_counter(), time.process_time(), _minor_faults()
-            step.run()
-            times.append(_over_ranks(time.perf_counter() - start, time.process_time() - cpu,
-                                     _minor_faults() - faults, step.world))
-        return sorted(times)[len(times) // 2]
-    if command == "profile":
-        return profile_steps(step, steps)
-    if command == "peak":
-        return _long_sequence.peak_step(step)
-    if command == "switch":
-        return switched_steps(step, variants, steps)
-    raise ValueError(command)
-
-
-def switched_steps(step: Step, variants: str, pairs: int) -> dict[str, list[float]]:
-    """``pairs`` steps of each variant of ``_step_variants.SETS[variants]``, switched between consecutive steps
-    (order reversed every other pair, two warm-up steps each): {variant: [slowest rank's wall seconds]}."""
-    import _step_variants
-
-    chosen = _step_variants.SETS[variants]
-    names = list(chosen)
-    for name in names * 2:
-        chosen[name]()
-        step.run()
-    seconds = {name: [] for name in names}
-    for i in range(pairs):
-        for name in names if i % 2 == 0 else names[::-1]:
-            chosen[name]()
-            if step.world > 1:
-                dist.barrier()
-            start = time.perf_counter()
-            step.run()
-            seconds[name].append(_over_ranks(time.perf_counter() - start, 0.0, 0, step.world)[0])
-    chosen[names[0]]()
-    return seconds
-
-
-def profile_steps(step: Step, steps: int) -> dict:
-    """Milliseconds per step by category over ``steps`` profiled steps (this rank's), and the profiled wall."""
-    from torch.profiler import ProfilerActivity, profile
-
-    if step.world > 1:
-        dist.barrier()
-    with _long_sequence.RingProbe() if step.ring else contextlib.nullcontext() as ring, \
-            profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step.run()
-        wall = time.perf_counter() - start
-    totals = dict.fromkeys(ORDER, 0.0)
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        totals[_category(event)] += event.self_cpu_time_total / 1e3
-    accounted = sum(totals.values())
-    totals["host"] = max(0.0, wall * 1e3 - accounted + totals["host"])
-    return {"wall_ms": wall * 1e3 / steps, **{k: v / steps for k, v in totals.items()},
-            **({"ring": ring.summary(steps)} if ring else {})}
-
-
-def _category(event) -> str:
-    parent = event
-    while parent is not None:
-        if parent.name.startswith("Optimizer.step") or parent.name.startswith("Optimizer.zero_grad"):
-            return "optimizer"
-        if "CrossEntropy" in parent.name:  # shardlib's vocab-parallel cross-entropy (an autograd Function)
-            return "loss"
-        parent = parent.cpu_parent
-    for category, needles in CATEGORIES:
-        if any(n in event.name for n in needles):
-            return category
-    return "host"
 
 
 IN_PROCESS = {  # name: (shardlib at a world of one?, hand loop?)

@@ -1,25 +1,8 @@
-"""The one-GPU half of ``benchmarks/step_anatomy.py`` (``--gpu``): shardlib at a world of one against the hand loops a
-user writes without it, eager and compiled, bf16 and fp16 (dynamic loss scaling), BERT-base MLM at two batches,
-ViT-base and T5-base at one batch each.
-
-Each case (``CASES``) runs in its own process (``python benchmarks/_gpu_anatomy.py CASE JSON``), so its memory and
-compiled graphs start clean; the variants of one case live in that process together and are timed in interleaved
-rounds:
-
-* ``hand_eager``: the unsharded model, ``zero_grad(set_to_none=True)``, autocast forward, ``backward`` (through
-  ``torch.amp.GradScaler`` in fp16), ``AdamW.step``, ``loss.item()`` (a logging loop reads its loss every step);
-* ``trainer_eager``: the same weights through ``shardlib.shard`` at a world of one and
-  ``Trainer(precision=...).train_step`` (which returns the float loss, so it syncs once per step too);
-* ``hand_compiled`` / ``trainer_compiled``: the same over ``torch.compile(model)`` / ``Trainer(compile=True)``.
-
-A variant's first step is timed on its own (the compile time, for the compiled ones), then a few warm-up steps, then
-``rounds`` rounds of ``steps`` steps per variant (order reversed every other round; ``torch.cuda.synchronize`` at
-both ends of a window). Ratios are paired per round: hand / trainer (> 1: the Trainer is faster). Three profiled
-steps per variant give the GPU kernel time per step (the sum of every CUDA kernel's time), kernels per step and the
-counts of the aten ops the issue's profile named (bmm against SDPA, sums, mm/addmm, casts).
-
-``--cpu-test`` runs the same logic on the CPU with tiny models (to check the script before a device run); the case
-``bert-small-b8-fp32-cpu`` is the CPU's own world of one (the issue's BERT-small fp32 row, eager and compiled).
+"""The one-GPU half of ``benchmarks/step_anatomy.py --gpu``: shardlib at a world of one against the hand loop a user
+writes without it (zero_grad, autocast, backward through GradScaler in fp16, AdamW, ``loss.item()``), eager and
+compiled, one case of ``CASES`` per process (``python _gpu_anatomy.py CASE JSON [rounds steps] [--cpu-test]``): the
+first step (the compile) alone, 3 warm-up steps, ``rounds`` interleaved rounds of ``steps`` synchronized steps, then
+3 profiled steps (kernel time, ``OPS`` counts) and, eager, a host probe. ``--cpu-test``: tiny models on CPU.
 """
 
 from __future__ import annotations
@@ -49,14 +32,15 @@ CASES = {
     "t5-b16-bf16": ("t5", 16, "bf16", EAGER, "cuda"),
     "bert-b32-fp16-compiled": ("bert", 32, "fp16", ALL, "cuda"),
     "vit-b32-bf16-compiled": ("vit", 32, "bf16", ALL, "cuda"),
-    # the issue's CPU row: BERT-small MLM (4 layers, width 256), fp32, 8 x 128, one process with every core
-    "bert-small-b8-fp32-cpu": ("bert-small", 8, "fp32", ALL, "cpu"),
+    "bert-small-b8-fp32-cpu": ("bert-small", 8, "fp32", ALL, "cpu"),  # BERT-small MLM, fp32, 8 x 128, every core
 }
 OPS = ("aten::bmm", "aten::scaled_dot_product", "aten::sum", "aten::mm", "aten::addmm", "aten::_to_copy")
+SUMMARY_HEADER = ["case", "mode", "hand ms/step", "Trainer ms/step", "hand / Trainer (paired, median [range])",
+                  "first step s (hand / Trainer)", "kernel ms/step (hand / Trainer)", "Trainer / hand kernel time"]
 
 
 def build(family: str, batch: int, tiny: bool, device: str):
-    """(model, batches on ``device``): HF's base sizes (``tiny``: 2 layers, width 64), random weights, dropout on."""
+    """(model, 4 batches on ``device``): HF's base sizes (``tiny``: 2 layers of 64), random weights, dropout on."""
     import transformers
 
     g = torch.Generator().manual_seed(1)
@@ -64,26 +48,22 @@ def build(family: str, batch: int, tiny: bool, device: str):
     if family.startswith("bert"):  # the CPU anatomy's MLM batches (15% labelled) and BERT-small sizes
         from _anatomy_workload import SIZES, batches
 
-        sizes = SIZES["bert-small"] if family == "bert-small" else {}
-        cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else sizes))
-        model = transformers.BertForMaskedLM(cfg)
-        data = batches(4, batch, 32 if tiny else 128, cfg.vocab_size)
+        cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else SIZES["bert-small"]
+                                         if family == "bert-small" else {}))
+        model, data = transformers.BertForMaskedLM(cfg), batches(4, batch, 32 if tiny else 128, cfg.vocab_size)
     elif family == "vit":
         cfg = transformers.ViTConfig(num_labels=1000, **(dict(small, image_size=32, patch_size=8) if tiny else {}))
         model = transformers.ViTForImageClassification(cfg)
         data = [{"pixel_values": torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g),
                  "labels": torch.randint(0, 1000, (batch,), generator=g)} for _ in range(4)]
-    elif family == "t5":
-        sizes = dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, vocab_size=1000) if tiny else \
-            dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64)  # t5-base
-        cfg = transformers.T5Config(**sizes, decoder_start_token_id=0)
-        model = transformers.T5ForConditionalGeneration(cfg)
-        src, tgt = (32, 16) if tiny else (256, 64)
+    else:  # t5-base
+        cfg = transformers.T5Config(**(dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, vocab_size=1000)
+                                       if tiny else dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64)),
+                                    decoder_start_token_id=0)
+        model, (src, tgt) = transformers.T5ForConditionalGeneration(cfg), ((32, 16) if tiny else (256, 64))
         data = [{"input_ids": torch.randint(1, cfg.vocab_size, (batch, src), generator=g),
                  "attention_mask": torch.ones(batch, src, dtype=torch.long),
                  "labels": torch.randint(1, cfg.vocab_size, (batch, tgt), generator=g)} for _ in range(4)]
-    else:
-        raise ValueError(family)
     return model.to(device), [{k: v.to(device) for k, v in b.items()} for b in data]
 
 
@@ -95,17 +75,15 @@ class Variant:
 
         torch.manual_seed(0)
         model, self.data = build(family, batch, tiny, device)
-        self.i, self.device = 0, device
+        self.i, self.device, self.trainer = 0, device, None
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
         optimizer = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
         compiled = name.endswith("compiled")
-        self.trainer = None
         if name.startswith("trainer"):
             self.trainer = shardlib.Trainer(shardlib.shard(model, mesh), optimizer, precision=precision,
                                             compile=compiled)
         else:
-            self.model = torch.compile(model) if compiled else model
-            self.optimizer = optimizer(model.parameters())
+            self.model, self.optimizer = torch.compile(model) if compiled else model, optimizer(model.parameters())
             self.scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
 
     def step(self) -> float:
@@ -125,61 +103,52 @@ class Variant:
             self.scaler.update()
         return loss.detach().item()
 
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def window(variant: Variant, steps: int) -> float:
-    """Seconds per step over ``steps`` steps, synchronized at both ends."""
-    sync(variant.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        variant.step()
-    sync(variant.device)
-    return (time.perf_counter() - start) / steps
+    def window(self, steps: int) -> float:
+        """Seconds per step over ``steps`` steps, synchronized at both ends."""
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        self.sync()
+        return (time.perf_counter() - start) / steps
 
 
 def profiled(variant: Variant, steps: int = 3) -> dict:
-    """GPU kernel ms and kernels per step, wall ms per profiled step, and per step counts of the ``OPS``."""
+    """GPU kernel ms and kernels per step (the GPU spans of annotations, which hold idle time, left out), wall ms
+    per profiled step, per step counts of ``OPS``, the top kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if variant.device == "cuda" else [])
-    sync(variant.device)
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            variant.step()
-        sync(variant.device)
-        wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA  # the GPU-side spans of annotations
-               and not (getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer."))]  # hold idle time
-    kernel_us = sum(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0) for e in kernels)
-    counts = dict.fromkeys(OPS, 0)
-    for row in prof.key_averages():
-        for op in OPS:
-            if row.key == op or (op.endswith("dot_product") and row.key.startswith(op)):
-                counts[op] += row.count
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if variant.device == "cuda" else [])) \
+            as prof:
+        wall = variant.window(steps)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+               and not (getattr(e, "is_user_annotation", False) or e.name.startswith("Optimizer."))]
     by_name: dict = {}
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0) + getattr(e, "device_time_total", 0)
-    return {"kernel_ms": kernel_us / 1e3 / steps, "kernels": len(kernels) / steps, "wall_ms": wall * 1e3 / steps,
+    kernel_us = sum(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0) for e in kernels)
+    counts = {op: sum(row.count for row in prof.key_averages() if row.key == op or (
+        op.endswith("dot_product") and row.key.startswith(op))) for op in OPS}
+    return {"kernel_ms": kernel_us / 1e3 / steps, "kernels": len(kernels) / steps, "wall_ms": wall * 1e3,
             "ops": {k: v / steps for k, v in counts.items()},
             "top_kernels_ms": {k[:90]: v / 1e3 / steps for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:12]}}
 
 
 def host_probe(variant: Variant, steps: int = 10) -> dict:
-    """Where a variant's host time goes: the synchronizing CUDA calls of one step (``torch.cuda``'s sync debug mode:
-    where each was made) and a ``cProfile`` of ``steps`` steps (the 20 functions with the most own time, ms/step)."""
+    """Where a variant's host time goes: the synchronizing CUDA calls of one step (torch's sync debug mode: where each
+    was made) and a cProfile of ``steps`` steps (the 20 functions with the most own time, ms/step)."""
     import cProfile
     import pstats
     import warnings
 
     syncs: dict[str, int] = {}
     if variant.device == "cuda":
-        sync(variant.device)
+        variant.sync()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -192,11 +161,9 @@ def host_probe(variant: Variant, steps: int = 10) -> dict:
                 where = f"{os.path.basename(w.filename)}:{w.lineno}"
                 syncs[where] = syncs.get(where, 0) + 1
     profiler = cProfile.Profile()
-    sync(variant.device)
+    variant.sync()
     profiler.enable()
-    for _ in range(steps):
-        variant.step()
-    sync(variant.device)
+    variant.window(steps)
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ...)
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:20]
@@ -212,19 +179,18 @@ def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
     mesh = shardlib.init_mesh(backend="gloo" if device == "cpu" else None)
     result = {"case": case, "family": family, "batch": batch, "precision": precision, "device": device,
               "gpu": torch.cuda.get_device_name() if device == "cuda" else None, "torch": torch.__version__,
-              "first_step_s": {}, "seconds": {n: [] for n in names}, "profile": {}}
+              "first_step_s": {}, "seconds": {n: [] for n in names}, "profile": {}, "host_probe": {}}
     variants = {}
     for name in names:
         variants[name] = Variant(name, family, batch, precision, tiny, device, mesh)
-        result["first_step_s"][name] = window(variants[name], 1)  # the compile, for a compiled variant
-        window(variants[name], 3)  # warm-up: allocator, optimizer state, cuBLAS / autotuning
+        result["first_step_s"][name] = variants[name].window(1)  # the compile, for a compiled variant
+        variants[name].window(3)  # warm-up: allocator, optimizer state, cuBLAS / autotuning
         print(f"  {case} {name}: first step {result['first_step_s'][name]:.1f} s", flush=True)
     for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            result["seconds"][name].append(window(variants[name], steps))
+        for name in names[:: 1 if r % 2 == 0 else -1]:
+            result["seconds"][name].append(variants[name].window(steps))
         print(f"  {case} round {r + 1}: " + ", ".join(f"{n} {result['seconds'][n][-1] * 1e3:.2f} ms" for n in names),
               flush=True)
-    result["host_probe"] = {}
     for name in names:
         result["profile"][name] = profiled(variants[name])
         if not name.endswith("compiled"):
@@ -234,20 +200,16 @@ def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
     return result
 
 
-def ratios(result: dict, hand: str, trainer: str) -> list[float]:
-    """Per round: hand step time / trainer step time (> 1: the Trainer is faster)."""
-    return [h / t for h, t in zip(result["seconds"][hand], result["seconds"][trainer])]
-
-
 def summary_rows(results: list[dict]) -> list[list[str]]:
-    """One row per (case, eager or compiled): step times, the paired ratio, compile time, kernel time per step."""
+    """One row per (case, eager or compiled): step times, hand / trainer paired per round (> 1: the Trainer is
+    faster), the first steps, the kernel time per step."""
     rows = []
     for res in results:
         for kind in ("eager", "compiled"):
             hand, trainer = f"hand_{kind}", f"trainer_{kind}"
             if hand not in res["seconds"]:
                 continue
-            ratio = ratios(res, hand, trainer)
+            ratio = [h / t for h, t in zip(res["seconds"][hand], res["seconds"][trainer])]
             ph, pt = res["profile"][hand], res["profile"][trainer]
             rows.append([res["case"], kind, f"{1e3 * statistics.median(res['seconds'][hand]):.2f}",
                          f"{1e3 * statistics.median(res['seconds'][trainer]):.2f}",
@@ -258,11 +220,7 @@ def summary_rows(results: list[dict]) -> list[list[str]]:
     return rows
 
 
-SUMMARY_HEADER = ["case", "mode", "hand ms/step", "Trainer ms/step", "hand / Trainer (paired, median [range])",
-                  "first step s (hand / Trainer)", "kernel ms/step (hand / Trainer)", "Trainer / hand kernel time"]
-
-
-if __name__ == "__main__":  # one case in this process: python _gpu_anatomy.py CASE JSON [--cpu-test] [rounds steps]
+if __name__ == "__main__":  # one case in this process: python _gpu_anatomy.py CASE JSON [rounds steps] [--cpu-test]
     args = [a for a in sys.argv[1:] if a != "--cpu-test"]
     out = run_case(args[0], "--cpu-test" in sys.argv, int(args[2]) if len(args) > 2 else 7,
                    int(args[3]) if len(args) > 3 else 10)

@@ -1,5 +1,5 @@
-"""The workload of ``benchmarks/pipeline.py`` (its models, inputs, ranks and measurements); the script keeps its command line
-and its report. Pipeline schedules on CPU: GPipe vs 1F1B vs interleaved 1F1B against the bubble formula, pp=2 over gloo."""
+"""The ranks' side of ``benchmarks/pipeline.py``: its models, the timed cells of one pipeline split, each stage's
+compute alone (the ideal's t_s) and the bytes saved for backward (``SavedBytes``)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardlib  # noqa: E402
-from shardlib.train import Trainer  # noqa: E402
 
 from _harness import fmt_cores, machine_busy_s, status_kib, wait_idle  # noqa: E402
 
@@ -26,92 +22,62 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 IDLE_CORES = 0.1
-TARGET_M, TARGET_RATIO = 8, 1.15
 DEFAULT_SEQ = {"bert": 32, "t5": 16}  # what keeps the full sweep near 10 minutes on 2 cores
-BASE = {
-    "bert": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
-                 vocab_size=30522),
-    "t5": dict(num_layers=12, num_decoder_layers=12, d_model=768, d_kv=64, num_heads=12, d_ff=3072,
-               vocab_size=32128),
-}
-TINY = {  # --quick
-    "bert": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=1000),
-    "t5": dict(num_layers=4, num_decoder_layers=4, d_model=64, d_kv=16, num_heads=4, d_ff=256, vocab_size=1000),
-}
+BASE = {"bert": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                     vocab_size=30522),
+        "t5": dict(num_layers=12, num_decoder_layers=12, d_model=768, d_kv=64, num_heads=12, d_ff=3072,
+                   vocab_size=32128)}
+TINY = {"bert": dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                     vocab_size=1000),
+        "t5": dict(num_layers=4, num_decoder_layers=4, d_model=64, d_kv=16, num_heads=4, d_ff=256, vocab_size=1000)}
 
 
-# ------------------------------------------------------------------------------------------------- models
 def model_config(name: str, quick: bool, layers: int | None):
     from transformers import BertConfig, T5Config
 
     fields = dict((TINY if quick else BASE)[name])
     if name == "bert":
-        if layers:
-            fields["num_hidden_layers"] = layers
+        fields.update({"num_hidden_layers": layers} if layers else {})
         return BertConfig(**fields, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    if layers:
-        fields.update(num_layers=layers, num_decoder_layers=layers)
+    fields.update(dict(num_layers=layers, num_decoder_layers=layers) if layers else {})
     return T5Config(**fields, dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
                     decoder_start_token_id=0)
 
 
-def describe(name: str, config, batch: int, seq: int) -> str:
+def describe(name: str, c, batch: int, seq: int) -> str:
     if name == "bert":
-        return (f"BertForMaskedLM: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                f"{config.num_attention_heads} heads, intermediate {config.intermediate_size}, vocab "
-                f"{config.vocab_size}; batch {batch} x {seq} tokens")
-    return (f"T5ForConditionalGeneration: {config.num_layers} + {config.num_decoder_layers} layers, d_model "
-            f"{config.d_model}, {config.num_heads} heads, d_ff {config.d_ff}, vocab {config.vocab_size}; batch {batch} "
-            f"x ({seq} encoder + {seq} decoder) tokens")
-
-
-def build_model(name: str, config):
-    from transformers import BertForMaskedLM, T5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = (BertForMaskedLM if name == "bert" else T5ForConditionalGeneration)(config)
-    return model.train()
+        return (f"BertForMaskedLM: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} "
+                f"heads, intermediate {c.intermediate_size}, vocab {c.vocab_size}; batch {batch} x {seq} tokens")
+    return (f"T5ForConditionalGeneration: {c.num_layers} + {c.num_decoder_layers} layers, d_model {c.d_model}, "
+            f"{c.num_heads} heads, d_ff {c.d_ff}, vocab {c.vocab_size}; batch {batch} x ({seq} encoder + {seq} "
+            "decoder) tokens")
 
 
 def make_batch(config, batch: int, seq: int) -> dict:
-    """The first entry is the first stage's positional input (Trainer takes the first tensor)."""
+    """``input_ids`` first: the Trainer takes the first tensor as the first stage's positional input."""
     g = torch.Generator().manual_seed(1)
     return dict(input_ids=torch.randint(1, config.vocab_size, (batch, seq), generator=g),
                 attention_mask=torch.ones(batch, seq, dtype=torch.long),
                 labels=torch.randint(1, config.vocab_size, (batch, seq), generator=g))
 
 
-# ------------------------------------------------------------------------------------------------- helpers
 def all_reduce(values, op=dist.ReduceOp.SUM) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return t.tolist()
 
 
-class LoadMeter:
-    """Foreign CPU use (cores) over a window: the machine's busy time minus both ranks' own CPU time."""
-
-    def __enter__(self):
-        self.busy, self.own, self.wall = machine_busy_s(), time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.busy = machine_busy_s() - self.busy
-        self.own = time.process_time() - self.own
-        self.wall = time.perf_counter() - self.wall
-
-    def foreign(self) -> float | None:
-        own = all_reduce([self.own])[0]
-        busy = all_reduce([self.busy if dist.get_rank() == 0 else 0.0])[0]
-        wall = all_reduce([self.wall], dist.ReduceOp.MAX)[0]
-        return max(0.0, (busy - own) / wall) if wall >= 0.5 else None  # /proc/stat ticks are 10 ms
+def per_rank(value: float) -> list[float]:
+    """[rank 0's value, rank 1's value] on every rank."""
+    return all_reduce([value if r == dist.get_rank() else 0.0 for r in range(dist.get_world_size())])
 
 
 class SavedBytes:
-    """``saved_tensors_hooks`` that count the bytes of the storages saved for backward and alive at once."""
+    """``saved_tensors_hooks`` counting the bytes of the storages saved for backward and alive at once (``peak``);
+    a storage counts once, parameters (``skip``) not at all."""
 
-    def __init__(self, skip_ptrs: set[int]):
-        self.skip, self.live, self.current, self.peak = skip_ptrs, {}, 0, 0
+    def __init__(self, skip: set[int]):
+        self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
 
     def pack(self, t: torch.Tensor):
         try:
@@ -121,18 +87,12 @@ class SavedBytes:
             key, nbytes = ("id", id(t)), t.numel() * t.element_size()
         if key in self.skip or nbytes == 0:
             return _Holder(t, None, None)
-        entry = self.live.get(key)
-        if entry is None:
-            self.live[key] = [1, nbytes]
+        entry = self.live.setdefault(key, [0, nbytes])
+        entry[0] += 1
+        if entry[0] == 1:
             self.current += nbytes
             self.peak = max(self.peak, self.current)
-        else:
-            entry[0] += 1
         return _Holder(t, self, key)
-
-    @staticmethod
-    def unpack(holder):
-        return holder.tensor
 
     def release(self, key) -> None:
         entry = self.live[key]
@@ -142,10 +102,11 @@ class SavedBytes:
             del self.live[key]
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda holder: holder.tensor)
 
 
 class _Holder:
+    """A saved tensor; its counter forgets the storage once autograd has dropped every holder of it."""
     __slots__ = ("tensor", "counter", "key")
 
     def __init__(self, tensor, counter, key):
@@ -156,8 +117,9 @@ class _Holder:
             self.counter.release(self.key)
 
 
-def rss_growth(fn) -> float | None:
-    """Peak RSS during ``fn()`` minus RSS before it (bytes), or None where VmHWM cannot be reset."""
+def rss_growth(fn) -> float:
+    """Peak RSS during ``fn()`` less the RSS before it (bytes; after ``malloc_trim``), -1 where VmHWM cannot be
+    reset."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -166,7 +128,7 @@ def rss_growth(fn) -> float | None:
             f.write("5")
     except OSError:
         fn()
-        return None
+        return -1.0
     fn()
     return (status_kib("VmHWM") - before) * 1024.0
 
@@ -175,20 +137,23 @@ def parameter_storages(model) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters() if not p.is_meta}
 
 
-# ------------------------------------------------------------------------------------------------- stages alone
-def capture_inputs(split) -> tuple[dict, list]:
-    """Record each local stage's last real inputs (one microbatch): {stage index: (args, kwargs)}."""
-    store: dict = {}
-
-    def clone(v):
-        return v.detach().clone() if torch.is_tensor(v) else v
-
-    def hook(module, args, kwargs):
-        if any(torch.is_tensor(v) and v.is_meta for v in (*args, *kwargs.values())):
-            return
-        store[module.index] = (tuple(clone(a) for a in args), {k: clone(v) for k, v in kwargs.items()})
-
-    return store, [m.register_forward_pre_hook(hook, with_kwargs=True) for m in split.stage_modules]
+def measure_quietly(fn, args, log):
+    """``fn()`` (the same timed measurement on both ranks) and the cores other processes used meanwhile (the
+    machine's busy time less both ranks' CPU; None under 0.5 s); above IDLE_CORES, wait for quiet and measure again,
+    up to ``args.retries`` times."""
+    for attempt in range(args.retries + 1):
+        busy, own, wall = machine_busy_s(), time.process_time(), time.perf_counter()
+        result = fn()
+        busy, own, wall = machine_busy_s() - busy, time.process_time() - own, time.perf_counter() - wall
+        own, busy = all_reduce([own])[0], all_reduce([busy if dist.get_rank() == 0 else 0.0])[0]
+        wall = all_reduce([wall], dist.ReduceOp.MAX)[0]
+        foreign = max(0.0, (busy - own) / wall) if wall >= 0.5 else None  # /proc/stat ticks are 10 ms
+        if foreign is None or foreign <= IDLE_CORES or attempt == args.retries:
+            return result, foreign
+        log(f"    (other processes used {foreign:.2f} cores meanwhile: waiting for quiet, then measuring again)")
+        if dist.get_rank() == 0:
+            wait_idle(min(args.wait_idle, 60.0), IDLE_CORES)
+        dist.barrier()
 
 
 def run_stage_alone(module, args: tuple, kwargs: dict) -> None:
@@ -203,36 +168,19 @@ def run_stage_alone(module, args: tuple, kwargs: dict) -> None:
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
-def measure_quietly(fn, args, log):
-    """Run ``fn()`` (a timed measurement, the same on both ranks) while metering the other processes' CPU use; when
-    it was above IDLE_CORES, wait for the machine to go quiet and measure again (up to ``--retries`` times). Returns
-    (result, foreign cores of the kept measurement)."""
-    for attempt in range(args.retries + 1):
-        with LoadMeter() as meter:
-            result = fn()
-        foreign = meter.foreign()
-        if foreign is None or foreign <= IDLE_CORES or attempt == args.retries:
-            return result, foreign
-        log(f"    (other processes used {foreign:.2f} cores meanwhile: waiting for quiet, then measuring again)")
-        if dist.get_rank() == 0:
-            wait_idle(min(args.wait_idle, 60.0), IDLE_CORES)
-        dist.barrier()
-
-
 def time_stages(model, split, captured: dict, args, log) -> dict:
-    """Per stage (all stages, gathered over the ranks), for one microbatch: bytes saved for backward ("saved"),
-    median fwd+bwd ms with both ranks computing at once ("together") and with one rank at a time ("alone"), and
-    the other processes' CPU use while each was timed ("together_foreign", "alone_foreign")."""
-    saved = {}
-    skip = parameter_storages(model)
-    for module in split.stage_modules:  # warm-up; counting hooks cost time, so this untimed run measures memory
+    """Per stage (gathered over the ranks), for one microbatch: the bytes saved for backward ("saved"), the median
+    fwd+bwd ms with both ranks computing at once ("together") and one rank at a time ("alone"), and the cores other
+    processes used while each was timed ("together_foreign", "alone_foreign")."""
+    saved, skip = {}, parameter_storages(model)
+    for module in split.stage_modules:  # the warm-up: counting hooks cost time, so this untimed run counts bytes
         dist.barrier()
         counter = SavedBytes(skip)
         with counter.hooks():
             run_stage_alone(module, *captured[module.index])
         saved[module.index] = counter.peak
 
-    def timed(together: bool):
+    def timed(together: bool) -> dict:
         times = {m.index: [] for m in split.stage_modules}
         for _ in range(args.stage_repeats):
             for module in split.stage_modules:
@@ -247,28 +195,29 @@ def time_stages(model, split, captured: dict, args, log) -> dict:
     n = split.num_stages
     result = {"saved": all_reduce([float(saved.get(s, 0)) for s in range(n)])}
     for key, together in (("together", True), ("alone", False)):
-        times, foreign = measure_quietly(lambda: timed(together), args, log)
+        times, result[key + "_foreign"] = measure_quietly(lambda: timed(together), args, log)
         result[key] = all_reduce([statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)])
-        result[key + "_foreign"] = foreign
     return result
 
 
-# ------------------------------------------------------------------------------------------------- one split
 def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, log) -> dict:
-    """All cells of the schedules that use ``stages_per_rank=spr`` on one freshly sharded model."""
-    model = shardlib.shard(build_model(name, config), mesh, stages_per_rank=spr)
+    """Every cell of the schedules that use ``stages_per_rank=spr``, on one freshly sharded model: per
+    (schedule, m) the step times (a step: ``forward_backward`` of the global batch between barriers, the slower
+    rank's), per m the stages alone, at ``args.memory_m`` the peak saved bytes and RSS growth per schedule."""
+    from transformers import BertForMaskedLM, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = (BertForMaskedLM if name == "bert" else T5ForConditionalGeneration)(config).train()
+    model = shardlib.shard(model, mesh, stages_per_rank=spr)
     split = shardlib.shard_state(model).pipeline
     out = {"plan": [list(s) for s in split.plan.layers], "cells": {}, "stages": {}, "mem": {}}
     trainers: dict = {}
+    cpu: list[float] = []  # this rank's main-thread CPU time per step: its compute (waits on gloo are idle)
 
     def trainer(sched, m):
-        if (sched, m) not in trainers:
-            trainers[(sched, m)] = Trainer(model, None, microbatches=m, schedule=sched)
-        return trainers[(sched, m)]
+        return trainers.setdefault((sched, m), shardlib.Trainer(model, None, microbatches=m, schedule=sched))
 
-    cpu: list[float] = []  # this rank's main-thread CPU time of each step: its compute (waits on gloo are idle)
-
-    def step(tr):
+    def step(tr) -> float:
         tr.zero_grad()
         dist.barrier()
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -277,7 +226,14 @@ def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, l
         return time.perf_counter() - t0
 
     for m in microbatches:
-        captured, handles = capture_inputs(split)  # the first step at this m records one microbatch's inputs
+        captured: dict = {}  # the first step at this m records each local stage's inputs of one microbatch
+
+        def capture(module, a, kw):
+            if not any(torch.is_tensor(v) and v.is_meta for v in (*a, *kw.values())):
+                clone = lambda v: v.detach().clone() if torch.is_tensor(v) else v  # noqa: E731
+                captured[module.index] = (tuple(map(clone, a)), {k: clone(v) for k, v in kw.items()})
+
+        handles = [s.register_forward_pre_hook(capture, with_kwargs=True) for s in split.stage_modules]
         for sched in schedules:
             tr = trainer(sched, m)
             try:  # torch refuses some combinations when the schedule is built, before any communication
@@ -298,26 +254,23 @@ def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, l
 
             times, foreign = measure_quietly(timed, args, log)
             times = all_reduce(times, dist.ReduceOp.MAX)  # a step lasts until its slower rank is done
-            busy = all_reduce([statistics.median(cpu) * 1e3 if r == dist.get_rank() else 0.0 for r in range(2)])
+            busy = per_rank(statistics.median(cpu) * 1e3)
             first = all_reduce([first], dist.ReduceOp.MAX)[0]
             out["cells"][(sched, m)] = {"times": times, "first": first, "foreign": foreign, "cpu_ms": busy}
-            log(f"  {TITLES[sched]:<17} m={m:<3} median {statistics.median(times) * 1e3:8.1f} ms  "
-                f"(CPU per rank {busy[0]:.0f} / {busy[1]:.0f} ms; first step {first * 1e3:.0f} ms; others' CPU "
-                f"{fmt_cores(foreign)})")
+            log(f"  {TITLES[sched]:<17} m={m:<3} median {statistics.median(times) * 1e3:8.1f} ms  (CPU per rank "
+                f"{busy[0]:.0f} / {busy[1]:.0f} ms; first step {first * 1e3:.0f} ms; others' CPU {fmt_cores(foreign)})")
         for h in handles:
             h.remove()
         if len(captured) == len(split.stage_modules):
             model.zero_grad(set_to_none=True)
             out["stages"][m] = r = time_stages(model, split, captured, args, log)
-            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in r["together"])
-                + " ms per microbatch, both ranks at once (one rank at a time: "
-                + " / ".join(f"{t:.1f}" for t in r["alone"]) + f"; others' CPU {fmt_cores(r['together_foreign'])}"
-                f", {fmt_cores(r['alone_foreign'])})")
+            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in r["together"]) + " ms per "
+                "microbatch, both ranks at once (one rank at a time: " + " / ".join(f"{t:.1f}" for t in r["alone"])
+                + f"; others' CPU {fmt_cores(r['together_foreign'])}, {fmt_cores(r['alone_foreign'])})")
         del captured
     mm = args.memory_m
     for sched in schedules:
-        cell = out["cells"].get((sched, mm))
-        if cell is None or "error" in cell:
+        if "times" not in out["cells"].get((sched, mm), {}):
             continue
         tr = trainer(sched, mm)
         tr.zero_grad()
@@ -329,12 +282,9 @@ def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, l
 
         dist.barrier()
         growth = rss_growth(run)
-        peak = all_reduce([counter.peak if r == dist.get_rank() else 0.0 for r in range(2)])
-        mine = -1.0 if growth is None else growth
-        rss = all_reduce([mine if r == dist.get_rank() else 0.0 for r in range(2)])
-        rss = None if min(rss) < 0 else rss
-        out["mem"][sched] = {"saved": peak, "rss": rss}
-        log(f"  memory           {TITLES[sched]:<17} m={mm}: peak saved " + " / ".join(_mib(x) for x in peak)
+        peak, rss = per_rank(counter.peak), per_rank(growth)
+        out["mem"][sched] = {"saved": peak, "rss": None if min(rss) < 0 else rss}
+        log(f"  memory           {TITLES[sched]:<17} m={mm}: peak saved " + " / ".join(mib(x) for x in peak)
             + " (rank 0 / rank 1)")
     trainers.clear()
     del model, split
@@ -342,6 +292,5 @@ def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, l
     return out
 
 
-# ------------------------------------------------------------------------------------------------- report
-def _mib(x: float) -> str:
+def mib(x: float) -> str:
     return f"{x / 2**20:.1f} MiB"

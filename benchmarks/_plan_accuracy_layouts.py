@@ -1,15 +1,12 @@
-"""The models, generated batches and layouts that ``benchmarks/plan_accuracy.py`` measures (the ranks and the
-measurements are ``benchmarks/_plan_accuracy_workload.py``).
-
-Every layout of a model does the same global work: ``GLOBAL_BATCH`` sequences of ``SEQ`` tokens per optimizer step,
-split into ``dp`` shares of ``microbatches`` microbatches (``Layout.batch = global / (dp * microbatches)``).
-"""
+"""The models, generated batches and layouts ``benchmarks/plan_accuracy.py`` measures. Every layout of 4 ranks does
+the same global work: ``GLOBAL_BATCH`` sequences of ``SEQ`` tokens per step, in dp shares of ``microbatches``."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from shardlib.analysis.layout import Layout  # noqa: E402  (no torch import)
@@ -21,9 +18,9 @@ MLM_PROB = 0.15  # share of the MLM positions that carry a label (the rest are -
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One measured model: its transformers class and config (``config_kwargs``; ``layers_key`` names the layer
-    counts that ``layers`` overrides), its task (``"mlm"``: BertForMaskedLM, ``"seq2seq"``: T5 with labels of
-    ``dec_seq`` tokens), its head count (the tp x sp divisibility) and its default layer count."""
+    """A transformers class and config (``layers_keys``: the layer counts ``layers`` overrides), its task ("mlm",
+    "causal", "seq2seq" with labels of ``dec_seq`` tokens, "image"), the heads tp x sp must divide, its default layers,
+    and whether all-to-all SP applies (a hand policy lists the attention modules; an inferred plan lists none)."""
 
     cls: str
     config_cls: str
@@ -33,16 +30,13 @@ class ModelSpec:
     layers: int
     layers_keys: tuple[str, ...] = ("num_hidden_layers",)
     dec_seq: int = 0
-    extra: dict = field(default_factory=dict)
     all_to_all: bool = True
 
     def config(self, layers: int | None = None):
-        """The transformers config, with ``layers`` layers per stack (default: ``self.layers``)."""
         import transformers
 
         n = self.layers if layers is None else layers
-        kwargs = dict(self.config_kwargs, **{k: n for k in self.layers_keys})
-        return getattr(transformers, self.config_cls)(**kwargs)
+        return getattr(transformers, self.config_cls)(**dict(self.config_kwargs, **{k: n for k in self.layers_keys}))
 
     @property
     def vocab(self) -> int:
@@ -50,42 +44,37 @@ class ModelSpec:
 
 
 _BERT = dict(max_position_embeddings=512, type_vocab_size=2)
+_T5 = dict(d_kv=64, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 MODELS: dict[str, ModelSpec] = {
-    # BERT at hidden 256 (the project's "small" BERT, tp_throughput.py), MLM head over an 8192-token vocabulary
+    # BERT at hidden 256 (the "small" BERT of tp_throughput.py) and at BERT-base widths, 4 layers each, MLM heads
     "bert-256": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=256, num_attention_heads=4,
                           intermediate_size=1024, vocab_size=8192), "mlm", heads=4, layers=4),
-    # BERT-base widths (hidden 768, 12 heads, the 30522 vocabulary), 4 layers
     "bert-768": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=768, num_attention_heads=12,
                           intermediate_size=3072, vocab_size=30522), "mlm", heads=12, layers=4),
-    # T5-small widths (d_model 512, d_ff 2048, 8 heads of 64), 2 encoder + 2 decoder layers (4 + 4 takes too long
-    # on 2 cores), 8192 vocabulary, decoder as long as the encoder (the dry run's T5 batch: labels of --seq tokens)
-    "t5-small": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(
-        d_model=512, d_kv=64, d_ff=2048, num_heads=8, vocab_size=8192, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=1), "seq2seq", heads=8, layers=2, layers_keys=("num_layers", "num_decoder_layers"),
-        dec_seq=SEQ),
-    # a small Llama sharded by its inferred plan (no hand policy): hidden 256, 4 query heads over 2 key/value heads
-    # (``heads``: the 2 that tp x sp must divide), SwiGLU 688, tied embeddings, 8192 vocabulary; next-token labels
+    # T5-small widths, 2 + 2 layers (4 + 4 takes too long on 2 cores), the decoder as long as the encoder
+    "t5-small": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(_T5, d_model=512, d_ff=2048, num_heads=8,
+                          vocab_size=8192), "seq2seq", heads=8, layers=2,
+                          layers_keys=("num_layers", "num_decoder_layers"), dec_seq=SEQ),
+    # a small Llama sharded by its inferred plan: 4 query heads over 2 key/value heads (tp x sp must divide 2)
     "llama-256": ModelSpec("LlamaForCausalLM", "LlamaConfig", dict(
         hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=8192,
         max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0), "causal", heads=2, layers=4,
         all_to_all=False),
-    # the three models issue 36 names for one GPU (plan_accuracy_gpu.py): ViT-base (224 px, 1000 classes), BERT-large
-    # widths (24 layers, hidden 1024, sequence 512 by --seq) and T5-base (12 + 12 layers, d_model 768; the decoder as
-    # long as the encoder, as the dry run's T5 batch)
+    # the one-GPU models (--world 1): ViT-base (224 px, 1000 classes), BERT-large widths, T5-base (12 + 12)
     "vit-base": ModelSpec("ViTForImageClassification", "ViTConfig", dict(num_labels=1000), "image", heads=12,
                           layers=12),
     "bert-large": ModelSpec("BertForMaskedLM", "BertConfig", dict(_BERT, hidden_size=1024, num_attention_heads=16,
                             intermediate_size=4096, vocab_size=30522), "mlm", heads=16, layers=24),
-    "t5-base": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(
-        d_model=768, d_kv=64, d_ff=3072, num_heads=12, vocab_size=32128, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=1), "seq2seq", heads=12, layers=12, layers_keys=("num_layers", "num_decoder_layers")),
+    "t5-base": ModelSpec("T5ForConditionalGeneration", "T5Config", dict(_T5, d_model=768, d_ff=3072, num_heads=12,
+                         vocab_size=32128), "seq2seq", heads=12, layers=12,
+                         layers_keys=("num_layers", "num_decoder_layers")),
 }
 
 
 def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
-    """A generated global batch of ``n`` examples for ``spec``'s task, the same on every rank for one ``seed``:
-    random token ids, a full attention mask, and MLM labels at ``MLM_PROB`` of the positions (-100 elsewhere), a
-    causal LM's (its inputs), T5 labels of ``spec.dec_seq`` tokens (0: ``seq``), or images and class labels."""
+    """A global batch of ``n`` examples, the same on every rank for one ``seed``: random token ids, a full mask, and
+    MLM labels at ``MLM_PROB`` of the positions (each example at least one), next-token labels (causal), T5 labels
+    of ``dec_seq`` tokens (0: ``seq``), or images and class labels."""
     import torch
 
     g = torch.Generator().manual_seed(1000 + seed)
@@ -97,7 +86,7 @@ def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
     batch = {"input_ids": ids, "attention_mask": torch.ones(n, seq, dtype=torch.long)}
     if spec.task == "mlm":
         labelled = torch.rand(n, seq, generator=g) < MLM_PROB
-        labelled[:, 0] = True  # every example carries at least one label
+        labelled[:, 0] = True
         batch["labels"] = torch.where(labelled, ids, torch.full_like(ids, -100))
     elif spec.task == "causal":
         batch["labels"] = ids.clone()
@@ -127,37 +116,34 @@ _CANDIDATES = [
 
 
 def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str | None:
-    """Why ``layout`` cannot run ``spec`` at ``layers`` layers per stack on ``world`` ranks, else None. The checks
-    of shardlib and torch that depend on the layout alone: heads divisible by tp x sp (docs/sequence-parallel.md),
-    ``check_zero`` (zero needs dp > 1), a layer per pipeline stage (``pipeline/stages.py``; T5's
-    trunk is encoder + decoder), torch's 1F1B refusing fewer microbatches than stages (only at the first step:
-    the Trainer accepts it; measured), the global batch split; and what this module's layouts mean (sp > 1 is
-    all_to_all, megatron needs tp > 1). Every candidate below ran under the Trainer for every model of MODELS at
-    its default layers (and T5 at 2 + 2)."""
-    if layout.world != world:
-        return f"{layout.world} ranks, not {world}"
-    if spec.heads % (layout.tp * layout.sp):
-        return f"{spec.heads} heads % (tp {layout.tp} x sp {layout.sp})"
-    if layout.sequence_parallel == "all_to_all" and not spec.all_to_all:
-        return "all-to-all SP wraps the attention modules a hand policy lists (an inferred plan lists none)"
-    if (layout.sp > 1) != (layout.sequence_parallel == "all_to_all"):
-        return "sp > 1 is all_to_all sequence parallelism, and all_to_all needs sp > 1"
-    if layout.sequence_parallel == "megatron" and layout.tp == 1:
-        return "megatron sequence parallelism runs on the tp group"
-    if layout.zero and layout.dp == 1:
-        return "zero needs dp > 1"
-    if layout.pp > 1 and layout.pp > layers * (2 if spec.task == "seq2seq" else 1):
-        return f"{layout.pp} stages from {layers} layers"
-    if layout.pp > 1 and layout.schedule != "gpipe" and layout.microbatches < layout.pp:
-        return f"{layout.schedule} needs microbatches >= stages (torch's schedule, at the first step)"
-    if GLOBAL_BATCH % (layout.dp * layout.microbatches):
-        return f"global batch {GLOBAL_BATCH} % (dp x microbatches)"
-    return None
+    """Why ``layout`` cannot run ``spec`` at ``layers`` layers per stack on ``world`` ranks (the checks of shardlib
+    and torch that depend on the layout alone, and what these layouts mean: sp > 1 is all_to_all, megatron needs
+    tp > 1), else None."""
+    checks = [
+        (layout.world != world, f"{layout.world} ranks, not {world}"),
+        (spec.heads % (layout.tp * layout.sp), f"{spec.heads} heads % (tp {layout.tp} x sp {layout.sp})"),
+        (layout.sequence_parallel == "all_to_all" and not spec.all_to_all,
+         "all-to-all SP wraps the attention modules a hand policy lists (an inferred plan lists none)"),
+        ((layout.sp > 1) != (layout.sequence_parallel == "all_to_all"),
+         "sp > 1 is all_to_all sequence parallelism, and all_to_all needs sp > 1"),
+        (layout.sequence_parallel == "megatron" and layout.tp == 1,
+         "megatron sequence parallelism runs on the tp group"),
+        (layout.zero and layout.dp == 1, "zero needs dp > 1"),
+        (layout.pp > 1 and layout.pp > layers * (2 if spec.task == "seq2seq" else 1),
+         f"{layout.pp} stages from {layers} layers"),
+        (layout.pp > 1 and layout.schedule != "gpipe" and layout.microbatches < layout.pp,
+         f"{layout.schedule} needs microbatches >= stages (torch's schedule, at the first step)"),
+        (GLOBAL_BATCH % (layout.dp * layout.microbatches), f"global batch {GLOBAL_BATCH} % (dp x microbatches)")]
+    return next((why for failed, why in checks if failed), None)
 
 
 def layouts(model_name: str, world: int = 4, layers: int | None = None) -> list[Layout]:
-    """The measured layouts of ``model_name`` on ``world`` ranks: the candidates above that shardlib accepts for
-    this model (21 for each of MODELS at its default layers)."""
+    """The candidates above that shardlib accepts for ``model_name`` on ``world`` ranks (21 for each of MODELS)."""
     spec = MODELS[model_name]
-    n = spec.layers if layers is None else layers
-    return [lay for lay in _CANDIDATES if refusal(lay, spec, n, world) is None]
+    return [lay for lay in _CANDIDATES if refusal(lay, spec, spec.layers if layers is None else layers, world) is None]
+
+
+def one_device_layouts(batches=(8, 32), seq=SEQ, precisions=("fp32", "bf16", "fp16"), checkpointing=(False, True)):
+    """The layouts of one device: microbatch size x precision x activation checkpointing."""
+    return [Layout(batch=b, seq=seq, precision=p, activation_checkpointing=c)
+            for b, p, c in itertools.product(batches, precisions, checkpointing)]

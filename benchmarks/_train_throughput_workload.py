@@ -1,5 +1,5 @@
-"""The workload of ``benchmarks/train_throughput.py`` (its models, inputs, ranks and measurements); the script keeps its command line
-and its report. Training throughput, TorchAcc style: eager + torch DDP (the baseline) against shardlib's layouts under."""
+"""The workload of ``benchmarks/train_throughput.py``: its modes, data, model, the eager / DDP loop, shardlib's
+``fit`` and the ranks that run them (one fresh set per mode)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # quiet and offline, here and in the spawned ranks
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+import _checkout  # noqa: E402,F401  (shardlib importable from a plain checkout, as on the GPU machine)
 from _harness import machine_busy_s, run_rank  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,28 +71,16 @@ _CPU = [Mode("eager", "eager, 1 process (reference)", "eager", 1),
         Mode("pp2", "shardlib pp=2", "shardlib", 2, dict(pp=2)),
         Mode("ddp4", "eager + DDP, 4 ranks (oversubscribed)", "eager", 4),
         Mode("dp4", "shardlib dp=4 (4 ranks: oversubscribed)", "shardlib", 4, dict(dp=4))]
-
-
 _GPU = [Mode("eager", "eager (baseline)", "eager", 1),
         Mode("shardlib", "shardlib tp=1", "shardlib", 1),
         Mode("shardlib_compiled", "shardlib tp=1 compiled", "shardlib", 1, compile=True),
         Mode("shardlib_kernels_compiled", "shardlib tp=1 + kernels, compiled", "shardlib", 1, compile=True,
              kernels=True)]
-
-
 MODES = {"cpu": {m.name: m for m in _CPU}, "cuda": {m.name: m for m in _GPU}}
-
-
 BASELINE = {"cpu": "ddp", "cuda": "eager"}
-
-
 DEFAULT_MODES = {"cpu": ("eager", "ddp", "tp2", "tp2_sp", "dp2", "dp2_tp2", "pp2", "tp2_compiled"),
                  "cuda": tuple(m.name for m in _GPU)}
-
-
 QUICK_MODES = ("eager", "ddp", "tp2", "tp2_sp", "dp2", "pp2")
-
-
 DEFAULT_PRECISIONS = {"cpu": "fp32,bf16", "cuda": "fp32,bf16,fp16"}
 
 

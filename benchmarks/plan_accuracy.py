@@ -1,140 +1,149 @@
-"""How right is `shardlib plan`? Every layout of BERT (hidden 256 and 768) and a T5-small-sized model on 4 gloo
-ranks: the cost model's prediction (the layout search's own pricing, shardlib.analysis.search.price, with a
-profile of this machine) beside the measured peak RSS growth per rank and median step time of
-``Trainer.train_step``, in one run.
+"""How right is `shardlib plan`? The cost model's prediction (``shardlib.analysis.search.price`` with a profile of this
+machine) beside the measured peak memory and step time of ``Trainer.train_step``, every layout, in one run.
 
-    python benchmarks/plan_accuracy.py                      # calibrate, then every model, 3 interleaved rounds
-    python benchmarks/plan_accuracy.py --models bert-256 --rounds 3 --profile prof.json
-    python benchmarks/plan_accuracy.py --models bert-256 --only pp2       # the pipeline layouts alone
-    python benchmarks/plan_accuracy.py --models t5-small --where "zero2 ckpt" --profile prof.json
-                                             # where one layout's peak comes from: predicted terms, live storages
+    python benchmarks/plan_accuracy.py                       # calibrate 4 ranks; bert-256, bert-768, t5-small
+    python benchmarks/plan_accuracy.py --models bert-256 --only pp2 --profile prof.json   # the pipeline layouts
+    python benchmarks/plan_accuracy.py --models t5-small --where "zero2 ckpt"   # one layout's peak, term by term
+    python benchmarks/plan_accuracy.py --reprice JSON [--profile P]   # an earlier run priced again (CPU or GPU)
+    python benchmarks/plan_accuracy.py --device cuda --models bert-768 --layers 12   # one GPU (BERT-base)
+    .venv/bin/python benchmarks/plan_accuracy.py --quick     # smoke run: quick calibration, bert-256 dp4, 1 round
 
-Targets (issue 25): predicted peak within 10% of measured for every layout; predicted step times rank the layouts
-with Spearman rho >= 0.8; the layout predicted fastest within 10% of the measured fastest. Measurements: the rounds
-run every layout in turn (so drift hits each alike); a layout's step time is the median over rounds of its
-per-round medians, its peak the median over rounds of the largest rank's growth (benchmarks/_plan_accuracy_workload.py
-says how RSS is measured). Prints markdown tables and writes JSON and a scatter plot (PNG).
+``--world 4`` (CPU, the default): every layout of 4 gloo ranks in interleaved rounds; ``--world 1`` (the default with
+``--device cuda``): the layouts of one device, ranked by time per sample. Targets (issue 25): every peak within 10%;
+Spearman rho >= 0.8; the predicted fastest within 10% of the measured fastest. Writes JSON (and a plot for 4 ranks).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import print_table, write_json  # noqa: E402
-from _plan_accuracy_layouts import MODELS, layouts  # noqa: E402
-from _plan_accuracy_workload import measure  # noqa: E402
+from _harness import write_json  # noqa: E402
+from _plan_accuracy_layouts import MODELS, Layout, layouts, make_batch, one_device_layouts  # noqa: E402
+from _plan_accuracy_report import plot, summarize  # noqa: E402
 
 MIB = 2 ** 20
-TARGET_MEMORY, TARGET_RHO, TARGET_BEST = 0.10, 0.8, 0.10
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(xs):
-        order = sorted(range(len(xs)), key=xs.__getitem__)
-        r = [0.0] * len(xs)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-
-
-def predictions(name: str, chosen, profile, layers):
+def price_of(name: str, chosen, profile, layers):
     from shardlib.analysis.search import price
 
     spec = MODELS[name]
     return price(spec.config(layers), chosen, profile, cls=spec.cls)
 
 
-def measure_rounds(name: str, chosen, rounds: int, steps: int, layers) -> list[list[dict]]:
-    """``rounds`` x every layout, interleaved: per layout its list of measurements."""
-    found: list[list[dict]] = [[] for _ in chosen]
-    for r in range(rounds):
+def measure_all(args, name: str, chosen, predicted) -> dict:
+    """Measure ``chosen`` in ``args.rounds`` interleaved rounds; the summary of the model."""
+    from _plan_accuracy_workload import measure
+
+    runs: list[list[dict]] = [[] for _ in chosen]
+    for r in range(args.rounds):
         for i, layout in enumerate(chosen):
-            m = measure(name, layout, steps=steps, layers=layers)
-            found[i].append(m)
-            status = m["error"] or f"{m['peak_growth_bytes'] / MIB:.0f} MiB, {m['step_s_median']:.3f} s"
-            print(f"  [{name} round {r + 1}/{rounds}] {layout.name():<40} {status}", flush=True)
-    return found
+            if args.world == 4:
+                m = measure(name, layout, steps=args.steps, layers=args.layers)
+                shown = m["error"] or f"{m['peak_growth_anon_bytes'] / MIB:.0f} MiB, {m['step_s_median']:.3f} s"
+            else:
+                try:
+                    m = measure_one(MODELS[name], layout, args.layers, args.torch_device, args.mesh, args.steps)
+                    shown = f"{(m['peak'] or 0) / MIB:.0f} MiB, {m['step_s'] * 1e3:.1f} ms"
+                except Exception as exc:  # noqa: BLE001 - one layout failing must not hide the others
+                    m = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    shown = m["error"]
+            runs[i].append(m)
+            print(f"  [{name} round {r + 1}/{args.rounds}] {layout.name():<40} batch {layout.batch:>2}: {shown}",
+                  flush=True)
+    return summarize(name, args.layers or MODELS[name].layers, chosen, predicted, runs, args.world)
 
 
-def summarize(name: str, chosen, predicted, measured) -> dict:
-    rows, points = [], []
-    for layout, p, runs in zip(chosen, predicted, measured):
-        ok = [m for m in runs if not m["error"]]
-        if isinstance(p, str) or not ok:
-            rows.append([layout.name(), "refused" if isinstance(p, str) else "-", "failed" if not ok else "-"])
-            continue
-        peak = statistics.median(m["peak_growth_anon_bytes"] for m in ok)  # library code pages left out
-        step = statistics.median(m["step_s_median"] for m in ok)
-        steps = [m["step_s_median"] for m in ok]
-        points.append(dict(layout=layout.name(), predicted_peak=p.peak_bytes, measured_peak=peak,
-                           predicted_step=p.step_s, measured_step=step, step_spread=[min(steps), max(steps)],
-                           round_steps=steps,
-                           bottleneck=p.bottleneck, memory_terms=p.memory, time_terms=p.time))
-        rows.append([layout.name(), f"{p.peak_bytes / MIB:.0f}", f"{peak / MIB:.0f}",
-                     f"{(p.peak_bytes - peak) / peak:+.1%}", f"{p.step_s:.3f}",
-                     f"{step:.3f} ({min(steps):.3f}-{max(steps):.3f})", p.bottleneck])
-    print_table(f"{name}: predicted vs measured (peak MiB per rank, step s; {len(measured[0])} rounds)",
-                ["layout", "pred peak", "meas peak", "error", "pred step", "meas step (range)", "bottleneck"], rows)
-    errors = [abs(pt["predicted_peak"] - pt["measured_peak"]) / pt["measured_peak"] for pt in points]
-    rho = spearman([pt["predicted_step"] for pt in points], [pt["measured_step"] for pt in points])
-    picked = min(points, key=lambda pt: pt["predicted_step"])
-    fastest = min(points, key=lambda pt: pt["measured_step"])
-    best = picked["measured_step"] / fastest["measured_step"] - 1
-    within = sum(e <= TARGET_MEMORY for e in errors)
-    print(f"{name}: memory error max {max(errors):.1%}, median {statistics.median(errors):.1%} "
-          f"({within}/{len(errors)} within {TARGET_MEMORY:.0%}); step-time Spearman rho {rho:.2f} "
-          f"(target >= {TARGET_RHO}); predicted fastest {picked['layout']} measured {picked['measured_step']:.3f} s, "
-          f"measured fastest {fastest['layout']} {fastest['measured_step']:.3f} s: {best:+.1%} "
-          f"(target <= {TARGET_BEST:.0%})\n", flush=True)
-    return dict(model=name, points=points, memory_error_max=max(errors), memory_error_median=statistics.median(errors),
-                memory_within=within, rho=rho, picked=picked["layout"], fastest=fastest["layout"], best_gap=best)
+def reprice(path: str, profile_path: str | None) -> tuple[dict, list[dict]]:
+    """The measurements of an earlier run's JSON (this script's, or the older formats of plan_accuracy_gpu.py and of
+    points only), priced again by the current cost model and ``profile_path`` (default: the run's own profile)."""
+    from shardlib.analysis.profile import Profile, load_profile
+
+    earlier = json.loads(open(path).read())
+    results = earlier.get("results") or [dict(earlier, world=1)]  # the one-GPU script wrote one model, no "results"
+    world = results[0].get("world", 4)
+    profile = load_profile(profile_path, world_size=world) if profile_path else \
+        Profile.from_dict(earlier["profile"], source=path)
+    print(f"re-pricing {path} ({earlier.get('device', '?')}) with {profile.summary()}", flush=True)
+    out = []
+    for res in results:
+        if "measured" in res:
+            chosen = [Layout(**m["layout"]) for m in res["measured"]]
+            runs = [m["runs"] for m in res["measured"]]
+        else:  # points only: per-round step medians (or min, median, max of 3 rounds), the peak of every round
+            by_name = {la.name(): la for la in layouts(res["model"], layers=res.get("layers"))}
+            chosen = [by_name[pt["layout"]] for pt in res["points"]]
+            runs = [[{"peak_growth_anon_bytes": pt["measured_peak"], "step_s_median": s} for s in pt.get(
+                "round_steps") or [pt["step_spread"][0], pt["measured_step"], pt["step_spread"][1]]]
+                for pt in res["points"]]
+        layers = res.get("layers")
+        predicted = price_of(res["model"], chosen, profile, layers)
+        out.append(summarize(res["model"], layers, chosen, predicted, runs, world))
+    return profile, out
 
 
-def reprice(path: str, profile, layers) -> list[dict]:
-    """The measurements of an earlier run (its JSON), priced again by the current cost model and ``profile``."""
-    import json
+def measure_one(spec, layout: Layout, layers: int, device, mesh, steps: int) -> dict:
+    """One layout at a world of one: warm-up steps (at least 2, until AdamW has state), ``peak``/``static``: the CUDA
+    allocator's peak over a step / what stays between steps, above the start; ``step_s``: median synchronized step."""
+    import torch
+    import transformers
 
-    earlier = json.loads(open(path).read())["results"]
-    results = []
-    for res in earlier:
-        name = res["model"]
-        by_name = {la.name(): la for la in layouts(name, layers=layers)}
-        chosen = [by_name[pt["layout"]] for pt in res["points"]]
-        predicted = predictions(name, chosen, profile, layers)
-        measured = [[{"error": None, "peak_growth_anon_bytes": pt["measured_peak"], "step_s_median": step}
-                     for step in _round_steps(pt)] for pt in res["points"]]
-        results.append(summarize(name, chosen, predicted, measured))
-    return results
+    import shardlib
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    torch.manual_seed(0)
+    with device:
+        model = getattr(transformers, spec.cls)(spec.config(layers))
+    model = shardlib.shard(model, mesh)
+    trainer = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4), precision=layout.precision,
+                               activation_checkpointing=layout.activation_checkpointing)
+    batch = {k: v.to(device) for k, v in make_batch(spec, layout.global_batch, layout.seq).items()}
+    for warm in range(20):
+        trainer.train_step(batch)
+        if warm >= 1 and trainer.optimizer.state:
+            break
+    sync()
+    static = torch.cuda.memory_allocated() - before if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train_step(batch)
+    sync()
+    peak = torch.cuda.max_memory_allocated() - before if cuda else None
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        trainer.train_step(batch)
+        sync()
+        times.append(time.perf_counter() - start)
+    return {"peak": peak, "static": static, "warmup_steps": warm + 1, "step_s": statistics.median(times)}
 
 
 def where(name: str, words: str, profile, layers, shown: int = 12) -> None:
-    """Where one layout's peak comes from: the cost model's memory terms of every stage beside each rank's measured
-    peak growth and the storages its memory step had alive at the peak (``measure(where=True)``)."""
+    """One layout's peak: the cost model's memory terms per stage beside each rank's measured peak growth and the
+    storages its memory step had alive at the peak."""
     from shardlib.analysis.costmodel import stage_memory, transport_pages
     from shardlib.analysis.dryrun_report import size_text
     from shardlib.analysis.metarun import meta_model, planned_policy
     from shardlib.analysis.search import _Pricer
 
+    from _plan_accuracy_workload import measure
+
     layout = next(lay for lay in layouts(name, layers=layers) if all(w in lay.name().split() for w in words.split()))
-    spec = MODELS[name]
-    full = meta_model(spec.config(layers), spec.cls)
+    full = meta_model(MODELS[name].config(layers), MODELS[name].cls)
     report = _Pricer(full, planned_policy(full), profile.device).report(layout)
     print(f"{name} {layout.name()}: predicted, per stage")
     for stage in report.stages:
@@ -142,109 +151,103 @@ def where(name: str, words: str, profile, layers, shown: int = 12) -> None:
         print(f"  stage {stage.index}: {size_text(sum(terms.values()))} = "
               + " + ".join(f"{k} {size_text(v)}" for k, v in terms.items() if v))
     m = measure(name, layout, steps=1, layers=layers, where=True)
-    if m["error"]:
-        print(f"  measurement failed: {m['error']}")
-        return
-    for rec in m["per_rank"]:
+    for rec in m["per_rank"] or []:
         print(f"  rank {rec['rank']}: peak growth {rec['peak_growth_anon'] / MIB:.1f} MiB (params "
               f"{rec['param_bytes'] / MIB:.1f}, optimizer state {rec['opt_state_bytes'] / MIB:.1f}); alive at the "
-              f"step's peak, made by (op number):")
+              "step's peak, made by (op number):")
         for mib, op, serial in rec["peak_storages"][:shown]:
             print(f"      {mib:8.2f} MiB  {op} (#{serial})")
-
-
-def _round_steps(point: dict) -> list[float]:
-    """The per-round step medians of a stored point (3 rounds: exactly its minimum, median and maximum)."""
-    return point.get("round_steps") or [point["step_spread"][0], point["measured_step"], point["step_spread"][1]]
-
-
-def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
-    for res in results:
-        pts = res["points"]
-        axes[0].scatter([p["measured_peak"] / MIB for p in pts], [p["predicted_peak"] / MIB for p in pts],
-                        label=res["model"], s=18)
-        axes[1].scatter([p["measured_step"] for p in pts], [p["predicted_step"] for p in pts], label=res["model"],
-                        s=18)
-    for ax, what in zip(axes, ("peak memory per rank (MiB)", "step time (s)")):
-        lo, hi = ax.get_xlim()
-        lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
-        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="predicted = measured")
-        if what.startswith("peak"):
-            ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="grey", alpha=0.15,
-                            label="±10%")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(f"measured {what}")
-        ax.set_ylabel(f"predicted {what}")
-        ax.legend(fontsize=8)
-    fig.suptitle("shardlib plan on 4 gloo ranks (2 cores): predicted vs measured, every layout")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot written to {path}")
+    if m["error"]:
+        print(f"  measurement failed: {m['error']}")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="bert-256,bert-768,t5-small")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement (after the warm-up and "
-                                                             "memory steps)")
-    parser.add_argument("--layers", type=int, default=None, help="layers per stack (default: each model's)")
-    parser.add_argument("--profile", help="a profile JSON (default: calibrate this machine first; with --reprice, "
-                                          "the run's own)")
-    parser.add_argument("--out", default="benchmarks/results/plan_accuracy.json")
-    parser.add_argument("--plot", default="docs/img/plan_accuracy.png")
-    parser.add_argument("--only", metavar="WORDS", help="measure only the layouts whose name holds every word "
-                                                         "(e.g. 'pp2' or 'zero3 pp2')")
-    parser.add_argument("--where", metavar="WORDS", help="one layout (the first whose name holds every word): its "
-                                                          "predicted terms per stage and, per rank, the storages "
-                                                          "alive at its peak; measures nothing else")
-    parser.add_argument("--reprice", metavar="JSON", help="price the measurements of an earlier run's JSON again "
-                                                           "(with --profile), measuring nothing")
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--world", type=int, choices=[1, 4], help="4: gloo ranks (CPU, the default); 1: the layouts of one "
+                                                             "device (the default with --device cuda)")
+    p.add_argument("--models", help="default bert-256,bert-768,t5-small (4 ranks), bert-768 (one device)")
+    p.add_argument("--layers", type=int, help="layers per stack (default: each model's; one device: 12)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, help="timed steps per measurement (default 3; one device 10)")
+    p.add_argument("--only", metavar="WORDS", help="only the layouts whose name holds every word ('zero3 pp2')")
+    p.add_argument("--where", metavar="WORDS", help="the first layout whose name holds every word: its predicted "
+                                                    "terms per stage and, per rank, the storages alive at its peak")
+    p.add_argument("--reprice", metavar="JSON", help="price an earlier run's measurements again, measuring nothing")
+    p.add_argument("--profile", help="a profile JSON (default: calibrate this machine first; with --reprice, the "
+                                     "run's own)")
+    p.add_argument("--seq", type=int, default=128, help="one device: tokens per sequence")
+    p.add_argument("--batches", default="8,32", help="one device: microbatch sizes")
+    p.add_argument("--precisions", default="fp32,bf16,fp16", help="one device")
+    p.add_argument("--checkpointing", default="off,on", choices=["off", "on", "off,on"], help="one device")
+    p.add_argument("--quick", action="store_true", help="smoke run: quick calibration, bert-256 at 2 layers, its dp=4 "
+                                                        "layouts, 1 round of 1 step")
+    p.add_argument("--out", help="results JSON (default benchmarks/results/plan_accuracy[_gpu].json); a calibrated "
+                                 "profile goes beside it (_profile.json)")
+    p.add_argument("--plot", help="4 ranks: the scatter plot (default docs/img/plan_accuracy.png; --quick: none)")
+    args = p.parse_args()
+    args.world = args.world or (1 if args.device == "cuda" else 4)
+    one = args.world == 1
+    if args.device == "cuda" and not one:
+        p.error("--device cuda measures one device (--world 1)")
+    if args.quick:
+        args.models, args.layers, args.only, args.rounds, args.steps = "bert-256", 2, args.only or "dp4", 1, 1
+    args.plot = args.plot if args.plot is not None else "" if args.quick else "docs/img/plan_accuracy.png"
+    args.models = (args.models or ("bert-768" if one else "bert-256,bert-768,t5-small")).split(",")
+    args.layers = args.layers or (12 if one else None)
+    args.steps = args.steps or (10 if one else 3)
+    args.out = args.out or f"benchmarks/results/plan_accuracy{'_gpu' if one else ''}.json"
+    if args.reprice:
+        profile, results = reprice(args.reprice, args.profile)
+        write_json(args.out, dict(profile=profile.to_dict(), results=results, repriced=args.reprice))
+        if results[0]["world"] == 4 and args.plot:
+            plot(results, args.plot)
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("plan_accuracy: no CUDA device here (--device cpu --world 1 checks that logic); nothing measured")
+        return 0
     from shardlib.analysis.calibrate import calibrate
     from shardlib.analysis.profile import load_profile
 
     started = time.perf_counter()
     if args.profile:
-        profile = load_profile(args.profile, world_size=4)
-    elif args.reprice:  # the run's own profile: a re-price compares cost models on the same measurements
-        import json
-
-        from shardlib.analysis.profile import Profile
-
-        profile = Profile.from_dict(json.loads(open(args.reprice).read())["profile"], source=args.reprice)
+        profile = load_profile(args.profile, world_size=args.world)
     else:
-        print("calibrating this machine (4 ranks)...", flush=True)
-        profile = calibrate(4)
+        print(f"calibrating this machine ({args.world} rank(s))...", flush=True)
+        profile = calibrate(args.world, backend="nccl" if args.device == "cuda" else "gloo", quick=args.quick)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         profile.save(os.path.splitext(args.out)[0] + "_profile.json")
+        print(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
     print(profile.summary(), flush=True)
-    if args.reprice:
-        results = reprice(args.reprice, profile, args.layers)
-        write_json(args.out, dict(profile=profile.to_dict(), results=results, repriced=args.reprice))
-        plot(results, args.plot)
-        return 0
     if args.where:
-        for name in args.models.split(","):
+        for name in args.models:
             where(name, args.where, profile, args.layers)
         return 0
-    results = []
-    for name in args.models.split(","):
-        chosen = [lay for lay in layouts(name, layers=args.layers)
-                  if all(word in lay.name().split() for word in (args.only or "").split())]
+    priced = {}  # every model priced first: the dry run refuses a process whose process group is up
+    for name in args.models:
+        chosen = one_device_layouts(tuple(int(b) for b in args.batches.split(",")), args.seq, tuple(
+            args.precisions.split(",")), {"off": (False,), "on": (True,)}.get(args.checkpointing, (False, True))) \
+            if one else [lay for lay in layouts(name, layers=args.layers)
+                         if all(word in lay.name().split() for word in (args.only or "").split())]
         t0 = time.perf_counter()
-        predicted = predictions(name, chosen, profile, args.layers)
+        priced[name] = chosen, price_of(name, chosen, profile, args.layers)
         print(f"{name}: {len(chosen)} layouts priced in {time.perf_counter() - t0:.1f} s", flush=True)
-        measured = measure_rounds(name, chosen, args.rounds, args.steps, args.layers)
-        results.append(summarize(name, chosen, predicted, measured))
-    write_json(args.out, dict(profile=profile.to_dict(), results=results))
-    plot(results, args.plot)
+    device = f"cpu, torch {torch.__version__}"
+    if one:
+        import shardlib
+
+        args.torch_device, args.mesh = torch.device(args.device), shardlib.init_mesh()
+        if args.device == "cuda":
+            torch.cuda.set_device(0)
+            device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        print(f"device: {device}", flush=True)
+    results = [measure_all(args, name, *priced[name]) for name in args.models]
+    write_json(args.out, dict(profile=profile.to_dict(), device=device, world=args.world, rounds=args.rounds,
+                              steps=args.steps, results=results))
+    if not one and args.plot:
+        plot(results, args.plot)
     print(f"done in {(time.perf_counter() - started) / 60:.1f} min; results in {args.out}")
     return 0
 

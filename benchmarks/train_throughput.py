@@ -3,82 +3,44 @@
 
 What is measured
 ----------------
-BERT sentence classification shaped like SST-2: ``BertForSequenceClassification`` with 2 labels on 128-token inputs
-(``--seq``), built from a config with random weights (nothing is downloaded) under ``torch.manual_seed(1234)`` in
-every mode, in ``train()`` mode with the config's dropout (0.1; ``--dropout``; ``--quick``: 0, so that its loss
-check is exact). Sizes (``--size``):
+``BertForSequenceClassification`` (2 labels, 128-token inputs ``--seq``) from a config with random weights under
+``torch.manual_seed(1234)`` in every mode, ``train()`` mode with the config's dropout 0.1 (``--dropout``; ``--quick``:
+0, so that its loss check is exact). ``--size``: ``base`` (BERT-base, the default), ``small`` (4 layers, hidden 256),
+``tiny`` (2 layers, hidden 64, vocab 1000: ``--quick``; start-up dominates it, so it checks that every mode trains).
 
-* ``base``   BERT-base: 12 layers, hidden 768, 12 heads, intermediate 3072, vocab 30522 (the default);
-* ``small``  4 layers, hidden 256, 4 heads, intermediate 1024, vocab 30522;
-* ``tiny``   2 layers, hidden 64, 4 heads, intermediate 256, vocab 1000 (what ``--quick`` runs: start-up and
-             per-step overheads dominate its numbers, so it checks that every mode trains, not their speed).
+Data (``sst2_like``): generated, learnable, the same samples in every mode: 32-126 filler word ids between [CLS] and
+[SEP], padded to 128; half the words from two "sentiment" sets (ids 30-39, 40-49), the label the set in the majority
+(the other has under a quarter). The loss falls after a plateau of 15-25 steps. Exactly ``steps x batch`` samples,
+read in order (``fit(shuffle=False)``): global batch i is samples [i*B, (i+1)*B) in every mode, each dp rank its
+contiguous share, as ``fit`` splits a global batch.
 
-Data: generated, learnable, the same list of samples in every mode. A sentence is 32-126 random filler word ids
-between [CLS] and [SEP], padded to 128 with an ``attention_mask``; half of its words come from two small
-"sentiment" sets (ids 30-39 and 40-49), and the label is the set that appears more often (the other set has fewer
-than a quarter of them). The loss falls visibly within a few dozen steps, after a plateau of 15-25 steps (at the
-default lr: base 0.88 -> 0.08 in 30 steps, measured on 40-token sentences; tiny 0.71 -> 0.08 in 30). There are
-exactly ``steps x batch`` samples, read in order (``fit(shuffle=False)``): global batch i is samples [i*B, (i+1)*B)
-in every mode, and a data-parallel rank reads its contiguous half of it, as ``fit`` splits a global batch.
+Every mode trains ``--steps`` optimizer steps (base 40, small 40, tiny 30) of a global batch of 8 (``--batch``) with
+``torch.optim.AdamW(lr)`` (base 5e-5, small 3e-4, tiny 3e-3; constant, no clipping). Modes (``--modes``), one at a
+time, each in fresh processes training every precision in turn on a fresh model (``_train_throughput_workload``):
+``eager`` (one process, 2 threads, a hand loop: reference), ``ddp`` (THE BASELINE: the same loop under
+``DistributedDataParallel``, 2 x 1 thread), ``tp2``, ``tp2_sp``, ``dp2``, ``pp2`` (1F1B over ``--microbatches``),
+``dp2_tp2`` / ``ddp4`` / ``dp4`` (4 ranks on 2 cores: oversubscribed, the rows say so) through ``shard`` +
+``Trainer`` + ``fit``, and ``<mode>_compiled`` (``Trainer(compile=True)``; the default set has ``tp2_compiled``).
+Ranks get ``max(1, cores // world)`` threads. ``--precisions``: ``fp32``; ``bf16`` (autocast in the baseline,
+``Trainer(precision="bf16")``); ``fp16`` (autocast + ``GradScaler``; shardlib's loss scaler set to GradScaler's rule,
+so both skip the same steps). fp16 works on CPU but this CPU has no fp16 matmul kernel (the header prints how much
+slower), so it is not in the CPU default.
 
-Every mode trains ``--steps`` optimizer steps (default: base 40, small 40, tiny 30) of a global batch of 8
-sequences (``--batch``) with ``torch.optim.AdamW(lr)`` (default lr: base 5e-5, small 3e-4, tiny 3e-3; constant, no
-warmup, no clipping, weight decay 0.01, torch's default). Modes (``--modes``), one at a time, each in a fresh set of
-processes that trains every precision in turn on a fresh model:
+Each run logs one JSON line per step: shardlib through ``fit(save_dir=..., log_interval=1)``
+(``<out>/<mode>-<precision>/log.jsonl``), the eager modes the same records from their own loop (which also computes
+the gradient norm every step, as ``fit`` does at ``log_interval=1``). ``samples_per_s``: a global batch over the
+wall time since the previous record. ``<out>/runs.json`` lists the runs; ``plot_train_throughput.py`` draws
+docs/img/train_throughput_{speed,loss}.png from them. ``<out>`` holds a ``.gitignore`` of ``*``.
 
-* ``eager``    plain eager PyTorch, one process with 2 threads, a hand-written loop (reference row);
-* ``ddp``      THE BASELINE: eager + ``torch.nn.parallel.DistributedDataParallel``, 2 processes x 1 thread, the
-               same hand-written loop (zero_grad, autocast forward, backward, gradient norm, ``AdamW.step``), no
-               shardlib;
-* ``tp2``      ``shardlib.init_mesh(tp=2)``, ``shardlib.shard(model, mesh)``,
-               ``Trainer(model, optimizer=lambda p: torch.optim.AdamW(p, lr=...), precision=...)``, ``trainer.fit``;
-* ``tp2_sp``   the same with ``shard(..., sequence_parallel=True)`` (Megatron sequence parallelism);
-* ``dp2``      ``init_mesh(dp=2)``: shardlib's own data parallelism (the Trainer's gradient reduction over dp);
-* ``dp2_tp2``  ``init_mesh(dp=2, tp=2)``: 4 ranks x 1 thread on the 2 cores, OVERSUBSCRIBED (twice as many busy
-               threads as cores; the row says so);
-* ``ddp4`` / ``dp4``  eager + DDP and shardlib ``init_mesh(dp=4)`` on 4 ranks (oversubscribed; compare them with
-               each other, not with the 2-rank baseline);
-* ``pp2``      ``init_mesh(pp=2)``: two pipeline stages, 1F1B over ``--microbatches`` (default 4) microbatches;
-* ``<mode>_compiled`` for any shardlib mode: the same with ``Trainer(..., compile=True)`` (Inductor; the first
-               warm-up step compiles). The default set has ``tp2_compiled``.
+The table: samples/s (median of the steps after ``--warmup``), the ratio to the DDP baseline of the same precision
+and in fp32, first and last-5 loss, the largest per-step |loss - baseline loss| and the loss check: with dropout 0,
+fp32 must agree within 1e-3 at every step, bf16 / fp16 within 0.02 over the first 5 steps (autocast rounds split
+matmuls differently and training amplifies it); a larger difference is a FAIL (exit status 1). With dropout the
+masks differ by layout: "n/a (dropout)".
 
-Ranks get ``max(1, cores // world)`` threads (2 cores: eager 2, every 2-rank mode 1, dp2_tp2 1). Precisions
-(``--precisions``): ``fp32``; ``bf16``: ``torch.autocast(dtype=torch.bfloat16)`` around the forward in the
-baseline, ``Trainer(precision="bf16")`` in shardlib; ``fp16``: autocast fp16 + ``torch.amp.GradScaler`` in the
-baseline, ``Trainer(precision="fp16")`` in shardlib, its loss scaler set to GradScaler's rule (initial scale 2^16,
-back off x0.5 on every overflow: ``hysteresis=1``, grow x2 after 2000 clean steps), so both skip the same steps.
-fp16 works on CPU in torch 2.13 (autocast and GradScaler, tested in every CPU mode) but is not in the CPU default:
-this CPU has no fp16 matmul kernel, so fp16 linears run several times slower than fp32 (a 1024 x 768 @ 768 x 3072
-forward + backward: 5.3 s against 0.2 s, 26x; the header prints a smaller probe's ratio). ``--precisions
-fp32,bf16,fp16`` runs it.
-
-Each run writes its training log, one JSON line per step: shardlib modes through ``fit``'s own log
-(``fit(save_dir=..., log_interval=1)``: ``<out>/<mode>-<precision>/log.jsonl``), the eager modes the same record
-format from their own loop (``step, epoch, loss, lr, grad_norm, samples_per_s, tokens_per_s``, fp16 also
-``loss_scale`` and ``skipped_steps``). At ``log_interval=1`` ``fit`` computes the global gradient norm every step
-(it logs it), so the baseline loop computes it too (``torch.nn.utils.get_total_norm``, after unscaling in fp16).
-``samples_per_s`` is one step's global batch over the wall time since the previous record (loading and collating
-the batch included, as in ``fit``); ``loss`` is the global-batch loss (averaged over the dp ranks).
-``<out>/runs.json`` lists the runs; ``benchmarks/plot_train_throughput.py`` reads it and the logs and draws
-docs/img/train_throughput_speed.png and docs/img/train_throughput_loss.png. The out directory holds a
-``.gitignore`` of ``*``: logs are not committed, the PNGs and the docs' tables are.
-
-The table: mode, ranks x threads, precision, samples/s (median of the steps after ``--warmup``, default 2), the
-ratio to the DDP baseline of the same precision and to the DDP baseline in fp32, the first loss and the mean loss
-of the last 5 steps, the largest per-step |loss - baseline loss| over the whole run (same precision) and the loss
-check. With dropout 0 the modes train the same model step by step, so fp32 must agree within 1e-3 at every step;
-bf16 / fp16 within 0.02 over the first 5 steps only: autocast rounds differently split matmuls differently, and
-once the loss falls steeply training amplifies that (plain eager and DDP, both without shardlib, end up 0.29 apart
-in bf16 on the tiny model). A larger difference is a FAIL and makes the exit status 1. With dropout on, the masks
-differ by layout (DDP ranks and tp ranks draw their own), so the curves agree only statistically and the check
-reads "n/a (dropout)".
-
-GPU (``--device cuda``): one process on one GPU, batch 32 (``--batch``), precisions fp32, bf16, fp16. Modes:
-``eager`` (the baseline: plain eager PyTorch with autocast, and GradScaler in fp16), ``shardlib`` (tp=1:
-``init_mesh()`` is a world of one on NCCL; ``shard``, ``Trainer`` + ``fit``), ``shardlib_compiled``
-(``Trainer(compile=True)``) and ``shardlib_kernels_compiled`` (``shard(..., kernels=Kernels(fused_qkv=True,
-bias_gelu=True, dropout_add=True))``, compiled). It imports shardlib from the checkout (``benchmarks/_checkout.py``),
-so it runs where another torch is installed.
+GPU (``--device cuda``): one process, batch 32, fp32 / bf16 / fp16; modes ``eager`` (the baseline), ``shardlib``
+(a world of one on NCCL), ``shardlib_compiled`` and ``shardlib_kernels_compiled`` (fused QKV, bias+GELU,
+dropout+add); shardlib imported from the checkout (``_checkout.py``).
 
 How to run
 ----------
@@ -89,11 +51,8 @@ How to run
     .venv/bin/python benchmarks/plot_train_throughput.py        # the PNGs from the last full run's logs
     python benchmarks/train_throughput.py --device cuda         # one GPU
 
-On the reference machine (2 cores, no GPU) ``--quick`` takes about 1.5 minutes and the full default run about an
-hour (a BERT-base fp32 step is ~4.5 s here, bf16 ~3 s; 16 runs of 40 steps, ~1 minute of compiling per
-tp2_compiled run, ~20 s of start-up per mode). Each mode first waits (``--wait-idle``, default up to 60 s) for
-other processes to go quiet; a mode during which other processes used more than 0.1 cores on average is flagged
-with a WARNING under the table. The exit status is 1 when a run failed or a loss check says FAIL.
+Each mode first waits (``--wait-idle``, up to 60 s) for other processes to go quiet; a mode during which they used
+more than 0.1 cores is flagged with a WARNING. Exit status 1 when a run failed or a loss check says FAIL.
 """
 
 from __future__ import annotations
@@ -109,12 +68,13 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-import tp_throughput as tpb  # noqa: E402  (sets the offline environment before transformers is imported)
 from _harness import loopback_ifname, print_closing, wait_idle, write_json  # noqa: E402
 from _train_throughput_workload import (  # noqa: E402
     BASELINE, CHECKED_STEPS, DEFAULT_LR, DEFAULT_MODES, DEFAULT_PRECISIONS, DEFAULT_STEPS, LAST_K, QUICK_MODES, ROOT,
     SIZES, TOLERANCE, mode_spec, run_mode, threads_for,
 )
+
+IDLE_CORES = 0.1  # other processes' average CPU use above which a mode is flagged
 
 
 # ------------------------------------------------------------------------------------------ results, the table
@@ -182,9 +142,9 @@ def print_table(meta: dict, rows: list[dict]) -> None:
                   "| | | | | | |")
             continue
         losses = r["losses"]
-        final = statistics.fmean(losses[-LAST_K:]) if losses else None
+        final, rate = statistics.fmean(losses[-LAST_K:]) if losses else None, r["samples_per_s"]
         print(f"| {r['title']} | {r['world']} x {r['threads']} | {r['precision']} | "
-              f"{tpb._fmt_rate(r['samples_per_s'])} | {_fmt(r['vs_baseline'], '.2f', 'x')} | "
+              f"{_fmt(rate, ',.0f' if (rate or 0) >= 100 else ',.1f')} | {_fmt(r['vs_baseline'], '.2f', 'x')} | "
               f"{_fmt(r['vs_baseline_fp32'], '.2f', 'x')} | {_fmt(losses[0] if losses else None, '.4f')} | "
               f"{_fmt(final, '.4f')} | {_fmt(r['loss_diff'], '.2e')} | {r['check']} |")
 
@@ -310,8 +270,8 @@ def main(argv=None) -> int:
     warnings = []
     for mode in args.modes:
         spec = mode_spec(args.device, mode)
-        load = wait_idle(args.wait_idle, tpb.IDLE_CORES) if args.device == "cpu" else 0.0
-        if load > tpb.IDLE_CORES:
+        load = wait_idle(args.wait_idle, IDLE_CORES) if args.device == "cpu" else 0.0
+        if load > IDLE_CORES:
             print(f"  WARNING: {load:.2f} cores busy with other processes before {mode}", flush=True)
         results = run_mode(mode, args.precisions, opts)
         for precision, r in results.items():
@@ -319,7 +279,7 @@ def main(argv=None) -> int:
                                      threads=threads_for(spec.world)))
             print(f"  {spec.title:<48} {precision:<5} " + (f"failed: {r['error']}" if "error" in r else
                   f"{r['wall_s']:.0f} s") + f" (others used {r['foreign_cores']:.2f} cores)", flush=True)
-            if r["foreign_cores"] > tpb.IDLE_CORES and args.device == "cpu":
+            if r["foreign_cores"] > IDLE_CORES and args.device == "cpu":
                 warnings.append(f"{mode}/{precision}: other processes used {r['foreign_cores']:.2f} cores on "
                                 "average meanwhile; its numbers are not reliable")
         write_json(args.out / "runs.json", meta)  # after every mode: a partial run plots

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, kw_only=True)
 class Kernels:
     """Which kernels :func:`shardlib.shard` installs. Every choice computes the same function (tested against its
-    reference); the defaults are the ones measured not slower on CPU (``benchmarks/kernel_*.py``,
+    reference); the defaults are the ones measured not slower on CPU (``benchmarks/kernels.py``,
     docs/kernels.md).
 
     ``attention``: None (default): the model's own implementation, as ``from_pretrained(attn_implementation=...)``

@@ -13,7 +13,7 @@ for members without bias).
 
 The GEMMs run in one ``torch.autograd.Function`` rather than ``torch.cat`` + ``F.linear`` + ``split`` under
 autograd: both do one GEMM forward and one each for dx and dW and measured within noise of each other (BERT-base
-q/k/v fwd+bwd, 2 threads, 0.98-1.04 x stock; ``benchmarks/kernel_fused_qkv.py``). MKL already runs the n = 384 / 768
+q/k/v fwd+bwd, 2 threads, 0.98-1.04 x stock; ``benchmarks/kernels.py``). MKL already runs the n = 384 / 768
 GEMMs at the speed of the fused N = 3n one on CPU, so fusing saves little there and the copies (``W`` in forward,
 ``g`` in backward) can cost a few percent. The Function saves no concatenated weight for backward (7 MB per
 BERT-base layer), saves ``x`` once instead of once per member (three autocast copies of it under stock bf16
