@@ -3,7 +3,7 @@ agent) running tests/chaos_script.py, with ranks SIGKILLed by a seeded schedule 
 and a two-"node" loopback job (``--nnodes 1:2``) that loses a node, continues at half dp, and grows back.
 
 Time lost per failure (from the kill to the first step of the restarted attempt) is printed (``-s``) and measured
-against a fresh start in docs/benchmarks.md ("Failures: time lost per restart")."""
+against a fresh start in docs/benchmarks/training-runs.md ("Restarts: time lost per failure")."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ The lists are torch's (``aten/src/ATen/autocast_mode.cpp``), at the level of the
 per device type: CUDA runs more ops in float32 (layer norm, softmax, exp, pow, ...) than the CPU does, and its
 cross-entropy differs (:func:`_cuda_cross_entropy`). Ops no transformer calls are left out. The CPU lists are checked
 against a real CPU autocast step, byte for byte (tests/test_meta_autocast.py); the CUDA ones against the tensors a
-GPU saved and its measured peaks (docs/benchmarks.md, "Plan accuracy on one GPU").
+GPU saved and its measured peaks (docs/benchmarks/planner-accuracy.md, "One GPU").
 """
 
 from __future__ import annotations

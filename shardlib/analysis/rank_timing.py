@@ -21,7 +21,7 @@ GEMM_MAX_S = 0.5
 #: timing kept: a larger GEMM is not that much slower on any device, a machine busy for a second is. (A 4-rank
 #: calibration here once read the largest size at 16.6 GFLOP/s where five others read 32-38; the layouts of
 #: T5-small priced with it ranked at Spearman rho 0.64 against the measured steps, 0.82-0.83 with either of two
-#: profiles calibrated right after: docs/benchmarks.md, "Plan accuracy".)
+#: profiles calibrated right after: docs/data/plan_accuracy_t5small_shm_default*.json.)
 DROP = 0.6
 
 
@@ -80,7 +80,8 @@ def gemm_rates(clock: RankClock, shapes) -> dict[str, list[list[float]]]:
 
     (Tried on an H100, 2026-11-27, and not kept: each shape timed as a linear's three training GEMMs on the device
     alone. The models' GEMM kernels ran 1.04-1.22x the time these rates priced; the device-only rates did no better
-    in fp32 and worse in bf16 (1.2-1.6x): docs/benchmarks.md, "Time terms on one H100".)"""
+    in fp32 and worse in bf16 (1.2-1.6x): docs/data/gpu_profile_h100_run2.json; docs/benchmarks/planner-accuracy.md,
+    "Step-time terms on one H100".)"""
     torch = clock.torch
     dtypes = ("float32", "bfloat16", "float16") if clock.device.type == "cuda" else ("float32", "bfloat16")
     rates: dict[str, list[list[float]]] = {}

@@ -7,8 +7,8 @@ the vocab head) is one autograd Function, :func:`column_linear`, instead of ``co
 without waiting (``async_op=True``), computes the weight and bias gradients ``dW = g^T x``, ``db = sum g`` while the
 all-reduce runs, and only then waits. Gloo runs the all-reduce on its own threads, which spend most of it waiting on
 the loopback socket, so the GEMM hides it: on the project's 2-core machine a 3 MiB all-reduce (4.6 ms alone) next to
-the weight-gradient GEMM of BERT-base's q/k/v shard (36 ms) added nothing measurable (docs/benchmarks.md,
-"Overlap"). The arithmetic is the same as the unfused pair's: the same GEMMs on the same operands, the same
+the weight-gradient GEMM of BERT-base's q/k/v shard (36 ms) added nothing measurable (docs/architecture.md,
+"Design decisions"). The arithmetic is the same as the unfused pair's: the same GEMMs on the same operands, the same
 all-reduce of the same tensor.
 
 A row-parallel linear (attention output, second MLP linear) ends with an all-reduce of its output that the next
@@ -16,7 +16,7 @@ op waits for. :func:`row_linear` computes the GEMM in ``ROW_BLOCKS`` blocks of r
 all-reduce as soon as its GEMM is done, so the all-reduce of block i runs during the GEMM of block i + 1 (the
 decomposition of Wang et al., "Overlap communication with dependent computation via decomposition", ASPLOS 2023).
 Each output element is the same dot product (up to the GEMM library's blocking) and the same sum over ranks. Measured on BERT-base
-at tp=2 on the 2-core machine: the forward collectives' wait halved (docs/benchmarks.md, "Step anatomy").
+at tp=2 on the 2-core machine: the forward collectives' wait halved (docs/architecture.md, "Design decisions").
 
 Used in eager mode only: under ``torch.compile`` the model keeps ``copy_to_tp`` + ``F.linear`` (functional
 collectives, which Inductor reorders and overlaps itself). Under autocast the operands are cast to the autocast
