@@ -43,6 +43,7 @@ How to run
         --modes unsharded,unsharded_compiled,tp2,tp2_compiled --steps 6     # eager vs compiled
     .venv/bin/python benchmarks/step_anatomy.py --size bert-small --batch 16 --steps 30 --rounds 3 \
         --modes tp2_loop,tp2_fit --base tp2_loop --profile-steps 0         # Trainer.fit overhead
+    .venv/bin/python benchmarks/step_anatomy.py --workload encoder --modes unsharded,tp2,tp2_sp --fresh --steps 4
     .venv/bin/python benchmarks/step_anatomy.py --in-process    # the world of one's variants in one process
     python benchmarks/step_anatomy.py --gpu --rounds 7 --steps 10 --budget 330 --json out.json   # one GPU, ~6 min
     .venv/bin/python benchmarks/step_anatomy.py --cpu-test --rounds 2 --steps 2   # --gpu's logic, tiny, on CPU
@@ -100,6 +101,7 @@ def parse(argv=None) -> argparse.Namespace:
                     "the machine to go quiet (default 0; --throughput 60)")
     ap.add_argument("--quick", action="store_true", help="BERT-small (--throughput: tiny BERT, ViT, T5, 3 steps)")
     ap.add_argument("--throughput", action="store_true", help="tp throughput of BERT, ViT, T5 (module docstring)")
+    ap.add_argument("--fresh", action="store_true", help="new ranks per layout and round, one warm-up step")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--in-process", action="store_true",
                     help="the world of one only: unsharded hand loop, shardlib hand loop and Trainer in this process")
@@ -163,20 +165,29 @@ def layouts(args, size: str, steps: int) -> dict:
     pools, started_s = {}, {}
     rec = {"seconds": {m: [] for m in modes}, "cpu_seconds": {m: [] for m in modes},
            "minor_faults": {m: [] for m in modes}}
+
+    def start(mode: str) -> RankPool:
+        name, _, baseline = mode.partition("@")
+        setup = functools.partial(workload.setup, mode=name, size=size, batch=args.batch, seq=args.seq,
+                                  dropout=args.dropout, workload=args.workload, layers=args.layers,
+                                  padding=args.padding)
+        t0 = time.perf_counter()
+        with checkout(args.baseline if baseline else None):
+            pools[mode] = RankPool(workload.MODES[name][0], setup, measure.serve)
+        started_s[mode] = time.perf_counter() - t0
+        return pools[mode]
+
     try:
-        for mode in modes:
-            name, _, baseline = mode.partition("@")
-            setup = functools.partial(workload.setup, mode=name, size=size, batch=args.batch, seq=args.seq,
-                                      dropout=args.dropout, workload=args.workload, layers=args.layers,
-                                      padding=args.padding)
-            t0 = time.perf_counter()
-            with checkout(args.baseline if baseline else None):
-                pools[mode] = RankPool(workload.MODES[name][0], setup, measure.serve)
-            started_s[mode] = time.perf_counter() - t0
+        for mode in modes if not args.fresh else ():
+            start(mode)
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 if args.wait_idle:
                     wait_idle(args.wait_idle, 0.1)
+                if args.fresh:  # new ranks, one warm-up step: what a user's script does (their start not timed)
+                    if mode in pools:
+                        pools.pop(mode).close()
+                    start(mode).call("time", steps=1)
                 for key, value in zip(rec, pools[mode].call("time", steps=steps)[0]):
                     rec[key][mode].append(value)
             print(f"  round {r + 1}: " + ", ".join(f"{m} {rec['seconds'][m][-1] * 1e3:.0f} ms" for m in modes),
