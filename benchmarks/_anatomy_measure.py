@@ -1,20 +1,7 @@
 """What a rank of ``benchmarks/step_anatomy.py``'s pools measures on command (:func:`serve`, on an
-``_anatomy_workload.Step``):
-
-* ``time``: the median of ``steps`` steps (a ``_loop`` / ``_fit`` mode: one window of ``steps`` steps, per step), each
-  behind a barrier: the slowest rank's wall, all ranks' CPU time (``time.process_time``) and minor page faults;
-* ``profile``: ``steps`` steps under ``torch.profiler``, each op's *self* time in a category (``CATEGORIES``, first
-  match wins; an op inside the optimizer's step counts as optimizer, one inside the vocab-parallel cross-entropy as
-  loss); what no op accounts for (Python, autograd bookkeeping, hooks, the profiler) is ``host``. Ring layouts run
-  under :class:`RingProbe`: timers and profiler marks ("ring wait") around the ring kernel's pieces, its wire and
-  its autograd Function (``shardlib.kernels.ring_blocks``), telling the pieces' compute from the waits for a K/V or
-  dK/dV block in flight and from the last wait of a backward (the dK/dV block coming home: nothing left to hide it);
-  :meth:`RingProbe.alone` times one exchange with nothing to hide it;
-* ``peak``: one step (the hand loop) with this rank's gradients already allocated (zeroed in place, so neither the
-  parameters nor their gradients count) under ``_plan_accuracy_workload.PeakStorages`` (a dispatch mode following
-  every storage of 64 KiB or more until it dies): the peak of their sum and the largest storages alive then. The
-  shared-memory transport's mapping (made once) is not a step's and is not counted;
-* ``switch``: the variants of ``_step_variants.SETS[variants]`` switched between consecutive steps.
+``_anatomy_workload.Step``): ``time`` (slowest rank's wall, all ranks' CPU time and minor page faults), ``profile``
+(``torch.profiler`` self time per category; ring layouts under :class:`RingProbe`), ``peak`` (one step's live tensors,
+:class:`PeakStorages`), ``switch`` (``_step_variants``). Docs: docs/benchmarks/tensor-parallel.md.
 """
 
 from __future__ import annotations
@@ -52,13 +39,8 @@ def serve(step, command: str, steps: int = 1, variants: str = ""):
         if step.windowed:
             return tuple(v / steps for v in measured(step, lambda: step.window(steps)))
         return sorted(measured(step, step.run) for _ in range(steps))[steps // 2]
-    if command == "profile":
-        return profile_steps(step, steps)
-    if command == "peak":
-        return peak_step(step)
-    if command == "switch":
-        return switched_steps(step, variants, steps)
-    raise ValueError(command)
+    return {"profile": lambda: profile_steps(step, steps), "peak": lambda: peak_step(step),
+            "switch": lambda: switched_steps(step, variants, steps)}[command]()
 
 
 def measured(step, fn) -> tuple[float, float, float]:
@@ -81,8 +63,7 @@ def _minor_faults() -> int:
 
 
 def switched_steps(step, variants: str, pairs: int) -> dict[str, list[float]]:
-    """``pairs`` steps of each variant of ``_step_variants.SETS[variants]``, switched between consecutive steps
-    (order reversed every other pair, two warm-up steps each): {variant: [slowest rank's wall seconds]}."""
+    """{variant: [slowest rank's wall s]}: ``pairs`` steps of each variant, switched between consecutive steps."""
     import _step_variants
 
     chosen = _step_variants.SETS[variants]
@@ -115,7 +96,7 @@ def profile_steps(step, steps: int) -> dict:
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
         totals[_category(event)] += event.self_cpu_time_total / 1e3
-    accounted = sum(totals.values())
+    accounted = sum(totals.values())  # what no op accounts for (Python, autograd, hooks, the profiler) is host
     totals["host"] = max(0.0, wall * 1e3 - accounted + totals["host"])
     return {"wall_ms": wall * 1e3 / steps, **{k: v / steps for k, v in totals.items()},
             **({"ring": ring.summary(steps)} if ring else {})}
@@ -136,9 +117,8 @@ def _category(event) -> str:
 
 
 def peak_step(step) -> dict:
-    """{"peak_mib": MiB, "at_peak": [(MiB, op, serial number of the op)] largest first} of one step (docstring)."""
-    from _plan_accuracy_workload import PeakStorages
-
+    """{"peak_mib", "at_peak": [(MiB, op, op number)]} of one step; gradients exist before it (zeroed in place), so
+    neither they nor the parameters count, nor the shared-memory transport's mapping (made once)."""
     for p in step.model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -149,9 +129,8 @@ def peak_step(step) -> dict:
 
 
 class RingProbe:
-    """Timers (seconds summed per step: pieces computed, exchanges posted, waits, per pass) and profiler marks
-    around the ring kernel's pieces while in the ``with`` block; a backward's last wait is timed apart as
-    ``wait home``."""
+    """Timers and profiler marks around the ring kernel's pieces, posts and waits (per pass) in the ``with`` block; a
+    backward's last wait (the dK/dV block coming home: nothing left to hide it) is timed apart as ``wait home``."""
 
     def __init__(self):
         import importlib
@@ -213,8 +192,7 @@ class RingProbe:
         m._RingAttention.backward = staticmethod(self.saved["backward"])
 
     def alone(self, repeats: int = 7) -> float:
-        """Median ms of one exchange of the last block shape sent (send to rank + 1, receive from rank - 1, waited
-        for at once), all ranks together."""
+        """Median ms of one exchange of the last block shape sent, waited for at once, all ranks together."""
         block = torch.randn(*self.shape[0], dtype=self.shape[1])
         times = []
         for _ in range(repeats):
@@ -232,3 +210,59 @@ class RingProbe:
             out["exchange alone ms"] = self.alone()
             out["block MiB"] = torch.Size(self.shape[0]).numel() * self.shape[1].itemsize / MIB
         return out
+
+
+class PeakStorages:
+    """A dispatch mode following every storage of 64 KiB+ its ops make until it dies: their ``peak``, ``at_peak``."""
+
+    SMALLEST, KEEP = 65536, 30
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer.ops += 1
+                if not func.is_view:
+                    outer.created(func, tree_leaves((args, kwargs or {})), tree_leaves(out))
+                return out
+
+        self.weakref, self.tensor = weakref.ref, torch.Tensor
+        self.mode, self.live, self.total, self.peak, self.ops, self.at_peak = Mode(), {}, 0, 0, 0, []
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def created(self, func, inputs, outputs) -> None:
+        inputs = {t.untyped_storage()._cdata for t in inputs if isinstance(t, self.tensor)}
+        for t in outputs:
+            if not isinstance(t, self.tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage._cdata, storage.nbytes()
+            if key in self.live or key in inputs or nbytes < self.SMALLEST:
+                continue
+            self.live[key] = (nbytes, str(func), self.ops, self.weakref(storage, self._freed(key)))
+            self.total += nbytes
+            if self.total > self.peak:
+                self.peak = self.total
+                self.at_peak = sorted(((round(v[0] / MIB, 2), v[1], v[2]) for v in self.live.values()),
+                                      reverse=True)[:self.KEEP]
+
+    def _freed(self, key: int):
+        def callback(_ref):
+            entry = self.live.pop(key, None)
+            if entry is not None:
+                self.total -= entry[0]
+
+        return callback

@@ -1,5 +1,4 @@
-"""The tables of ``benchmarks/step_anatomy.py``: step time by layout, the profiled anatomy, the ring attention's
-waits, the peaks of live tensors, switched variants and the world of one in one process."""
+"""The tables of ``benchmarks/step_anatomy.py``."""
 
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ def layouts(modes: list[str], rec: dict, base: str, tokens: int, heading: str) -
 
 
 def ring_rows(modes: list[str], anatomy: dict) -> None:
-    """The ring probe's numbers of every ring layout (rank 0): compute, waits, and the wire's cost had nothing hidden
-    it (the exchanges of blocks in flight, i.e. all but each backward's last hop home, times one exchange alone)."""
+    """Every ring layout's probe (rank 0): compute, waits, and the wire's cost had nothing hidden it (the exchanges
+    of blocks in flight, all but each backward's last hop home, times one exchange alone)."""
     rows = []
     for m in modes:
         r = anatomy[m].get("ring") or {}

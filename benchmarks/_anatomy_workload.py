@@ -1,20 +1,7 @@
 """The workload of ``benchmarks/step_anatomy.py``: one step of a model in one layout (:class:`Step`), kept alive in a
-:class:`_rank_pool.RankPool` per layout and timed, profiled or probed on command (:func:`serve`).
-
-Workloads: ``mlm``, a ``BertForMaskedLM`` training step with AdamW (a hand loop for the unsharded model,
-``Trainer.train_step`` for shardlib's layouts); ``encoder``, the bare model's (``BertModel``, ``ViTModel``,
-``T5Model``) forward and backward of the mean square of its final hidden states (T5: the decoder's and the
-encoder's), no optimizer, a hand loop for every layout. Every layout starts from the same weights
-(``torch.manual_seed(0)``) and sees the same batches.
-
-Layouts (``MODES``): ``unsharded`` (one process, both cores: the hand loop a user writes without shardlib),
-``world1`` (``shard`` at a world of one), ``tp2`` / ``tp2_sp`` (two ranks of one thread each, without and with
-Megatron SP, over the default transport: shared memory on one host), ``tp2_c10d`` / ``tp2_sp_c10d`` (over gloo's
-sockets), ``dp{2,4}_zero{0,1}`` and ``_zero1_overlap`` (ZeRO-1's parameter all-gathers waited for in the step or
-overlapped with the next forward), ``sp{2,4}_a2a`` / ``sp{2,4}_ring`` (Ulysses all-to-all and ring attention at
-tp=1). Suffixes: ``_compiled`` (``shardlib.compile_model``, ``Trainer(compile=True)``); ``_loop`` / ``_fit`` (a window
-of ``--steps`` steps timed whole: a ``train_step`` loop, or one ``Trainer.fit`` call over the same samples).
-"""
+``_rank_pool.RankPool`` per layout. ``mlm``: a ``BertForMaskedLM`` step with AdamW (a hand loop unsharded,
+``Trainer.train_step`` sharded); ``encoder``: the bare model's forward + backward of the mean square of its final
+hidden states, no optimizer. Layouts: ``MODES``; ``_compiled``, and ``_loop`` / ``_fit`` (a window timed whole)."""
 
 from __future__ import annotations
 
@@ -52,11 +39,10 @@ TRAINER_OPTIONS = {**{m: {"zero": 1} for m in MODES if m.endswith("_zero1")},
 TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one", "tp2": "shardlib tp=2",
           "tp2_sp": "shardlib tp=2 + SP", "tp2_c10d": "shardlib tp=2, gloo transport",
           "tp2_sp_c10d": "shardlib tp=2 + SP, gloo transport",
-          **{f"dp{n}_zero0": f"shardlib dp={n}, zero=0" for n in (2, 4)},
-          **{f"dp{n}_zero1": f"shardlib dp={n}, zero=1" for n in (2, 4)},
+          **{f"dp{n}_zero{z}": f"shardlib dp={n}, zero={z}" for n in (2, 4) for z in (0, 1)},
           **{f"dp{n}_zero1_overlap": f"shardlib dp={n}, zero=1, overlapped gathers" for n in (2, 4)},
-          **{f"sp{n}_a2a": f"shardlib sp={n} all-to-all" for n in (2, 4)},
-          **{f"sp{n}_ring": f"shardlib sp={n} ring" for n in (2, 4)}}
+          **{f"sp{n}_{k}": f"shardlib sp={n} {t}" for n in (2, 4)
+             for k, t in (("a2a", "all-to-all"), ("ring", "ring"))}}
 
 _BASE = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072)
 _SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024)
@@ -113,8 +99,7 @@ def config(size: str, dropout: float, seq: int = 512, layers: int | None = None)
 
 
 def batches(n: int, batch: int, seq: int, vocab: int = 30522, padding: float = 0.0) -> list[dict]:
-    """MLM batches: random ids, 15% of positions labelled (the rest -100), the same on every rank; the attention
-    mask hides the last ``padding`` fraction of every row."""
+    """MLM batches (15% labelled), the same on every rank; the mask hides the last ``padding`` of every row."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
@@ -140,9 +125,7 @@ def encoder_batches(size: str, cfg, batch: int, seq: int, padding: float) -> lis
 
 
 class Step:
-    """One layout's model, optimizer and batches; :meth:`run` is one step of ``workload`` (module docstring),
-    :meth:`window` ``n`` of them (one ``Trainer.fit`` call for a ``_fit`` mode). ``hand_loop``: a sharded model
-    stepped by the hand loop instead of the Trainer (what the Trainer adds)."""
+    """One layout's model, optimizer and batches; ``hand_loop``: a sharded model stepped by a hand loop, no Trainer."""
 
     def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm",
                  hand_loop: bool = False, layers: int | None = None, padding: float = 0.0):
@@ -166,8 +149,7 @@ class Step:
         self.ring = options is not None and options.get("sequence_parallel") == "ring"
         self.fit, self.windowed = mode.endswith("_fit"), mode.endswith(("_loop", "_fit"))
         make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-5)  # noqa: E731
-        self.trainer = self.optimizer = None
-        self.mesh = None
+        self.trainer = self.optimizer = self.mesh = None
         if options is None:
             self.model = model
         else:
@@ -201,9 +183,7 @@ class Step:
         return loss.item()
 
     def window(self, n: int) -> None:
-        """``n`` steps: ``run`` ``n`` times, or for a ``_fit`` mode one ``Trainer.fit`` over an epoch of ``n``
-        global batches (the same samples, this rank's share of each as in the other layouts; shuffled, logging
-        every 10 steps, no checkpoints)."""
+        """``n`` steps, or for a ``_fit`` mode one ``Trainer.fit`` over ``n`` global batches of the same samples."""
         if not self.fit:
             for _ in range(n):
                 self.run()
@@ -232,9 +212,7 @@ IN_PROCESS_TITLES = {"unsharded": "unsharded, hand loop", "world1_hand": "shardl
 
 
 def in_process_steps(size: str, batch: int, seq: int, dropout: float) -> dict[str, Step]:
-    """The three world-of-one variants in this one process (same weights, same batches): what sharding adds to the
-    model, and what the Trainer adds to a hand loop, free of the per-process differences (memory placement, page
-    faults) that move separate processes by +-20% on the shared machine."""
+    """The world-of-one variants in this process, free of the per-process differences (+-20%) between processes."""
     steps = {}
     for name, (sharded, hand) in IN_PROCESS.items():
         steps[name] = Step("world1" if sharded else "unsharded", size, batch, seq, dropout, "mlm", hand_loop=hand)

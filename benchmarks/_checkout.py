@@ -1,6 +1,5 @@
-"""Import shardlib from this checkout without ``pip install`` (the GPU machine runs benchmarks from a plain copy):
-``shardlib.kernels`` -> kernels/, ``shardlib.policies`` -> policies/, as pyproject's package-dir maps them. Importing
-this module installs the mapping (once)."""
+"""Importing this installs shardlib from this checkout without ``pip install`` (the GPU machine runs a plain copy):
+``shardlib.kernels`` -> kernels/, ``shardlib.policies`` -> policies/, as pyproject's package-dir maps them."""
 
 from __future__ import annotations
 

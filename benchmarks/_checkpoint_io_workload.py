@@ -1,5 +1,4 @@
-"""The ranks of ``benchmarks/checkpoint_io.py``: a load (and the sharded saves) at tp=2 per variant, and DCP's
-tp=2 -> tp=4 reshard. Light at import: spawned ranks re-import it."""
+"""The ranks of ``benchmarks/checkpoint_io.py`` (loads, saves, DCP's reshard); light: spawned ranks import it."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import json
 import math
 import os
 import shutil
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from _harness import reset_peak_rss
+from _harness import reset_peak_rss, status_kib
 
 CONFIGS = {
     "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096,
@@ -35,10 +33,7 @@ HF_TP_PLAN = {f"bert.encoder.layer.*.{name}": style for name, style in (
 
 
 def status() -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem in bytes."""
-    with open("/proc/self/status") as f:
-        return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
-                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")}
+    return {k: status_kib(k) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
 
 
 def dir_bytes(path: Path) -> int:
@@ -54,10 +49,6 @@ def _init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _load(variant: str, hf_dir: str, mesh):
@@ -78,8 +69,8 @@ def _load(variant: str, hf_dir: str, mesh):
 
 
 def _dcp_state_dict(model) -> dict:
-    """Every persistent tensor once (ties once, first name), the sharded ones as DTensors over the tp mesh (plain
-    local tensors under the global names would be de-duplicated by DCP's planner as if replicated)."""
+    """Every persistent tensor once, the sharded ones as DTensors over the tp mesh (plain local tensors under the
+    global names would be de-duplicated by DCP's planner as if replicated)."""
     from torch.distributed.tensor import DTensor, Shard
 
     import shardlib
@@ -102,8 +93,7 @@ def _dcp_state_dict(model) -> dict:
 
 
 def _saves(model, work: Path, repeats: int) -> dict:
-    """``checkpoint.save`` against ``dcp.save``, alternating, each into a new folder (the last pair is kept for the
-    reshard); a save lasts until every rank is done."""
+    """``checkpoint.save`` against ``dcp.save``, alternating, each into a new folder (the last pair kept)."""
     import torch.distributed.checkpoint as dcp
 
     from shardlib import checkpoint
@@ -128,9 +118,7 @@ def _saves(model, work: Path, repeats: int) -> dict:
 
 
 def load_worker(rank: int, world: int, port: int, variant: str, hf_dir: str, work: str, opts: dict) -> None:
-    """One rank of a variant: baseline RSS after the imports and the group init (VmHWM reset), the first load (its
-    time, the peak, the RssAnon/RssFile peaks sampled every 2 ms, the local bytes), a forward check, ``load_repeats
-    - 1`` more loads, then (shardlib) the saves."""
+    """One rank of a variant: baseline RSS (VmHWM reset), the first load, a forward check, more loads, the saves."""
     _init(rank, world, port)
     import datetime
 
@@ -147,25 +135,12 @@ def load_worker(rank: int, world: int, port: int, variant: str, hf_dir: str, wor
     res = {"rank": rank, "variant": variant, "baseline": status(), "peak_reset": reset_peak_rss()}
     dist.barrier()
     try:
-        peak, done = {"RssAnon": 0, "RssFile": 0}, threading.Event()
-
-        def sample():
-            while not done.is_set():
-                s = status()
-                peak.update({k: max(v, s[k]) for k, v in peak.items()})
-                done.wait(0.002)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
         t0 = time.perf_counter()
         model = _load(variant, hf_dir, mesh)
         res["load_s"], res["after"] = [time.perf_counter() - t0], status()
-        done.set()
-        sampler.join()
         params = list({id(p): p for p in model.parameters()}.values())
-        res["sampled_peak"] = peak
         res["local_bytes"] = shardlib.report(model).local_bytes if variant != "hf" else sum(
-            _local(p).numel() * _local(p).element_size() for p in params)
+            (p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
         res["dtensor_params"] = f"{sum(hasattr(p, 'to_local') for p in params)}/{len(params)}"
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(5, model.config.vocab_size, (2, 16), generator=g)
@@ -230,7 +205,7 @@ def dcp_reshard_worker(rank: int, world: int, port: int, dcp_dir: str, layouts_j
     with safe_open(os.path.join(ref_dir, f"model-tp{rank:02d}-of-{world:02d}.safetensors"), "pt") as mine, \
             safe_open(os.path.join(ref_dir, "model-replicated.safetensors"), "pt") as rep:
         for name, t in sd.items():
-            local = _local(t)
+            local = t.to_local() if isinstance(t, DTensor) else t
             ref = next((f.get_tensor(name) for f in (mine, rep) if name in f.keys()), None)
             if ref is None and local.numel():
                 mismatches.append(f"{name}: not in shardlib tp=4 files")

@@ -1,9 +1,6 @@
 """The one-GPU half of ``benchmarks/step_anatomy.py --gpu``: shardlib at a world of one against the hand loop a user
-writes without it (zero_grad, autocast, backward through GradScaler in fp16, AdamW, ``loss.item()``), eager and
-compiled, one case of ``CASES`` per process (``python _gpu_anatomy.py CASE JSON [rounds steps] [--cpu-test]``): the
-first step (the compile) alone, 3 warm-up steps, ``rounds`` interleaved rounds of ``steps`` synchronized steps, then
-3 profiled steps (kernel time, ``OPS`` counts) and, eager, a host probe. ``--cpu-test``: tiny models on CPU.
-"""
+writes without it, eager and compiled, one case of ``CASES`` per process (``python _gpu_anatomy.py CASE JSON [rounds
+steps] [--cpu-test]``): the first step alone, interleaved rounds, profiled steps, a host probe."""
 
 from __future__ import annotations
 
@@ -43,23 +40,20 @@ def build(family: str, batch: int, tiny: bool, device: str):
     """(model, 4 batches on ``device``): HF's base sizes (``tiny``: 2 layers of 64), random weights, dropout on."""
     import transformers
 
-    g = torch.Generator().manual_seed(1)
-    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256)
-    if family.startswith("bert"):  # the CPU anatomy's MLM batches (15% labelled) and BERT-small sizes
-        from _anatomy_workload import SIZES, batches
+    from _anatomy_workload import SIZES, batches  # the CPU anatomy's sizes and MLM batches (15% labelled)
 
-        cfg = transformers.BertConfig(**(dict(small, vocab_size=1000) if tiny else SIZES["bert-small"]
+    g = torch.Generator().manual_seed(1)
+    if family.startswith("bert"):
+        cfg = transformers.BertConfig(**(dict(SIZES["bert-tiny"], vocab_size=1000) if tiny else SIZES["bert-small"]
                                          if family == "bert-small" else {}))
         model, data = transformers.BertForMaskedLM(cfg), batches(4, batch, 32 if tiny else 128, cfg.vocab_size)
     elif family == "vit":
-        cfg = transformers.ViTConfig(num_labels=1000, **(dict(small, image_size=32, patch_size=8) if tiny else {}))
+        cfg = transformers.ViTConfig(num_labels=1000, **(SIZES["vit-tiny"] if tiny else {}))
         model = transformers.ViTForImageClassification(cfg)
         data = [{"pixel_values": torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g),
                  "labels": torch.randint(0, 1000, (batch,), generator=g)} for _ in range(4)]
     else:  # t5-base
-        cfg = transformers.T5Config(**(dict(d_model=64, d_ff=256, num_layers=2, num_heads=4, d_kv=16, vocab_size=1000)
-                                       if tiny else dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64)),
-                                    decoder_start_token_id=0)
+        cfg = transformers.T5Config(**SIZES["t5-tiny" if tiny else "t5-base"], decoder_start_token_id=0)
         model, (src, tgt) = transformers.T5ForConditionalGeneration(cfg), ((32, 16) if tiny else (256, 64))
         data = [{"input_ids": torch.randint(1, cfg.vocab_size, (batch, src), generator=g),
                  "attention_mask": torch.ones(batch, src, dtype=torch.long),
@@ -118,8 +112,7 @@ class Variant:
 
 
 def profiled(variant: Variant, steps: int = 3) -> dict:
-    """GPU kernel ms and kernels per step (the GPU spans of annotations, which hold idle time, left out), wall ms
-    per profiled step, per step counts of ``OPS``, the top kernels."""
+    """Per step: GPU kernel ms and kernels (annotations' spans, which hold idle time, left out), ``OPS`` counts."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -140,8 +133,7 @@ def profiled(variant: Variant, steps: int = 3) -> dict:
 
 
 def host_probe(variant: Variant, steps: int = 10) -> dict:
-    """Where a variant's host time goes: the synchronizing CUDA calls of one step (torch's sync debug mode: where each
-    was made) and a cProfile of ``steps`` steps (the 20 functions with the most own time, ms/step)."""
+    """Where host time goes: one step's synchronizing CUDA calls, and the top 20 functions of a cProfile (ms/step)."""
     import cProfile
     import pstats
     import warnings
@@ -201,8 +193,7 @@ def run_case(case: str, tiny: bool, rounds: int, steps: int) -> dict:
 
 
 def summary_rows(results: list[dict]) -> list[list[str]]:
-    """One row per (case, eager or compiled): step times, hand / trainer paired per round (> 1: the Trainer is
-    faster), the first steps, the kernel time per step."""
+    """One row per (case, eager or compiled): step times, hand / trainer paired per round, first steps, kernels."""
     rows = []
     for res in results:
         for kind in ("eager", "compiled"):
@@ -226,6 +217,4 @@ if __name__ == "__main__":  # one case in this process: python _gpu_anatomy.py C
                    int(args[3]) if len(args) > 3 else 10)
     with open(args[1], "w") as f:
         json.dump(out, f, indent=1)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()

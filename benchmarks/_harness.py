@@ -1,18 +1,10 @@
-"""The harness every benchmark uses, so that each script keeps only its workload and what it measures:
-
-* the machine: how busy it is (:func:`machine_busy_s`), waiting for it to go quiet (:func:`wait_idle`; 2 cores: one
-  busy neighbour halves a mode's speed), this process' memory (:func:`status_kib`);
-* timing: :func:`timed` (seconds per call, after warm-up, optionally behind a barrier), :func:`interleaved` (modes
-  in alternating rounds, so drift hits every mode alike);
-* statistics: :func:`median_spread` (median and range), :func:`paired_ratio` (the median of per-round ratios of a
-  mode to its baseline, which cancels drift between rounds), :func:`fmt_cores`;
-* output: :func:`print_table` (markdown), :func:`write_json`, :func:`print_closing`;
-* ranks: :func:`spawn_ranks` (gloo ranks on loopback, each ``fn(rank, world, port, *args)``, with a deadline),
-  :func:`run_rank`, :func:`loopback_ifname`, :func:`free_port`.
-"""
+"""The harness every benchmark uses: the machine's load, timing (interleaved rounds), statistics (paired ratios),
+markdown and JSON output, gloo ranks spawned on loopback."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -22,6 +14,10 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+# quiet and offline: set before a benchmark imports transformers (spawned ranks inherit the environment)
+for _key in ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):
+    os.environ.setdefault(_key, "error" if _key == "TRANSFORMERS_VERBOSITY" else "1")
 
 
 def machine_busy_s() -> float:
@@ -36,8 +32,7 @@ def machine_busy_s() -> float:
 
 
 def wait_idle(timeout_s: float, threshold_cores: float) -> float:
-    """Sample the machine's CPU use in 1 s windows until it is at most ``threshold_cores`` or ``timeout_s`` has
-    passed; return the last sample (cores busy)."""
+    """Wait (1 s samples) until at most ``threshold_cores`` are busy or ``timeout_s`` passed; the last sample."""
     start = time.perf_counter()
     while True:
         b0, t0 = machine_busy_s(), time.perf_counter()
@@ -53,13 +48,11 @@ def wait_idle(timeout_s: float, threshold_cores: float) -> float:
 
 def loopback_ifname() -> str:
     """The loopback interface's name (for GLOO_SOCKET_IFNAME: ranks talk over loopback only)."""
-    try:
+    with contextlib.suppress(OSError):
         for name in sorted(os.listdir("/sys/class/net")):
             with open(f"/sys/class/net/{name}/flags") as f:
                 if int(f.read().strip(), 16) & 0x8:  # IFF_LOOPBACK
                     return name
-    except OSError:
-        pass
     return "lo"
 
 
@@ -70,8 +63,7 @@ def free_port() -> int:
 
 
 def run_rank(rank: int, worker, *args) -> None:
-    """``worker(rank, *args)`` in a spawned rank, printing its traceback before the failure propagates:
-    ``torch.multiprocessing.start_processes(run_rank, args=(worker, ...), ...)``."""
+    """``worker(rank, *args)`` in a spawned rank, printing its traceback before the failure propagates."""
     try:
         worker(rank, *args)
     except BaseException:
@@ -89,6 +81,12 @@ def status_kib(field: str) -> int:
     return 0
 
 
+def libc(name: str, *args) -> None:
+    """glibc's ``name(*args)`` (``malloc_trim``, ``mallopt``); nothing where there is no glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        getattr(ctypes.CDLL("libc.so.6"), name)(*args)
+
+
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM (the kernel's peak RSS) to the current RSS; False where the kernel refuses."""
     try:
@@ -101,19 +99,13 @@ def reset_peak_rss() -> bool:
 
 def print_closing(summary: list[str], warnings: list[str], started: float) -> None:
     """A benchmark's last lines: its summary, its warnings, the total wall time since ``started``."""
-    print()
-    for line in summary:
-        print(line)
-    for line in warnings:
-        print("WARNING:", line)
+    print("", *summary, *(f"WARNING: {line}" for line in warnings), sep="\n")
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-def timed(fn, repeats: int, *, warmup: int = 0, before=None, barrier=None) -> list[float]:
-    """Seconds per call of ``fn`` over ``repeats`` calls after ``warmup`` untimed ones; ``before()`` runs untimed
-    ahead of each call (then a ``gc.collect()``), ``barrier()`` (e.g. ``dist.barrier``) right before the clock
-    starts, so that every rank starts together."""
+def timed(fn, repeats: int, *, warmup: int = 0, before=None) -> list[float]:
+    """Seconds per call of ``fn`` over ``repeats`` calls after ``warmup``; ``before()`` untimed ahead of each."""
     for _ in range(warmup):
         fn()
     times = []
@@ -121,24 +113,18 @@ def timed(fn, repeats: int, *, warmup: int = 0, before=None, barrier=None) -> li
         if before is not None:
             before()
         gc.collect()
-        if barrier is not None:
-            barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return times
 
 
-def interleaved(modes: dict, rounds: int, *, idle_cores: float | None = None, idle_timeout_s: float = 60.0) -> dict:
-    """``{mode: [value per round]}``: each round calls every ``modes[name]()`` once, in ABBA order (A B C, then
-    C B A, ...), so that a slow spell of the machine falls on every mode alike; with ``idle_cores``, each call first
-    waits for the machine to be at most that busy."""
+def interleaved(modes: dict, rounds: int) -> dict:
+    """``{mode: [value per round]}``, every mode once per round in ABBA order: drift hits every mode alike."""
     samples: dict[str, list] = {name: [] for name in modes}
     order = list(modes)
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            if idle_cores is not None:
-                wait_idle(idle_timeout_s, idle_cores)
             samples[name].append(modes[name]())
     return samples
 
@@ -182,10 +168,7 @@ def write_json(path: str | Path, data) -> None:
 # ------------------------------------------------------------------------------------------------------- ranks
 def spawn_ranks(fn, nprocs: int, args: tuple, deadline_s: float, start_method: str = "spawn",
                 poll_s: float = 1.0) -> str | None:
-    """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` fresh (spawned) processes that rendezvous on a free
-    loopback ``port``; None when all finished, else why not (a rank failed, exited, or missed the deadline and was
-    killed with the others). Results go where ``fn`` writes them (files). ``start_method``: "forkserver" forks the
-    ranks from a server (its preload set by the caller)."""
+    """``fn(rank, nprocs, port, *args)`` in ``nprocs`` fresh processes; None when all finished, else why not."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(run_rank, args=(fn, nprocs, free_port(), *args), nprocs=nprocs, join=False,

@@ -1,9 +1,7 @@
-"""The ranks' side of ``benchmarks/pipeline.py``: its models, the timed cells of one pipeline split, each stage's
-compute alone (the ideal's t_s) and the bytes saved for backward (``SavedBytes``)."""
+"""The ranks' side of ``benchmarks/pipeline.py``: its models, the timed cells of one split, each stage alone."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import statistics
@@ -16,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardlib  # noqa: E402
 
-from _harness import fmt_cores, machine_busy_s, status_kib, wait_idle  # noqa: E402
+from _harness import fmt_cores, libc, machine_busy_s, reset_peak_rss, status_kib, wait_idle  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
@@ -73,8 +71,7 @@ def per_rank(value: float) -> list[float]:
 
 
 class SavedBytes:
-    """``saved_tensors_hooks`` counting the bytes of the storages saved for backward and alive at once (``peak``);
-    a storage counts once, parameters (``skip``) not at all."""
+    """``saved_tensors_hooks``: the peak bytes of storages saved for backward alive at once (``skip``: parameters)."""
 
     def __init__(self, skip: set[int]):
         self.skip, self.live, self.current, self.peak = skip, {}, 0, 0
@@ -118,19 +115,12 @@ class _Holder:
 
 
 def rss_growth(fn) -> float:
-    """Peak RSS during ``fn()`` less the RSS before it (bytes; after ``malloc_trim``), -1 where VmHWM cannot be
-    reset."""
+    """Peak RSS during ``fn()`` less the RSS before it (bytes), -1 where VmHWM cannot be reset."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        fn()
-        return -1.0
+    libc("malloc_trim", 0)
+    before, reset = status_kib("VmRSS"), reset_peak_rss()
     fn()
-    return (status_kib("VmHWM") - before) * 1024.0
+    return (status_kib("VmHWM") - before) * 1024.0 if reset else -1.0
 
 
 def parameter_storages(model) -> set[int]:
@@ -138,9 +128,7 @@ def parameter_storages(model) -> set[int]:
 
 
 def measure_quietly(fn, args, log):
-    """``fn()`` (the same timed measurement on both ranks) and the cores other processes used meanwhile (the
-    machine's busy time less both ranks' CPU; None under 0.5 s); above IDLE_CORES, wait for quiet and measure again,
-    up to ``args.retries`` times."""
+    """(``fn()``, cores others used meanwhile); above IDLE_CORES, wait for quiet and again (``args.retries``)."""
     for attempt in range(args.retries + 1):
         busy, own, wall = machine_busy_s(), time.process_time(), time.perf_counter()
         result = fn()
@@ -169,9 +157,7 @@ def run_stage_alone(module, args: tuple, kwargs: dict) -> None:
 
 
 def time_stages(model, split, captured: dict, args, log) -> dict:
-    """Per stage (gathered over the ranks), for one microbatch: the bytes saved for backward ("saved"), the median
-    fwd+bwd ms with both ranks computing at once ("together") and one rank at a time ("alone"), and the cores other
-    processes used while each was timed ("together_foreign", "alone_foreign")."""
+    """Per stage (gathered over the ranks), one microbatch: bytes saved for backward, median fwd+bwd ms ("times")."""
     saved, skip = {}, parameter_storages(model)
     for module in split.stage_modules:  # the warm-up: counting hooks cost time, so this untimed run counts bytes
         dist.barrier()
@@ -180,30 +166,24 @@ def time_stages(model, split, captured: dict, args, log) -> dict:
             run_stage_alone(module, *captured[module.index])
         saved[module.index] = counter.peak
 
-    def timed(together: bool) -> dict:
+    def timed() -> dict:
         times = {m.index: [] for m in split.stage_modules}
         for _ in range(args.stage_repeats):
             for module in split.stage_modules:
-                for turn in [None] if together else range(dist.get_world_size()):
-                    dist.barrier()  # together: both ranks compute at once, as in the pipeline's steady state
-                    if turn is None or turn == dist.get_rank():
-                        t0 = time.perf_counter()
-                        run_stage_alone(module, *captured[module.index])
-                        times[module.index].append(time.perf_counter() - t0)
+                dist.barrier()  # both ranks compute at once, as in the pipeline's steady state
+                t0 = time.perf_counter()
+                run_stage_alone(module, *captured[module.index])
+                times[module.index].append(time.perf_counter() - t0)
         return times
 
     n = split.num_stages
-    result = {"saved": all_reduce([float(saved.get(s, 0)) for s in range(n)])}
-    for key, together in (("together", True), ("alone", False)):
-        times, result[key + "_foreign"] = measure_quietly(lambda: timed(together), args, log)
-        result[key] = all_reduce([statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)])
-    return result
+    times, foreign = measure_quietly(timed, args, log)
+    return {"saved": all_reduce([float(saved.get(s, 0)) for s in range(n)]), "foreign": foreign,
+            "times": all_reduce([statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in range(n)])}
 
 
 def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, log) -> dict:
-    """Every cell of the schedules that use ``stages_per_rank=spr``, on one freshly sharded model: per
-    (schedule, m) the step times (a step: ``forward_backward`` of the global batch between barriers, the slower
-    rank's), per m the stages alone, at ``args.memory_m`` the peak saved bytes and RSS growth per schedule."""
+    """The schedules at ``stages_per_rank=spr`` on one sharded model: step times, stages alone, memory at m."""
     from transformers import BertForMaskedLM, T5ForConditionalGeneration
 
     torch.manual_seed(0)
@@ -237,7 +217,7 @@ def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, l
         for sched in schedules:
             tr = trainer(sched, m)
             try:  # torch refuses some combinations when the schedule is built, before any communication
-                first = step(tr)
+                step(tr)
             except ValueError as e:
                 out["cells"][(sched, m)] = {"error": str(e).split(": ", 1)[-1]}
                 log(f"  {TITLES[sched]:<17} m={m:<3} n/a: {out['cells'][(sched, m)]['error']}")
@@ -255,18 +235,16 @@ def bench_split(mesh, name, config, batch, spr, schedules, microbatches, args, l
             times, foreign = measure_quietly(timed, args, log)
             times = all_reduce(times, dist.ReduceOp.MAX)  # a step lasts until its slower rank is done
             busy = per_rank(statistics.median(cpu) * 1e3)
-            first = all_reduce([first], dist.ReduceOp.MAX)[0]
-            out["cells"][(sched, m)] = {"times": times, "first": first, "foreign": foreign, "cpu_ms": busy}
+            out["cells"][(sched, m)] = {"times": times, "foreign": foreign, "cpu_ms": busy}
             log(f"  {TITLES[sched]:<17} m={m:<3} median {statistics.median(times) * 1e3:8.1f} ms  (CPU per rank "
-                f"{busy[0]:.0f} / {busy[1]:.0f} ms; first step {first * 1e3:.0f} ms; others' CPU {fmt_cores(foreign)})")
+                f"{busy[0]:.0f} / {busy[1]:.0f} ms; others' CPU {fmt_cores(foreign)})")
         for h in handles:
             h.remove()
         if len(captured) == len(split.stage_modules):
             model.zero_grad(set_to_none=True)
             out["stages"][m] = r = time_stages(model, split, captured, args, log)
-            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in r["together"]) + " ms per "
-                "microbatch, both ranks at once (one rank at a time: " + " / ".join(f"{t:.1f}" for t in r["alone"])
-                + f"; others' CPU {fmt_cores(r['together_foreign'])}, {fmt_cores(r['alone_foreign'])})")
+            log(f"  stages alone      m={m:<3} " + " / ".join(f"{t:.1f}" for t in r["times"]) + " ms per "
+                f"microbatch, both ranks at once (others' CPU {fmt_cores(r['foreign'])})")
         del captured
     mm = args.memory_m
     for sched in schedules:

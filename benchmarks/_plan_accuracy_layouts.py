@@ -1,5 +1,4 @@
-"""The models, generated batches and layouts ``benchmarks/plan_accuracy.py`` measures. Every layout of 4 ranks does
-the same global work: ``GLOBAL_BATCH`` sequences of ``SEQ`` tokens per step, in dp shares of ``microbatches``."""
+"""The models, generated batches and layouts ``benchmarks/plan_accuracy.py`` measures."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ MLM_PROB = 0.15  # share of the MLM positions that carry a label (the rest are -
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformers class and config (``layers_keys``: the layer counts ``layers`` overrides), its task ("mlm",
-    "causal", "seq2seq" with labels of ``dec_seq`` tokens, "image"), the heads tp x sp must divide, its default layers,
-    and whether all-to-all SP applies (a hand policy lists the attention modules; an inferred plan lists none)."""
+    """A transformers class and config, its task, the heads tp x sp must divide, whether all-to-all SP applies."""
 
     cls: str
     config_cls: str
@@ -37,10 +34,6 @@ class ModelSpec:
 
         n = self.layers if layers is None else layers
         return getattr(transformers, self.config_cls)(**dict(self.config_kwargs, **{k: n for k in self.layers_keys}))
-
-    @property
-    def vocab(self) -> int:
-        return self.config_kwargs["vocab_size"]
 
 
 _BERT = dict(max_position_embeddings=512, type_vocab_size=2)
@@ -72,9 +65,7 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
-    """A global batch of ``n`` examples, the same on every rank for one ``seed``: random token ids, a full mask, and
-    MLM labels at ``MLM_PROB`` of the positions (each example at least one), next-token labels (causal), T5 labels
-    of ``dec_seq`` tokens (0: ``seq``), or images and class labels."""
+    """A global batch of ``n`` examples, the same on every rank for one ``seed``, labelled for the model's task."""
     import torch
 
     g = torch.Generator().manual_seed(1000 + seed)
@@ -82,7 +73,7 @@ def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
         size = spec.config(1).image_size
         return {"pixel_values": torch.randn(n, 3, size, size, generator=g),
                 "labels": torch.randint(0, spec.config_kwargs["num_labels"], (n,), generator=g)}
-    ids = torch.randint(2, spec.vocab, (n, seq), generator=g)
+    ids = torch.randint(2, vocab := spec.config_kwargs["vocab_size"], (n, seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones(n, seq, dtype=torch.long)}
     if spec.task == "mlm":
         labelled = torch.rand(n, seq, generator=g) < MLM_PROB
@@ -91,7 +82,7 @@ def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
     elif spec.task == "causal":
         batch["labels"] = ids.clone()
     else:
-        batch["labels"] = torch.randint(2, spec.vocab, (n, spec.dec_seq or seq), generator=g)
+        batch["labels"] = torch.randint(2, vocab, (n, spec.dec_seq or seq), generator=g)
     return batch
 
 
@@ -116,9 +107,7 @@ _CANDIDATES = [
 
 
 def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str | None:
-    """Why ``layout`` cannot run ``spec`` at ``layers`` layers per stack on ``world`` ranks (the checks of shardlib
-    and torch that depend on the layout alone, and what these layouts mean: sp > 1 is all_to_all, megatron needs
-    tp > 1), else None."""
+    """Why ``layout`` cannot run ``spec`` at ``layers`` layers per stack on ``world`` ranks, else None."""
     checks = [
         (layout.world != world, f"{layout.world} ranks, not {world}"),
         (spec.heads % (layout.tp * layout.sp), f"{spec.heads} heads % (tp {layout.tp} x sp {layout.sp})"),

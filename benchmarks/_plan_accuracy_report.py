@@ -39,8 +39,7 @@ def _figures(m: dict):
 
 
 def summarize(name: str, layers, chosen, predicted, runs, world: int) -> dict:
-    """The table of one model, predicted against measured, and how the targets fare. One device: the layouts run
-    different batches, so they are ranked by time per sample (what the search maximizes: samples/s)."""
+    """One model's table, predicted against measured, and the targets; one device ranks by time per sample."""
     one, rows, points = world == 1, [], []
     scale, fmt = (1e3, ".1f") if one else (1, ".3f")
     for layout, p, found in zip(chosen, predicted, runs):

@@ -1,13 +1,10 @@
-"""The measurements of ``benchmarks/plan_accuracy.py``: one layout on 4 gloo ranks (:func:`measure`: per rank the peak
-RSS growth over a baseline taken once everything is imported, with glibc's mmap threshold at 64 KiB so the peak
-repeats exactly; then timed steps with malloc where its defaults settle; ranks forked from a forkserver that imported
-``PRELOAD`` once), and one layout on one device (:func:`measure_one`: the CUDA allocator's peak, synchronized steps).
-"""
+"""The 4-rank measurement of ``benchmarks/plan_accuracy.py`` (:func:`measure`): per rank the peak RSS growth over a
+baseline taken once everything is imported, then timed steps; ranks forked from a forkserver that imported
+``PRELOAD`` once."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import hashlib
 import json
@@ -18,17 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import loopback_ifname, machine_busy_s, median_spread, reset_peak_rss, spawn_ranks  # noqa: E402
+from _harness import libc, loopback_ifname, machine_busy_s, median_spread, reset_peak_rss, spawn_ranks  # noqa: E402
 from _harness import status_kib  # noqa: E402
 from _plan_accuracy_layouts import MODELS, Layout, make_batch  # noqa: E402
 
 WARMUP = 1  # with the untimed step before the timed ones: the peak equals that after 2 (measured, 5 layouts)
-MMAP_THRESHOLD = 65536
+MMAP_THRESHOLD = 65536  # glibc's while the peak is measured: large blocks unmapped when freed, the peak repeats
 CKPT_ROOT = Path(tempfile.gettempdir()) / "shardlib-plan-accuracy"
 MIB = 2 ** 20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
@@ -45,8 +38,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "torch.
 
 
 def ensure_checkpoint(model_name: str, layers: int | None = None) -> Path:
-    """The HF checkpoint (random weights, seed 0) the ranks load, written once per config into a scratch folder renamed
-    into place."""
+    """The HF checkpoint (random weights, seed 0) the ranks load, written once per config."""
     spec = MODELS[model_name]
     config = spec.config(layers)
     digest = hashlib.sha1(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -69,15 +61,14 @@ def ensure_checkpoint(model_name: str, layers: int | None = None) -> Path:
 
 
 def measure(model_name: str, layout: Layout, steps: int = 5, deadline_s: float = 300.0, *, warmup: int = WARMUP,
-            mem_steps: int = 1, layers: int | None = None, where: bool = False) -> dict:
-    """``{per_rank, peak_growth[_anon]_bytes (max over ranks), step_s (the slowest rank's), step_s_median, ...,
-    error}`` of ``layout``; ``where``: each rank also lists the storages alive at its peak (:class:`PeakStorages`)."""
+            mem_steps: int = 1, layers: int | None = None) -> dict:
+    """``{per_rank, peak_growth[_anon]_bytes, step_s (slowest rank's), step_s_median, ..., error}`` of ``layout``."""
     import multiprocessing
 
     started, spec = time.perf_counter(), MODELS[model_name]
     out = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
     job = dict(model=model_name, layers=layers, layout=layout.to_dict(), steps=steps, warmup=warmup,
-               mem_steps=mem_steps, ckpt=str(ensure_checkpoint(model_name, layers)), out=str(out), where=where,
+               mem_steps=mem_steps, ckpt=str(ensure_checkpoint(model_name, layers)), out=str(out),
                timeout_s=max(30.0, deadline_s), ifname=os.environ.get("GLOO_SOCKET_IFNAME") or loopback_ifname())
     threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the forkserver starts with the environment of its first call
@@ -110,16 +101,11 @@ def measure(model_name: str, layout: Layout, steps: int = 5, deadline_s: float =
 
 
 # ================================================================================================== rank side
-def _libc(name: str, *args) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        getattr(ctypes.CDLL("libc.so.6"), name)(*args)
-
-
 def _rss(settle: bool = False) -> dict:
     """Resident bytes (VmRSS, RssAnon, RssFile, VmHWM); ``settle``: after a collection and ``malloc_trim``."""
     if settle:
         gc.collect()
-        _libc("malloc_trim", 0)
+        libc("malloc_trim", 0)
     return {k: status_kib(f) * 1024 for k, f in (("total", "VmRSS"), ("anon", "RssAnon"), ("file", "RssFile"),
                                                  ("peak", "VmHWM"))}
 
@@ -137,7 +123,7 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
     for message in ("`gradient_checkpointing_enable` is deprecated", ".*returned a view tensor"):
         warnings.filterwarnings("ignore", message=message)  # printed by every rank, about code not ours
     torch.set_num_threads(1)
-    _libc("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # what MALLOC_MMAP_THRESHOLD_ sets at a process' start
+    libc("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # what MALLOC_MMAP_THRESHOLD_ sets at a process' start
     for name in PRELOAD:
         importlib.import_module(name)
     import torch.distributed as dist
@@ -176,16 +162,13 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
     rec["hwm_lifetime"] = status_kib("VmHWM") * 1024
     rec["opt_state_bytes"] = held_state_bytes(tr.optimizer, tr.params)
     rec["before_steps"], rec["reset_ok"] = _rss(settle=True), reset_peak_rss()
-    with PeakStorages() if job.get("where") else contextlib.nullcontext() as probe:
-        losses += [step(i) for i in range(job["mem_steps"])]
-    if job.get("where"):
-        rec["peak_storages"] = probe.at_peak
+    losses += [step(i) for i in range(job["mem_steps"])]
     rec["after_steps"] = after = _rss()
     rec["hwm"] = after["peak"]
     rec["hwm_lifetime"] = max(rec["hwm_lifetime"], rec["hwm"])
     # time: malloc where its defaults settle, one untimed step that grows the heap, the timed steps between barriers
-    _libc("mallopt", M_MMAP_THRESHOLD, 32 * MIB)
-    _libc("mallopt", M_TRIM_THRESHOLD, 64 * MIB)
+    libc("mallopt", M_MMAP_THRESHOLD, 32 * MIB)
+    libc("mallopt", M_TRIM_THRESHOLD, 64 * MIB)
     losses.append(step(0))
     rec["reset_ok"] = reset_peak_rss() and rec["reset_ok"]
     step_s, busy0, cpu0, wall0 = [], machine_busy_s(), time.process_time(), time.perf_counter()
@@ -205,61 +188,3 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
     Path(job["out"], f"rank{rank}.json").write_text(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()
-
-
-class PeakStorages:
-    """A dispatch mode following every storage of 64 KiB or more its ops create (not views or inputs) until it dies:
-    ``peak`` (bytes) of their sum, ``at_peak``: [(MiB, op, op number)] alive then, largest first (also A1's probe)."""
-
-    SMALLEST, KEEP = 65536, 30
-
-    def __init__(self):
-        import weakref
-
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                outer.ops += 1
-                if not func.is_view:
-                    outer.created(func, tree_leaves((args, kwargs or {})), tree_leaves(out))
-                return out
-
-        self.weakref, self.tensor = weakref.ref, torch.Tensor
-        self.mode, self.live, self.total, self.peak, self.ops, self.at_peak = Mode(), {}, 0, 0, 0, []
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-
-    def created(self, func, inputs, outputs) -> None:
-        inputs = {t.untyped_storage()._cdata for t in inputs if isinstance(t, self.tensor)}
-        for t in outputs:
-            if not isinstance(t, self.tensor):
-                continue
-            storage = t.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()
-            if key in self.live or key in inputs or nbytes < self.SMALLEST:
-                continue
-            self.live[key] = (nbytes, str(func), self.ops, self.weakref(storage, self._freed(key)))
-            self.total += nbytes
-            if self.total > self.peak:
-                self.peak = self.total
-                self.at_peak = sorted(((round(v[0] / MIB, 2), v[1], v[2]) for v in self.live.values()),
-                                      reverse=True)[:self.KEEP]
-
-    def _freed(self, key: int):
-        def callback(_ref):
-            entry = self.live.pop(key, None)
-            if entry is not None:
-                self.total -= entry[0]
-
-        return callback

@@ -1,8 +1,8 @@
-"""Persistent rank pools for benchmarks that time several layouts in interleaved rounds (``step_anatomy.py``): each
-layout's ranks are started once and stay alive, blocked on a pipe, while another layout runs."""
+"""Persistent rank pools: a layout's ranks start once and wait on a pipe while another layout runs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 
@@ -10,8 +10,7 @@ from _harness import free_port, loopback_ifname
 
 
 def _pool_rank(rank: int, conns, world: int, port: int, setup, serve) -> None:
-    """One rank of a :class:`RankPool`: join the group, ``state = setup(rank, world)``, then answer every command
-    ``(name, kwargs)`` from the coordinator with ``serve(state, name, **kwargs)`` until ``None`` arrives."""
+    """One rank of a :class:`RankPool`: ``state = setup(rank, world)``, then ``serve(state, name, **kwargs)``."""
     import torch.distributed as dist
 
     conn = conns[rank]
@@ -33,11 +32,7 @@ def _pool_rank(rank: int, conns, world: int, port: int, setup, serve) -> None:
 
 
 class RankPool:
-    """``world`` spawned ranks that stay alive between measurements, so that several layouts can be timed in
-    interleaved rounds (each pool idle, blocked on its pipe, while another runs). ``setup(rank, world) -> state``
-    runs once per rank (after the gloo group is up when ``world > 1``); :meth:`call` sends a command to every rank
-    and returns their answers ``serve(state, name, **kwargs)`` in rank order. Both functions must be importable
-    (spawn)."""
+    """``world`` spawned ranks alive between measurements; ``setup`` and ``serve`` must be importable (spawn)."""
 
     def __init__(self, world: int, setup, serve, timeout_s: float = 600.0):
         import torch.multiprocessing as mp
@@ -70,10 +65,8 @@ class RankPool:
 
     def close(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):  # BrokenPipeError included
                 conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         for p in self.context.processes:
             p.join(timeout=30)
             if p.is_alive():

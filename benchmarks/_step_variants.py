@@ -1,10 +1,6 @@
 """Variants of shardlib's code that ``step_anatomy.py --switch SET`` alternates between consecutive steps of the same
-ranks (``_anatomy_workload.switched_steps``): the finest A/B this noisy machine allows, for a change worth a few
-percent of a step (a step-to-step pair sees the same neighbours; rounds minutes apart do not).
-
-Each set maps a variant's name to a function that installs it in the running process (the first is the baseline);
-a variant must leave what every layout computes unchanged, or name the memory it trades.
-"""
+ranks (``_anatomy_measure.switched_steps``). Each set maps a variant's name to a function that installs it in the
+running process (the first is the baseline); a variant leaves what a layout computes unchanged or names its trade."""
 
 from __future__ import annotations
 
@@ -12,12 +8,10 @@ import gc
 import warnings
 
 
-def _sequence_parallel_states():
-    from shardlib.sharding.sequence import SequenceParallel
-
+def _alive(cls) -> list:
     with warnings.catch_warnings():  # isinstance on some library's lazy module objects warns
         warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if isinstance(o, SequenceParallel)]
+        return [o for o in gc.get_objects() if isinstance(o, cls)]
 
 
 def _reduce_scatter_by_gloo():
@@ -44,15 +38,15 @@ def _switch_reduce_scatter(use_gloo: bool):
 
 
 def _save_gathered_inputs(full: bool):
-    """``full``: layers save the gathered sequence entering q/k/v and the MLP (tp x the bytes) instead of this rank's
-    shard, so backward gathers nothing again and no saved-tensor hook runs: the price of Megatron's trade."""
-    for sp in _sequence_parallel_states():
+    """``full``: layers save the gathered sequence entering q/k/v and the MLP (tp x the bytes), not the rank's shard."""
+    from shardlib.sharding.sequence import SequenceParallel
+
+    for sp in _alive(SequenceParallel):
         sp.saving_managed_outside = full
 
 
 def _switch_transport(use_shm: bool):
-    """The tp group's tensors through shared memory (a layout whose mesh attached it: ``tp2``, ``tp2_sp`` on one host)
-    or through gloo."""
+    """The tp group's tensors through shared memory (where the mesh attached it) or through gloo."""
     from shardlib.parallel import shm
 
     stashed = _ORIGINALS.setdefault("shm_groups", dict(shm._GROUPS))
@@ -62,14 +56,10 @@ def _switch_transport(use_shm: bool):
 
 
 def _overlap_param_gathers(overlap: bool):
-    """ZeRO-1/2's parameter all-gathers waited for at the end of the step, or left to each bucket's first reader
-    (a Trainer built with ``overlap_param_gather=True``: layouts ``dp*_zero1_overlap``)."""
+    """ZeRO-1/2's parameter all-gathers waited for at the step's end, or left to each bucket's first reader."""
     from shardlib.train.zero import FlatZero
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        optimizers = [o for o in gc.get_objects() if isinstance(o, FlatZero)]
-    for optimizer in optimizers:
+    for optimizer in _alive(FlatZero):
         optimizer.wait_params()
         optimizer.overlap_param_gather = overlap
 

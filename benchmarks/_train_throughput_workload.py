@@ -1,5 +1,4 @@
-"""The workload of ``benchmarks/train_throughput.py``: its modes, data, model, the eager / DDP loop, shardlib's
-``fit`` and the ranks that run them (one fresh set per mode)."""
+"""The workload of ``benchmarks/train_throughput.py``: modes, data, model, the eager / DDP loop, ``fit``, ranks."""
 
 from __future__ import annotations
 
@@ -14,9 +13,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # quiet and offline, here and in the spawned ranks
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -39,10 +35,8 @@ SEED, DATA_SEED = 1234, 7
 PAD, CLS, SEP = 0, 101, 102
 NEGATIVE, POSITIVE, FILLER_START = range(30, 40), range(40, 50), 200
 LAST_K = 5  # the "final loss" is the mean of the last LAST_K steps
-#: Per-step loss agreement with the baseline when dropout is off, over the steps ``CHECKED_STEPS`` says. fp32
-#: differs only by summation order (split matmuls, the dp all-reduce): every step. AMP rounds differently split
-#: matmuls differently, and once the loss falls steeply training amplifies that (plain eager and DDP differ by up to
-#: 0.29 in bf16 on the tiny model), so AMP is checked over the first 5 steps only; its whole-curve maximum is shown.
+#: Per-step loss agreement with the baseline (dropout off) over ``CHECKED_STEPS``: fp32 differs only by summation
+#: order, every step; AMP rounds split matmuls differently and training amplifies it, so the first 5 steps only.
 TOLERANCE = {"fp32": 1e-3, "bf16": 0.02, "fp16": 0.02}
 CHECKED_STEPS = {"fp32": None, "bf16": 5, "fp16": 5}
 #: GradScaler's rule as a shardlib loss scaler: back off on every overflow, grow after 2000 clean steps.
@@ -156,9 +150,7 @@ class StepLog:
 
 
 def _eager_step(net, optimizer, scaler, batch: dict, precision: str, device: str) -> tuple[torch.Tensor, float]:
-    """One step of the plain loop: zero_grad, autocast forward, backward (DDP all-reduces), the gradient norm,
-    AdamW. Returns the loss and the (unscaled) gradient norm: ``fit`` logs one every step at ``log_interval=1``,
-    so the baseline computes it too."""
+    """One step of the plain loop: the loss and the (unscaled) gradient norm (``fit`` logs one every step)."""
     from torch.nn.utils import get_total_norm
 
     optimizer.zero_grad(set_to_none=True)
@@ -181,8 +173,7 @@ def _eager_step(net, optimizer, scaler, batch: dict, precision: str, device: str
 
 def train_eager(rank: int, world: int, spec: Mode, precision: str, data: list[dict], opts: dict,
                 run_dir: Path) -> None:
-    """The baseline: the unsharded model, DDP over ``world`` ranks (world 1: no DDP), each rank its contiguous
-    share of every global batch (as ``fit`` splits it), the global loss logged on rank 0."""
+    """The baseline: DDP over ``world`` ranks (1: none), each rank its contiguous share of a global batch, as in fit."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import default_collate
 
@@ -269,8 +260,7 @@ def _worker(rank: int, mode: str, precisions: list[str], opts: dict, tmpdir: str
 
 
 def run_mode(mode: str, precisions: list[str], opts: dict) -> dict[str, dict]:
-    """Run ``mode`` in a fresh set of processes; per precision ``{"wall_s"}`` or ``{"error"}``, and the CPU that
-    other processes used meanwhile (``foreign_cores``)."""
+    """Run ``mode`` in fresh processes; per precision ``{"wall_s"}`` or ``{"error"}``, and ``foreign_cores``."""
     spec = mode_spec(opts["device"], mode)
     tmpdir = tempfile.mkdtemp(prefix=f"train_bench_{mode}_")
     busy0, t0 = machine_busy_s(), time.perf_counter()

@@ -13,9 +13,7 @@ def _mib(x: float) -> str:
 
 
 def _full_figures(results: dict) -> dict:
-    """Per dp: zero=0's figures (max over ranks) and where they come from: that dp's launch, else the smallest dp
-    whose launch ran zero=0 (they do not depend on dp), else the parameter count (AdamW: 2 x the parameter bytes + a
-    4-byte ``step`` per tensor)."""
+    """Per dp: zero=0's figures (max over ranks), else another dp's or the parameter count's where it did not run."""
     measured = {dp: {q: max(r[q] for r in res["counts"]["0"]) for q in ("opt", "grad", "param")}
                 for dp, res in sorted(results.items()) if "0" in res["counts"]}
     full = {}
@@ -65,8 +63,6 @@ def print_bytes(results: dict, skipped: dict, summary: list) -> None:
     print_table("1. Bytes per rank (MiB, max over ranks; full = zero=0's figure; ratio = max rank / (full/dp))",
                 ["dp", "zero", "optimizer state", "ratio", "sum over ranks / full", "gradient peak", "ratio",
                  "parameters", "ratio", "peak RSS of a rank"], rows)
-    print("(ratio of zero=0's gradient peak and parameters: dp, every rank holds them whole; zero=3's gradient peak: "
-          "its shards after backward)")
     print_table("zero 1/2 buckets and the gradient-peak bound (MiB, max over ranks)",
                 ["dp", "zero", "buckets", "largest bucket", "shards (sum numel/dp)", "full/dp + 2 buckets",
                  "shards + 2 buckets", "gradient peak", "peak / (full/dp + 2 buckets)"], bucket_rows)
@@ -102,8 +98,6 @@ def print_times(results: dict, warnings: list) -> None:
         if res.get("peak_rss"):
             print(f"dp={world}: peak RSS of a rank {res['peak_rss'] / MIB:,.0f} MiB"
                   f"{' (all four trainers alive)' if res.get('interleave') else ''}")
-    print("(interleaved: round r = one step of every stage, order alternating, paired within the round; sequential: "
-          "the stages one after another, round r = the stage's r-th timed step)")
 
 
 def print_rss(rss: dict, stages: list, layers: int, skipped: dict, summary: list) -> None:
@@ -126,8 +120,7 @@ def print_rss(rss: dict, stages: list, layers: int, skipped: dict, summary: list
     life = {z: max(r["lifetime"] for r in rss[z]["ranks"]) for z in rss}
     for zero in stages:
         if zero != 0 and zero in rss:
-            summary.append(f"BERT-large {layers} layers dp=4 peak RSS per rank during training: zero={zero} "
-                           f"{peak[zero] / MIB:,.0f} MiB vs zero=0 {peak[0] / MIB:,.0f} MiB "
-                           f"({peak[zero] / peak[0]:.2f}x); "
-                           f"lifetime incl. building the model {life[zero] / MIB:,.0f} vs {life[0] / MIB:,.0f} MiB "
-                           f"({life[zero] / life[0]:.2f}x)")
+            p, z0, lz, l0 = (v / MIB for v in (peak[zero], peak[0], life[zero], life[0]))
+            summary.append(f"BERT-large {layers} layers dp=4 peak RSS per rank, training: zero={zero} {p:,.0f} MiB vs "
+                           f"zero=0 {z0:,.0f} MiB ({p / z0:.2f}x); lifetime incl. the build {lz:,.0f} vs {l0:,.0f} MiB "
+                           f"({lz / l0:.2f}x)")

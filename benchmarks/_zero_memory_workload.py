@@ -1,9 +1,7 @@
-"""The ranks' side of ``benchmarks/zero_memory.py``: its models and batches, and per part what a rank measures (the
-bytes it holds, the step times, the peak RSS of a large model)."""
+"""The ranks' side of ``benchmarks/zero_memory.py``: models, batches, and what a rank measures per part."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -12,12 +10,8 @@ import sys
 import time
 import weakref
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import machine_busy_s, reset_peak_rss, status_kib  # noqa: E402
+from _harness import libc, machine_busy_s, reset_peak_rss, status_kib  # noqa: E402
 
 BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
 LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, vocab_size=30522)
@@ -31,18 +25,10 @@ RSS_BASE = 0.4 * 2 ** 30  # torch + transformers + gloo per rank
 
 
 def rss_need(zero: int, param_bytes: float, dp: int, microbatches: int = 1) -> float:
-    """Estimated peak RSS of a rank training ``param_bytes`` of fp32 parameters with AdamW: multiples measured with
-    MALLOC_MMAP_THRESHOLD_=131072 (zero=0 4.4-5.3; zero 1/2 3.3 / 2.2 / 2.0 and zero=3 2.2 / 2.0 / 2.0 at dp 2 / 4 /
-    8: the whole model is built before FSDP2 shards it; zero=1 holds whole gradients over microbatches)."""
+    """Estimated peak RSS of a rank training ``param_bytes`` of fp32 parameters with AdamW (measured multiples; zero=3
+    builds the whole model before FSDP2 shards it; zero=1 holds whole gradients over microbatches)."""
     factor = {0: 5.5, 3: 2.0 + 1.0 / dp}.get(zero, 1.75 + 4.0 / dp + (zero == 1 and microbatches > 1))
     return factor * param_bytes + RSS_BASE
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def _nbytes(tensors) -> int:
@@ -75,21 +61,22 @@ def _build(opts: dict, mesh, zero: int):
 
 
 def _batches(opts: dict, mesh, vocab: int, n: int) -> list[dict]:
+    """``n`` global batches of SST-2-shaped samples (random ids, full mask, 2 labels), the same on every rank."""
+    import torch
     from torch.utils.data import default_collate
 
     import shardlib
-    from _workloads import classification_samples
 
-    b = opts["batch"]
-    samples = classification_samples(n * b, opts["seq"], vocab)
+    b, seq, g = opts["batch"], opts["seq"], torch.Generator().manual_seed(1234)
+    ids, labels = torch.randint(0, vocab, (n * b, seq), generator=g), torch.randint(0, 2, (n * b,), generator=g)
+    mask = torch.ones(seq, dtype=torch.long)
+    samples = [{"input_ids": ids[i], "attention_mask": mask, "labels": labels[i]} for i in range(n * b)]
     return [shardlib.dp_shard(default_collate(samples[i * b:(i + 1) * b]), mesh) for i in range(n)]
 
 
 def _instrument(trainer):
-    """``([peak], undo)``: the gradient bytes alive during the next step, sampled after the backwards (the local
-    ``.grad``) and under zero 1/2 also after every post-accumulate-grad hook and as each bucket's flat buffer is
-    allocated (every ``.grad``, the shards, the buffer in flight; ``FlatZero._reduce_scatter`` wrapped as
-    tests/zero_tasks.py does). ``undo()`` drops the hooks, which would keep the stage's model alive."""
+    """``([peak], undo)``: the gradient bytes alive during the next step, sampled after the backwards and, under zero
+    1/2, at every gradient's arrival and bucket allocation. ``undo()`` drops the hooks (they keep the model alive)."""
     from shardlib.train.zero import FlatZero
 
     peak, params = [0], list(trainer.params)
@@ -128,8 +115,7 @@ def _instrument(trainer):
 
 
 def _worker_bytes(opts: dict, mesh, rank: int, world: int) -> dict:
-    """Part 1: per stage, on a fresh model freed before the next, one instrumented ``train_step`` (AdamW's state
-    created), then this rank's bytes and its peak RSS since before the build."""
+    """Part 1: per stage, on a fresh model, one instrumented ``train_step``; this rank's bytes and peak RSS."""
     import torch.distributed as dist
 
     from shardlib.train.optim import held_state_bytes
@@ -138,7 +124,7 @@ def _worker_bytes(opts: dict, mesh, rank: int, world: int) -> dict:
     counts = {}
     for zero in opts["zeros"]:
         gc.collect()
-        _malloc_trim()
+        libc("malloc_trim", 0)
         reset_peak_rss()
         t0 = time.perf_counter()
         config, trainer = _build(opts, mesh, zero)
@@ -173,8 +159,7 @@ def _worker_bytes(opts: dict, mesh, rank: int, world: int) -> dict:
 
 
 def _worker_steps(opts: dict, mesh, rank: int, world: int) -> dict:
-    """Part 2: interleaved (a trainer per stage, all alive, one timed step of each per round, order alternating) or
-    the stages one after another; each step between barriers (the slowest rank's), zero_grad outside the window."""
+    """Part 2: the stages' step times, interleaved (a trainer per stage, all alive) or one stage after another."""
     import torch
     import torch.distributed as dist
 
@@ -212,7 +197,7 @@ def _worker_steps(opts: dict, mesh, rank: int, world: int) -> dict:
     def finish(zero):
         del trainers[zero]
         gc.collect()
-        _malloc_trim()
+        libc("malloc_trim", 0)
 
     if opts["interleave"]:
         for zero in zeros:
@@ -237,8 +222,7 @@ def _worker_steps(opts: dict, mesh, rank: int, world: int) -> dict:
 
 
 def _worker_rss(opts: dict, mesh, rank: int, world: int) -> dict:
-    """Part 3: one stage; after the build ``malloc_trim``, the RSS, VmHWM reset, two steps, VmHWM again; and the
-    lifetime peak (``ru_maxrss``, the build included)."""
+    """Part 3: one stage; the RSS before two steps, their peak (VmHWM reset) and the lifetime peak (build included)."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
@@ -246,7 +230,7 @@ def _worker_rss(opts: dict, mesh, rank: int, world: int) -> dict:
     batches = _batches(opts, mesh, config.vocab_size, 2)
     param_bytes = _nbytes(trainer.params)
     gc.collect()
-    _malloc_trim()
+    libc("malloc_trim", 0)
     build_s, build_hwm, before = time.perf_counter() - t0, status_kib("VmHWM") * 1024, status_kib("VmRSS") * 1024
     reset = reset_peak_rss()
     dist.barrier()

@@ -1,13 +1,10 @@
-"""Checkpoint I/O on CPU at tp=2: shardlib's sharded load/save/convert vs full loads, transformers' TP and DCP.
+"""Checkpoint I/O on CPU at tp=2: shardlib's sharded load/save/convert vs full loads, transformers' TP and DCP (peak
+RSS, save and reshard times, HF -> sharded GB/s against a raw read). Docs: docs/benchmarks/checkpoint-io.md.
 
     .venv/bin/python benchmarks/checkpoint_io.py            # BERT-large, ~1.5 minutes on 2 cores (~2 GB a rank)
     .venv/bin/python benchmarks/checkpoint_io.py --quick    # small model, smoke run (~30 s)
     .venv/bin/python benchmarks/checkpoint_io.py --size bert-base --variants shardlib,hf
     .venv/bin/python benchmarks/checkpoint_io.py --only convert --convert-repeats 5   # part 3 only
-
-1. load at tp=2 per variant in fresh ranks (target: peak RSS <= 1.1 x (local shard + baseline)); 2. sharded save vs
-DCP, reshard tp=2 -> tp=4 (offline convert vs DCP load, compared bitwise); 3. HF -> tp=2 convert in GB/s against a
-raw read (target >= 0.5x), xxh3-128 and writes with and without fsync. Temp folders are removed at the end.
 """
 
 from __future__ import annotations
@@ -21,10 +18,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
@@ -41,25 +34,20 @@ def fmt_s(times: list[float]) -> str:
         f" (median of {len(times)})" if len(times) > 1 else "")
 
 
-def _raw_write(path: Path, nbytes: int, block: memoryview, fsync: bool) -> None:
-    """``nbytes`` into a new file in ``len(block)``-byte writes, then (``fsync``) fsync."""
+def _raw_write(path: Path, nbytes: int, block: memoryview) -> None:
+    """``nbytes`` into a new file in ``len(block)``-byte writes, then fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = nbytes
         while left:
             left -= os.write(fd, block[:min(left, len(block))])
-        if fsync:
-            os.fsync(fd)
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def convert_benchmark(checkpoint, hf_dir: Path, hf_files: list[Path], hf_bytes: int, root: Path, repeats: int) -> dict:
-    """Part 3: plain ``readinto`` of the HF files (median of 3), xxh3-128 of them, writing as many bytes with and
-    without fsync (16 MiB writes, median of 3), then HF -> sharded tp=2, with and without durability (``os.fsync``
-    and the early-writeback call made no-ops in this process: a diagnostic); seconds, bytes written, cores busy."""
-    from shardlib.safetensors_io import writer  # where the writes look the early-writeback call up
-
+    """Part 3: a raw read, xxh3-128 and write + fsync of the HF bytes, then HF -> sharded tp=2."""
     busy0, wall0, buf = machine_busy_s(), time.perf_counter(), memoryview(bytearray(64 * MiB))
 
     def read_all():
@@ -71,52 +59,36 @@ def convert_benchmark(checkpoint, hf_dir: Path, hf_files: list[Path], hf_bytes: 
     scratch, out2 = root / "durable_write.bin", root / "convert_tp2"
     drop, clear = (lambda: scratch.unlink(missing_ok=True)), (lambda: shutil.rmtree(out2, ignore_errors=True))
     res = dict(raw=timed(read_all, 3), xxh=timed(lambda: [checkpoint.checksum_of(f) for f in hf_files], 1),
-               durable=timed(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB], True), 3, before=drop),
-               cached=timed(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB], False), 3, before=drop))
+               durable=timed(lambda: _raw_write(scratch, hf_bytes, buf[:16 * MiB]), 3, before=drop))
     drop()
     res["conv2"] = timed(lambda: checkpoint.convert(hf_dir, out2, tp=2), repeats, before=clear)
     res["conv2_bytes"] = dir_bytes(out2)
-    saved = os.fsync, writer._start_writeback
-    os.fsync, writer._start_writeback = (lambda fd: None), None
-    try:
-        res["conv2_cache"] = timed(lambda: checkpoint.convert(hf_dir, out2, tp=2), repeats, before=clear)
-    finally:
-        os.fsync, writer._start_writeback = saved
     clear()
     res["busy"] = (machine_busy_s() - busy0) / (time.perf_counter() - wall0)
     print(f"raw read {fmt_s(res['raw'])} s, xxh3-128 {fmt_s(res['xxh'])} s, write+fsync {fmt_s(res['durable'])} s, "
-          f"write {fmt_s(res['cached'])} s, convert HF -> tp=2 {fmt_s(res['conv2'])} s (without fsync: "
-          f"{fmt_s(res['conv2_cache'])} s); all convert runs: {' '.join(f'{t:.2f}' for t in res['conv2'])} s; machine "
-          f"busy {res['busy']:.2f} cores (this process included)", flush=True)
+          f"convert HF -> tp=2 {fmt_s(res['conv2'])} s; all convert runs: {' '.join(f'{t:.2f}' for t in res['conv2'])}"
+          f" s; machine busy {res['busy']:.2f} cores (this process included)", flush=True)
     return res
 
 
 def convert_rows(conv: dict, hf_bytes: int) -> list[tuple[str, dict, str]]:
-    """The rows of part 3: GB/s of the HF bytes."""
-    gbps = {k: hf_bytes / statistics.median(conv[k]) / 1e9 for k in ("raw", "xxh", "durable", "cached", "conv2",
-                                                                      "conv2_cache")}
-    runs = {k: f"({statistics.median(conv[k]):.2f} s, median of {len(conv[k])})" for k in ("raw", "conv2",
-                                                                                            "conv2_cache")}
+    """The row of part 3: GB/s of the HF bytes."""
+    gbps = {k: hf_bytes / statistics.median(conv[k]) / 1e9 for k in ("raw", "xxh", "durable", "conv2")}
+    runs = {k: f"({statistics.median(conv[k]):.2f} s, median of {len(conv[k])})" for k in ("raw", "conv2")}
     return [("HF -> sharded tp=2: GB/s of HF bytes (fsync of every file included)",
              {"shardlib": f"{gbps['conv2']:.2f} {runs['conv2']}", "raw": f"read {gbps['raw']:.2f} {runs['raw']}; "
               f"xxh3-128 {gbps['xxh']:.2f}; write+fsync {gbps['durable']:.2f}"},
              f">= 0.5x raw read: {gbps['conv2'] / gbps['raw']:.2f}x " + ("MET" if gbps["conv2"] >= 0.5 * gbps["raw"]
                                                                           else "MISSED")
-             + f"; {gbps['conv2'] / gbps['durable']:.2f}x write+fsync"),
-            ("HF -> sharded tp=2 without fsync (diagnostic: page cache only): GB/s",
-             {"shardlib": f"{gbps['conv2_cache']:.2f} {runs['conv2_cache']}",
-              "raw": f"write (no fsync) {gbps['cached']:.2f}"},
-             f"{gbps['conv2_cache'] / gbps['raw']:.2f}x raw read; {gbps['conv2_cache'] / gbps['cached']:.2f}x write")]
+             + f"; {gbps['conv2'] / gbps['durable']:.2f}x write+fsync")]
 
 
 def load_rows(loads: dict, load_repeats: int) -> list[tuple[str, dict, str]]:
     """The rows of part 1, one cell per variant from its ranks' records."""
     def metrics(r):
-        base, after, peak = r["baseline"], r["after"], r["sampled_peak"]
+        base, after = r["baseline"], r["after"]
         return dict(load_s=r["load_s"], base=base["VmRSS"], local=r["local_bytes"], hwm=after["VmHWM"],
                     growth=after["VmHWM"] - base["VmRSS"], ratio=after["VmHWM"] / (r["local_bytes"] + base["VmRSS"]),
-                    anon=peak["RssAnon"] - base["RssAnon"], file=peak["RssFile"] - base["RssFile"],
-                    anon_ratio=(peak["RssAnon"] - base["RssAnon"] + base["VmRSS"]) / (r["local_bytes"] + base["VmRSS"]),
                     after_anon=after["RssAnon"], after_file=after["RssFile"], check_loss=r["check_loss"])
 
     ms = {v: [metrics(r) for r in res] for v, res in loads.items() if isinstance(res, list)}
@@ -133,10 +105,6 @@ def load_rows(loads: dict, load_repeats: int) -> list[tuple[str, dict, str]]:
              ("load: peak - baseline MiB (rank 0 / 1)", pair("growth"), ""),
              ("load: peak / (local shard + baseline), worst rank",
               lambda m: worst("ratio")(m) + (" MET" if max(x["ratio"] for x in m) <= 1.1 else " MISSED"), "<= 1.10x"),
-             ("load: sampled peak growth, private (RssAnon) + mapped file pages (RssFile) MiB (rank 0 / 1)",
-              lambda m: " / ".join(f"{x['anon'] / MiB:,.0f} + {x['file'] / MiB:,.0f}" for x in m), "diagnostic"),
-             ("load: (baseline + sampled private growth) / (local shard + baseline), worst rank", worst("anon_ratio"),
-              "diagnostic: page cache excluded"),
              ("load: RSS after load, private + mapped file MiB (rank 0)",
               lambda m: f"{m[0]['after_anon'] / MiB:,.0f} + {m[0]['after_file'] / MiB:,.0f}", ""),
              ("load: MLM loss of a fixed batch (forward check)", lambda m: f"{m[0]['check_loss']:.6f}", "all equal")]
@@ -145,12 +113,11 @@ def load_rows(loads: dict, load_repeats: int) -> list[tuple[str, dict, str]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model, smoke run (< 1 minute)")
     p.add_argument("--size", choices=sorted(CONFIGS), help="model size (default bert-large; --quick: quick)")
-    p.add_argument("--load-repeats", type=int, help="loads per variant in the same processes (peak memory is from "
-                                                    "the first); default 3 (quick: 1)")
+    p.add_argument("--load-repeats", type=int, help="loads per variant, peak from the first (default 3; quick: 1)")
     p.add_argument("--save-repeats", type=int, default=3, help="sharded saves per method (median)")
     p.add_argument("--convert-repeats", type=int, help="default 3 (quick: 2)")
     p.add_argument("--wait-idle", type=float, default=60.0, help="wait up to this long for an idle machine")
@@ -158,8 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["convert"], help="'convert': part 3 alone, HF -> sharded tp=2 against raw I/O")
     args = p.parse_args(argv)
     size = args.size or ("quick" if args.quick else "bert-large")
-    load_repeats, convert_repeats = args.load_repeats or (1 if args.quick else 3), args.convert_repeats or (
-        2 if args.quick else 3)
+    load_repeats = args.load_repeats or (1 if args.quick else 3)
+    convert_repeats = args.convert_repeats or (2 if args.quick else 3)
     variants = [v for v in args.variants.split(",") if v]
     if "shardlib" not in variants:
         p.error("the shardlib variant is required (the save and reshard steps use its processes)")
@@ -184,9 +151,7 @@ def main(argv=None) -> int:
         gc.collect()
         hf_files = sorted(hf_dir.glob("*.safetensors"))
         hf_bytes = sum(f.stat().st_size for f in hf_files)
-        print(f"setup: {size} BertForMaskedLM, {n_params / 1e6:.1f} M parameters, {param_bytes / 1e9:.3f} GB fp32 "
-              f"(tied decoder once); save_pretrained -> {len(hf_files)} safetensors file(s), {hf_bytes / 1e9:.3f} GB, "
-              f"in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"setup: save_pretrained, {len(hf_files)} file(s), in {time.perf_counter() - t0:.1f} s", flush=True)
         title = (f"Checkpoint I/O: BertForMaskedLM {size} ({n_params / 1e6:.0f} M params, {param_bytes / 1e9:.2f} GB "
                  f"fp32; HF safetensors {hf_bytes / 1e9:.2f} GB), tp=2 on {os.cpu_count()} CPU cores, gloo, 1 "
                  "thread/rank")
@@ -244,9 +209,8 @@ def main(argv=None) -> int:
         if args.only is None:
             notes[:0] = [f"{TITLES[v]}: n/a: {loads[v]}" for v in VARIANTS if isinstance(loads.get(v), str)]
             if isinstance(loads.get("hf"), list):
-                notes.append(f"HF tp_plan: {loads['hf'][0]['dtensor_params']} parameters are DTensors (the plan "
-                             "shards attention and MLP Linears; embeddings, LayerNorms, the MLM head transform and the "
-                             "tied decoder stay replicated, hence its larger local bytes).")
+                notes.append(f"HF tp_plan: {loads['hf'][0]['dtensor_params']} parameters are DTensors (the rest, "
+                             "embeddings, LayerNorms, the MLM head, replicated: its larger local bytes).")
             losses = {v: r[0]["check_loss"] for v, r in loads.items() if isinstance(r, list)}
             if len({round(x, 4) for x in losses.values()}) > 1:
                 notes.append(f"WARNING: the forward check differs between variants: {losses}")
@@ -257,13 +221,10 @@ def main(argv=None) -> int:
                          f"DCP tp=4 load vs shardlib tp=4 files: {sum(r['compared'] for r in dcp4)} (rank, tensor) "
                          "pairs compared, " + ("all bitwise equal." if not bad else
                                                f"{bad} MISMATCHES: {[r['mismatches'] for r in dcp4]}"))
-            notes.append("DCP save: FileSystemWriter defaults (fsync per file, 1 writer thread); sharded tensors "
-                         "passed as DTensor.from_local(...), replicated ones as plain tensors (saved once). shardlib's "
-                         "save streams every tensor from its own memory, xxh3-128-hashes while writing and fsyncs "
-                         "every file, then shardlib.json.")
-        notes.append(f"HF->tp=2 convert wrote {conv['conv2_bytes'] / 1e9:.3f} GB (files + metadata), "
-                     f"xxh3-128-hashed them and fsynced every file (machine busy {conv['busy']:.2f} cores during part "
-                     "3, this process included); all reads are page-cache reads (the HF file was just written).")
+            notes.append("DCP save: FileSystemWriter defaults (fsync per file, 1 writer thread), sharded tensors as "
+                         "DTensors; shardlib's save xxh3-128-hashes while writing and fsyncs every file.")
+        notes.append(f"HF->tp=2 convert wrote {conv['conv2_bytes'] / 1e9:.3f} GB, hashed and fsynced (machine busy "
+                     f"{conv['busy']:.2f} cores in part 3); all reads are page-cache reads.")
         notes.append(f"load average at start {' '.join(load_start)}, at end "
                      f"{' '.join(open('/proc/loadavg').read().split()[:3])}; total run "
                      f"{time.perf_counter() - started:.0f} s")

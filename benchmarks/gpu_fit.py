@@ -1,5 +1,6 @@
 """``Trainer.fit`` on one GPU (the CUDA path of ``shardlib.train``; CI has none): samples/s per precision, fit vs a
 bare ``train_step`` loop vs a plain PyTorch loop (interleaved rounds, paired ratios), checkpoint + bitwise resume.
+Docs: docs/benchmarks/one-gpu.md.
 
     python benchmarks/gpu_fit.py [--json out.json]           # CUDA: BERT-base, ~2 minutes on an H100
     .venv/bin/python benchmarks/gpu_fit.py --small --cpu     # the same logic on CPU, tiny BERT
@@ -21,10 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # CUBLAS_WORKSPACE_CONFIG left alone: ":4096:8" made a plain bf16 BERT-base step ~40% slower on an H100
-
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +66,7 @@ def sst2_like(n: int, seq: int, vocab: int, seed: int) -> list[dict]:
 
 
 def build(opts, seed: int, precision: str | None = "fp32"):
-    """BertForSequenceClassification (dropout 0.1) built on the device under ``seed``, sharded and under a Trainer;
-    ``precision`` None: the plain model."""
+    """BertForSequenceClassification (dropout 0.1) under ``seed``, sharded, in a Trainer (``precision`` None: plain)."""
     import transformers
 
     import shardlib
@@ -240,7 +237,7 @@ def resume_check(opts, results: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny BERT (hidden 64, 2 layers, 32 tokens)")
     p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where CUDA is available")
     p.add_argument("--steps", type=int, help="fit steps per precision, logged every 5 (default 150; --small 20)")

@@ -1,8 +1,8 @@
-"""The CPU kernels of ``shardlib.kernels`` against what they replace: forward + backward, modes interleaved, ratios
-paired per round (< 1: the kernel is faster); ``others``: cores other processes used meanwhile.
+"""The CPU kernels of ``shardlib.kernels`` against what they replace, forward + backward, ratios paired per round
+(< 1: the kernel is faster; ``others``: cores other processes used). Docs: docs/benchmarks/kernels-and-compile.md.
 
     .venv/bin/python benchmarks/kernels.py --kernel attention  # eager attention vs SDPA: BERT/ViT/T5-base, 12 / 6 heads
-    .venv/bin/python benchmarks/kernels.py --kernel fused_qkv  # q/k/v as 3 linears vs one GEMM (and a torch.cat GEMM)
+    .venv/bin/python benchmarks/kernels.py --kernel fused_qkv  # q/k/v as 3 linears vs one GEMM
     .venv/bin/python benchmarks/kernels.py --kernel epilogues  # fused bias-GELU / dropout-add vs the stock HF modules
     .venv/bin/python benchmarks/kernels.py --quick             # all three, smoke settings
 """
@@ -36,10 +36,6 @@ class Others:
     def __exit__(self, *exc):
         own = time.process_time() - self.cpu
         self.cores = max(0.0, (machine_busy_s() - self.busy - own) / (time.perf_counter() - self.wall))
-
-
-def median_s(fn, repeats: int, warmup: int, before=None) -> float:
-    return statistics.median(timed(fn, repeats, warmup=warmup, before=before))
 
 
 # ------------------------------------------------------------------------------------------------- attention
@@ -76,7 +72,7 @@ def attention(args) -> None:
         def step():
             fn(module, q, k, v, mask, dropout=dropout, **kw)[0].backward(grad)
 
-        return median_s(step, args.repeats, 1)
+        return statistics.median(timed(step, args.repeats, warmup=1))
 
     print(f"attention fwd+bwd per call, ms (median over rounds); batch {args.batch}, {args.seq} tokens (ViT 197), "
           f"float32, {torch.get_num_threads()} threads")
@@ -101,14 +97,12 @@ QKV_SIZES = [(8, 128, 768, "8x128 tp=1"), (16, 128, 768, "16x128 tp=1"), (8, 128
 
 
 def fused_qkv(args) -> None:
-    import torch.nn.functional as F
-
     from shardlib.kernels.fused_qkv import fuse_linears, fused_group
 
     print(f"{torch.get_num_threads()} threads, float32, hidden 768, bias on; medians over {args.rounds} rounds x "
           f"{args.repeats} steps (ms); ratio = median over rounds of mode / stock", flush=True)
-    header = (f"{'size':<20}{'stock':>9}{'fused':>9}{'ratio':>8}{'cat':>9}{'ratio':>8}   "
-              f"{'fwd stock':>10}{'fwd fused':>10}{'ratio':>8}{'others':>8}")
+    header = (f"{'size':<20}{'stock':>9}{'fused':>9}{'ratio':>8}   {'fwd stock':>10}{'fwd fused':>10}{'ratio':>8}"
+              f"{'others':>8}")
     print(header + "\n" + "-" * len(header))
     for batch, seq, out, label in QKV_SIZES:
         if args.wait_idle > 0:
@@ -121,16 +115,12 @@ def fused_qkv(args) -> None:
         grads = [torch.randn(batch, seq, out) for _ in range(3)]
         params = [x] + [p for m in stock + fused for p in m.parameters()]
 
-        def cat():
-            w, b = torch.cat([m.weight for m in stock]), torch.cat([m.bias for m in stock])
-            torch.autograd.backward(F.linear(x, w, b).split([out] * 3, -1), grads)
-
         def no_grad(mods):
             with torch.no_grad():
                 return [m(x) for m in mods]
 
         modes = {"stock": lambda: torch.autograd.backward([m(x) for m in stock], grads),
-                 "fused": lambda: torch.autograd.backward([m(x) for m in fused], grads), "cat": cat,
+                 "fused": lambda: torch.autograd.backward([m(x) for m in fused], grads),
                  "fwd-only stock": lambda: no_grad(stock), "fwd-only fused": lambda: no_grad(fused)}
         for a, b in zip([m(x) for m in stock], [m(x) for m in fused]):  # what is timed computes the same
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -138,30 +128,19 @@ def fused_qkv(args) -> None:
         group.reset_counters()
         drop = lambda: [setattr(p, "grad", None) for p in params]  # noqa: E731
         with Others() as others:
-            res = interleaved({n: (lambda fn=fn: median_s(fn, args.repeats, 2, drop)) for n, fn in modes.items()},
-                              args.rounds)
+            res = interleaved({n: (lambda fn=fn: statistics.median(timed(fn, args.repeats, warmup=2, before=drop)))
+                               for n, fn in modes.items()}, args.rounds)
         assert group.own_calls == 0 and group.fused_gemms == group.handed_out // 2 > 0, group  # fusion really ran
         m = {k: statistics.median(v) * 1e3 for k, v in res.items()}
-        r = {k: paired_ratio(res[a], res[b])[0] for k, a, b in (("fused", "fused", "stock"), ("cat", "cat", "stock"),
+        r = {k: paired_ratio(res[a], res[b])[0] for k, a, b in (("fused", "fused", "stock"),
                                                                 ("fwd", "fwd-only fused", "fwd-only stock"))}
-        print(f"{label:<20}{m['stock']:9.2f}{m['fused']:9.2f}{r['fused']:8.3f}{m['cat']:9.2f}{r['cat']:8.3f}   "
+        print(f"{label:<20}{m['stock']:9.2f}{m['fused']:9.2f}{r['fused']:8.3f}   "
               f"{m['fwd-only stock']:10.2f}{m['fwd-only fused']:10.2f}{r['fwd']:8.3f}{others.cores:8.2f}", flush=True)
-    print("stock/fused/cat: forward + backward of q, k, v; fwd: forward under no_grad; others: cores used by other "
+    print("stock/fused: forward + backward of q, k, v; fwd: forward under no_grad; others: cores used by other "
           f"processes while the size ran (of {os.cpu_count()})")
 
 
 # ------------------------------------------------------------------------------------------------- epilogues
-class Op(torch.nn.Module):
-    """A bare op as a module (the op-alone rows): ``fn(x, other, *args)`` with ``other`` a parameter."""
-
-    def __init__(self, fn, other: torch.Tensor, *args):
-        super().__init__()
-        self.fn, self.args, self.other = fn, args, torch.nn.Parameter(other)
-
-    def forward(self, x):
-        return self.fn(x, self.other, *self.args)
-
-
 def epilogue_cases(batch: int, seq: int, quick: bool):
     """(kind, name, stock module, install(name, module) -> fused module, inputs); dropout 0.1, BERT/ViT-base."""
     import transformers
@@ -183,16 +162,6 @@ def epilogue_cases(batch: int, seq: int, quick: bool):
     yield "dropout_add", "BertOutput 3072->768", BertOutput(bert), E.install_dropout_add, (tok(seq, inter), tok(seq, h))
     if not quick:
         yield "dropout_add", "ViTLayer (whole layer)", ViTLayer(vit), E.install_dropout_add, (tok(vit_tokens, h),)
-    swap = {E.bias_gelu_reference: E.bias_gelu, E.dropout_add_reference: E.dropout_add}  # the ops alone
-
-    def install_op(_name, m):
-        m.fn = swap[m.fn]
-        return m
-
-    yield "bias_gelu", f"op alone [{batch}x{seq}x{inter}]", Op(E.bias_gelu_reference, torch.randn(inter)), \
-        install_op, (tok(seq, inter),)
-    yield "dropout_add", f"op alone [{batch}x{seq}x{h}] p=0.1", \
-        Op(E.dropout_add_reference, tok(seq, h), 0.1, True), install_op, (tok(seq, h),)
 
 
 def epilogue_step(module, inputs, seed: int) -> float:
@@ -239,7 +208,7 @@ def epilogues(args) -> None:
     for kind, name, ms, mf, lo, med, hi, verdict, load in rows:
         print(f"| {kind} | {name} | {1e3 * ms:.2f} | {1e3 * mf:.2f} | {med:.3f} [{lo:.3f}, {hi:.3f}] | {verdict} | "
               f"{load:.2f} |")
-    for kind in E.KINDS:  # on by default only if no row (module or op alone) measured it slower
+    for kind in E.KINDS:  # on by default only if no module measured it slower
         mine = [r for r in rows if r[0] == kind]
         slower = [r[1] for r in mine if r[7] == "slower"]
         verdict = "faster everywhere" if all(r[7] == "faster" for r in mine) else \
@@ -248,16 +217,14 @@ def epilogues(args) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernel", choices=[*DEFAULTS, "all"], default="all")
     p.add_argument("--quick", action="store_true", help="smoke settings: 2 rounds of 2 repeats (epilogues: 8 pairs, "
                                                         "no whole ViT layer), no waiting for quiet")
     p.add_argument("--threads", type=int, help="torch threads (default: attention 2, fused_qkv 2, epilogues torch's)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default: attention 5, fused_qkv 15)")
-    p.add_argument("--repeats", type=int, help="timed calls per mode and round, epilogues: pairs per case "
-                                               "(default: attention 5, fused_qkv 3, epilogues 30)")
-    p.add_argument("--wait-idle", type=float, help="seconds to wait for other processes to go quiet: before each "
-                                                   "fused_qkv size (default 60), before the epilogues (default 0)")
+    p.add_argument("--repeats", type=int, help="timed calls per mode and round, epilogues pairs (default 5, 3, 30)")
+    p.add_argument("--wait-idle", type=float, help="wait for quiet before each fused_qkv size (60 s), epilogues (0)")
     p.add_argument("--batch", type=int, default=8, help="attention, epilogues (default 8)")
     p.add_argument("--seq", type=int, default=128, help="attention (BERT and T5; ViT-base: 197), epilogues")
     p.add_argument("--warmup", type=int, default=3, help="epilogues: untimed pairs after the compile (default 3)")

@@ -1,13 +1,9 @@
-"""Pipeline schedules on CPU: GPipe vs 1F1B vs interleaved 1F1B against the bubble formula, pp=2 over gloo.
+"""Pipeline schedules on CPU: GPipe vs 1F1B vs interleaved 1F1B against the bubble formula's ideal, and the bytes
+saved for backward per rank, pp=2 over gloo. Docs: docs/benchmarks/pipeline-schedules.md.
 
     .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py            # BERT-base and T5-base, about 12 minutes
     .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --quick    # tiny models, ~30 s
     .venv/bin/shardlib run --nproc 2 benchmarks/pipeline.py --models bert --microbatches 4,8 --repeats 5
-
-A cell: ``Trainer(microbatches=m, schedule=...).forward_backward`` of the global batch between barriers (the slower
-rank's; median). The ideal from each stage's compute alone on one recorded microbatch, t_s: ``(m + p - 1) max t_s``
-(interleaved: ``m max_r(sum of rank r's t_s) + (p - 1) max t_s``). At ``--memory-m`` the peak bytes saved for
-backward per rank against m a_s (GPipe) and min(m, p - r) a_s (1F1B). Target: 1F1B at m = 8 within 1.15x of ideal.
 """
 
 from __future__ import annotations
@@ -17,9 +13,6 @@ import os
 import statistics
 import sys
 import time
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -67,59 +60,48 @@ def report(name, config, batch_size, seq, results, microbatches, args, warnings)
     lines += [f"- {2 * spr} stages: " + "; ".join(f"{s} (rank {s % 2}): {layer_span(lay)}"
                                                    for s, lay in enumerate(res["plan"]))
               for spr, res in sorted(results.items())]
-    lines += ["", "Per-stage compute t_s, forward + backward of one microbatch of the stage alone, no communication "
-              "(median ms; both ranks computing at once, in brackets one rank at a time):", "",
+    lines += ["", "Per-stage compute t_s, forward + backward of one microbatch of the stage alone, no communication, "
+              "both ranks computing at once (median ms):", "",
               "| m | sequences per microbatch | 2 stages: t_0 / t_1 | 4 stages: t_0 / t_1 / t_2 / t_3 |",
               "|---:|---:|---|---|"]
     for m in microbatches:
-        cols = []
-        for spr in (1, 2):
-            r = stages(spr, m)
-            mark = r and (flag(r["together_foreign"], f"stages ({2 * spr}) m={m} together")
-                          + flag(r["alone_foreign"], f"stages ({2 * spr}) m={m} one at a time"))
-            cols.append(" / ".join(f"{x:.0f}" for x in r["together"]) + " (" + " / ".join(f"{x:.0f}" for x in
-                        r["alone"]) + ")" + mark[:1] if r else "n/a")
+        cols = [" / ".join(f"{x:.0f}" for x in r["times"]) + flag(r["foreign"], f"stages ({2 * spr}) m={m}")
+                if (r := stages(spr, m)) else "n/a" for spr in (1, 2)]
         lines.append(f"| {m} | {batch_size // m} | {cols[0]} | {cols[1]} |")
     header = "| schedule | " + " | ".join(f"m={m}" for m in microbatches) + " |\n|---|" + "---:|" * len(microbatches)
-    lines += ["", f"Step time, forward + backward of the global batch, median ms of {args.repeats} "
-              "(measured / ideal from t_s together):", "", header,
+    lines += ["", f"Step time, fwd + bwd of the global batch, median ms of {args.repeats} (measured / ideal):", "",
+              header,
               "| bubble (p-1)/(m+p-1), p=2 | " + " | ".join(f"{1 / (m + 1):.0%}" for m in microbatches) + " |"]
-    rows_cpu, rows_first, ideals_shown = [], [], set()
+    rows_cpu, ideals_shown = [], set()
     for sched in sorted(args.schedules, key=SCHEDULES.index):
         spr = STAGES_PER_RANK[sched]
         if spr not in ideals_shown:
             ideals_shown.add(spr)
             label = "2 stages: (m+1) max t_s" if spr == 1 else "4 stages: m max_r(t_r + t_r+2) + max t_s"
-            for key, what in (("together", "t_s together"), ("alone", "t_s one rank at a time")):
-                lines.append(f"| ideal, {label}, {what} | " + " | ".join(
-                    f"{ideal_ms(stages(spr, m)[key], m):.0f}" if stages(spr, m) else "n/a" for m in microbatches)
-                    + " |")
-        cells, cpus, firsts = [], [], []
+            lines.append(f"| ideal, {label} | " + " | ".join(
+                f"{ideal_ms(stages(spr, m)['times'], m):.0f}" if stages(spr, m) else "n/a" for m in microbatches)
+                + " |")
+        cells, cpus = [], []
         for m in microbatches:
             cell = results.get(spr, {}).get("cells", {}).get((sched, m))
             if cell is None or "error" in cell:
-                cells, cpus, firsts = cells + ["n/a"], cpus + ["n/a"], firsts + ["n/a"]
+                cells, cpus = cells + ["n/a"], cpus + ["n/a"]
                 if cell:
                     warnings.append(f"n/a: {name} {TITLES[sched]} m={m}: {cell['error']}")
                 continue
             med = statistics.median(cell["times"]) * 1e3
-            ratio = f" ({med / ideal_ms(stages(spr, m)['together'], m):.2f}x)" if stages(spr, m) else ""
+            ratio = f" ({med / ideal_ms(stages(spr, m)['times'], m):.2f}x)" if stages(spr, m) else ""
             cells.append(f"{med:.0f}{ratio}{flag(cell['foreign'], f'{TITLES[sched]} m={m}')}")
             cpus.append(" / ".join(f"{x:.0f}" for x in cell["cpu_ms"]))
-            firsts.append(f"{cell['first'] * 1e3:.0f}")
         lines.append(f"| **{TITLES[sched]}** | " + " | ".join(cells) + " |")
         rows_cpu.append(f"| {TITLES[sched]} | " + " | ".join(cpus) + " |")
-        rows_first.append(f"| {TITLES[sched]} | " + " | ".join(firsts) + " |")
-    lines += ["", "CPU time of each rank's main thread per step (median ms, rank 0 / rank 1: its compute in the "
-              "pipeline; waiting for the other rank is idle):", "", header, *rows_cpu]
-    lines += ["", "First step (ms; includes torch's metadata inference for a new schedule):", "", header, *rows_first]
+    lines += ["", "CPU ms per step of each rank's main thread (median, rank 0 / 1; waits idle):", "", header, *rows_cpu]
     mm = args.memory_m
     mem = {s: results.get(STAGES_PER_RANK[s], {}).get("mem", {}).get(s) for s in args.schedules}
     if any(mem.values()):
-        lines += ["", f"Peak bytes saved for backward per rank at m={mm} (activations alive at once), predicted from "
-                  "one microbatch's saved bytes a_s of the isolated stage, and the growth of peak RSS during the step:",
-                  "", "| schedule | rank 0 saved | rank 1 saved | predicted rank 0 / rank 1 | rank 0 RSS growth "
-                  "| rank 1 RSS growth |", "|---|---:|---:|---|---:|---:|"]
+        lines += ["", f"Peak bytes saved for backward per rank at m={mm}, predicted from one microbatch's a_s of the "
+                  "stage alone, and the growth of peak RSS:", "", "| schedule | rank 0 saved | rank 1 saved | "
+                  "predicted rank 0 / 1 | rank 0 RSS growth | rank 1 RSS growth |", "|---|---:|---:|---|---:|---:|"]
         for sched, r in mem.items():
             if not r:
                 continue
@@ -138,33 +120,29 @@ def report(name, config, batch_size, seq, results, microbatches, args, warnings)
                           f"{g[1] / o[1]:.2f}x."]
     cell, st = results.get(1, {}).get("cells", {}).get(("1f1b", TARGET_M)), stages(1, TARGET_M)
     if cell and "times" in cell and st:
-        med, ideal = statistics.median(cell["times"]) * 1e3, ideal_ms(st["together"], TARGET_M)
+        med, ideal = statistics.median(cell["times"]) * 1e3, ideal_ms(st["times"], TARGET_M)
         lines += ["", f"**Target: 1F1B at m={TARGET_M}: {med:.0f} ms vs ideal {ideal:.0f} ms = {med / ideal:.2f}x, "
                       f"{'within' if med / ideal <= TARGET_RATIO else 'NOT within'} {TARGET_RATIO}x.**"]
     return lines
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bert,t5", help="comma-separated subset of: bert, t5 (default both)")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of: "
-                   + ", ".join(SCHEDULES))
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of the default")
     p.add_argument("--microbatches", default="1,2,4,8,16", help="comma-separated (each must divide --batch)")
     p.add_argument("--batch", type=int, default=16, help="global batch, sequences (default 16)")
-    p.add_argument("--seq", type=int, help="tokens per sequence, T5: per encoder and per decoder sequence (default: "
-                                           "BERT 32, T5 16; --quick 16)")
+    p.add_argument("--seq", type=int, help="tokens per (T5: encoder and decoder) sequence (default: BERT 32, T5 16)")
     p.add_argument("--layers", type=int, help="layers per stack instead of 12 (width unchanged)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per cell, >= 1 (default 1: the first step)")
     p.add_argument("--repeats", type=int, help="timed steps per cell (default 3; --quick 2)")
-    p.add_argument("--stage-repeats", type=int, help="timed runs of each isolated stage per microbatch size "
-                                                     "(default 5; --quick 3)")
-    p.add_argument("--retries", type=int, help="measure a window again (after waiting for quiet) when other "
-                   f"processes used more than {IDLE_CORES} cores meanwhile, up to this many times (default 1; "
-                   "--quick 0)")
+    p.add_argument("--stage-repeats", type=int, help="timed runs of each stage alone per m (default 5; --quick 3)")
+    p.add_argument("--retries", type=int, help=f"measure again where others used more than {IDLE_CORES} cores "
+                   "meanwhile, up to this many times (default 1; --quick 0)")
     p.add_argument("--memory-m", type=int, default=8, help="microbatches of the memory measurement (default 8)")
-    p.add_argument("--wait-idle", type=float, metavar="SECONDS", help="before each model rank 0 waits up to this "
-                   "long for other processes to go quiet (default 120; --quick 10; 0: don't wait)")
+    p.add_argument("--wait-idle", type=float, metavar="SECONDS", help="wait for quiet before each model (default 120;"
+                   " --quick 10)")
     p.add_argument("--quick", action="store_true", help="smoke check: tiny models (hidden 64, 4 layers), 16 x 16 "
                    "tokens, 2 timed steps per cell")
     args = p.parse_args(argv)
@@ -183,11 +161,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     if dist.get_world_size() != 2:
         raise SystemExit("run on exactly 2 ranks: shardlib run --nproc 2 benchmarks/pipeline.py")
-
-    def log(msg: str) -> None:
-        if rank == 0:
-            print(msg, flush=True)
-
+    log = (lambda msg: print(msg, flush=True)) if rank == 0 else (lambda msg: None)  # noqa: E731
     load = lambda: " / ".join(f"{x:.2f}" for x in os.getloadavg())  # noqa: E731
     log(f"# pipeline schedules, pp=2 on 2 processes x 1 thread, gloo, fp32, dropout 0, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs; load average at start {load()}")

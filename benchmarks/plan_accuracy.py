@@ -1,16 +1,11 @@
-"""How right is `shardlib plan`? The cost model's prediction (``shardlib.analysis.search.price`` with a profile of this
-machine) beside the measured peak memory and step time of ``Trainer.train_step``, every layout, in one run.
+"""How right is `shardlib plan`? The cost model's predicted peak memory and step time against ``Trainer.train_step``'s
+measured ones, every layout, in one run. Docs: docs/benchmarks/planner-accuracy.md.
 
     python benchmarks/plan_accuracy.py                       # calibrate 4 ranks; bert-256, bert-768, t5-small
     python benchmarks/plan_accuracy.py --models bert-256 --only pp2 --profile prof.json   # the pipeline layouts
-    python benchmarks/plan_accuracy.py --models t5-small --where "zero2 ckpt"   # one layout's peak, term by term
     python benchmarks/plan_accuracy.py --reprice JSON [--profile P]   # an earlier run priced again (CPU or GPU)
     python benchmarks/plan_accuracy.py --device cuda --models bert-768 --layers 12   # one GPU (BERT-base)
     .venv/bin/python benchmarks/plan_accuracy.py --quick     # smoke run: quick calibration, bert-256 dp4, 1 round
-
-``--world 4`` (CPU, the default): every layout of 4 gloo ranks in interleaved rounds; ``--world 1`` (the default with
-``--device cuda``): the layouts of one device, ranked by time per sample. Targets (issue 25): every peak within 10%;
-Spearman rho >= 0.8; the predicted fastest within 10% of the measured fastest. Writes JSON (and a plot for 4 ranks).
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ MIB = 2 ** 20
 def price_of(name: str, chosen, profile, layers):
     from shardlib.analysis.search import price
 
-    spec = MODELS[name]
-    return price(spec.config(layers), chosen, profile, cls=spec.cls)
+    return price(MODELS[name].config(layers), chosen, profile, cls=MODELS[name].cls)
 
 
 def measure_all(args, name: str, chosen, predicted) -> dict:
@@ -62,8 +56,7 @@ def measure_all(args, name: str, chosen, predicted) -> dict:
 
 
 def reprice(path: str, profile_path: str | None) -> tuple[dict, list[dict]]:
-    """The measurements of an earlier run's JSON (this script's, or the older formats of plan_accuracy_gpu.py and of
-    points only), priced again by the current cost model and ``profile_path`` (default: the run's own profile)."""
+    """An earlier run's measurements (also docs/data's older formats) priced again with ``profile_path`` or its own."""
     from shardlib.analysis.profile import Profile, load_profile
 
     earlier = json.loads(open(path).read())
@@ -90,8 +83,7 @@ def reprice(path: str, profile_path: str | None) -> tuple[dict, list[dict]]:
 
 
 def measure_one(spec, layout: Layout, layers: int, device, mesh, steps: int) -> dict:
-    """One layout at a world of one: warm-up steps (at least 2, until AdamW has state), ``peak``/``static``: the CUDA
-    allocator's peak over a step / what stays between steps, above the start; ``step_s``: median synchronized step."""
+    """One layout at a world of one: the CUDA peak over a step, what stays between steps, the median step."""
     import torch
     import transformers
 
@@ -132,50 +124,17 @@ def measure_one(spec, layout: Layout, layers: int, device, mesh, steps: int) -> 
     return {"peak": peak, "static": static, "warmup_steps": warm + 1, "step_s": statistics.median(times)}
 
 
-def where(name: str, words: str, profile, layers, shown: int = 12) -> None:
-    """One layout's peak: the cost model's memory terms per stage beside each rank's measured peak growth and the
-    storages its memory step had alive at the peak."""
-    from shardlib.analysis.costmodel import stage_memory, transport_pages
-    from shardlib.analysis.dryrun_report import size_text
-    from shardlib.analysis.metarun import meta_model, planned_policy
-    from shardlib.analysis.search import _Pricer
-
-    from _plan_accuracy_workload import measure
-
-    layout = next(lay for lay in layouts(name, layers=layers) if all(w in lay.name().split() for w in words.split()))
-    full = meta_model(MODELS[name].config(layers), MODELS[name].cls)
-    report = _Pricer(full, planned_policy(full), profile.device).report(layout)
-    print(f"{name} {layout.name()}: predicted, per stage")
-    for stage in report.stages:
-        terms = stage_memory(report, layout, stage) | transport_pages(stage, layout, profile)  # as predict() sums
-        print(f"  stage {stage.index}: {size_text(sum(terms.values()))} = "
-              + " + ".join(f"{k} {size_text(v)}" for k, v in terms.items() if v))
-    m = measure(name, layout, steps=1, layers=layers, where=True)
-    for rec in m["per_rank"] or []:
-        print(f"  rank {rec['rank']}: peak growth {rec['peak_growth_anon'] / MIB:.1f} MiB (params "
-              f"{rec['param_bytes'] / MIB:.1f}, optimizer state {rec['opt_state_bytes'] / MIB:.1f}); alive at the "
-              "step's peak, made by (op number):")
-        for mib, op, serial in rec["peak_storages"][:shown]:
-            print(f"      {mib:8.2f} MiB  {op} (#{serial})")
-    if m["error"]:
-        print(f"  measurement failed: {m['error']}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--world", type=int, choices=[1, 4], help="4: gloo ranks (CPU, the default); 1: the layouts of one "
-                                                             "device (the default with --device cuda)")
+    p.add_argument("--world", type=int, choices=[1, 4], help="4 gloo ranks, or 1 device (default with --device cuda)")
     p.add_argument("--models", help="default bert-256,bert-768,t5-small (4 ranks), bert-768 (one device)")
     p.add_argument("--layers", type=int, help="layers per stack (default: each model's; one device: 12)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, help="timed steps per measurement (default 3; one device 10)")
     p.add_argument("--only", metavar="WORDS", help="only the layouts whose name holds every word ('zero3 pp2')")
-    p.add_argument("--where", metavar="WORDS", help="the first layout whose name holds every word: its predicted "
-                                                    "terms per stage and, per rank, the storages alive at its peak")
     p.add_argument("--reprice", metavar="JSON", help="price an earlier run's measurements again, measuring nothing")
-    p.add_argument("--profile", help="a profile JSON (default: calibrate this machine first; with --reprice, the "
-                                     "run's own)")
+    p.add_argument("--profile", help="a profile JSON (default: calibrate first; with --reprice, the run's own)")
     p.add_argument("--seq", type=int, default=128, help="one device: tokens per sequence")
     p.add_argument("--batches", default="8,32", help="one device: microbatch sizes")
     p.add_argument("--precisions", default="fp32,bf16,fp16", help="one device")
@@ -221,10 +180,6 @@ def main() -> int:
         profile.save(os.path.splitext(args.out)[0] + "_profile.json")
         print(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
     print(profile.summary(), flush=True)
-    if args.where:
-        for name in args.models:
-            where(name, args.where, profile, args.layers)
-        return 0
     priced = {}  # every model priced first: the dry run refuses a process whose process group is up
     for name in args.models:
         chosen = one_device_layouts(tuple(int(b) for b in args.batches.split(",")), args.seq, tuple(

@@ -1,14 +1,5 @@
-"""Plots of ``benchmarks/train_throughput.py``'s logs: training speed per mode and precision, and the loss curves.
-
-Reads ``<out>/runs.json`` and every run's JSONL log (``<out>/<mode>-<precision>/log.jsonl``) through
-``train_throughput.load_results`` / ``summarize`` (the same numbers as the benchmark's table) and writes, with
-matplotlib's Agg backend:
-
-* ``<img-dir>/train_throughput_speed.png``: per mode, one bar per precision: samples/s (median of the steps after
-  the warm-up) over the baseline's (eager + DDP on CPU, eager on CUDA) in the same precision, so the baseline's
-  bars are 1.0; each bar is labelled with its samples/s. Failed runs are left out.
-* ``<img-dir>/train_throughput_loss.png``: one panel per precision, the per-step training loss of every mode
-  overlaid, the baseline drawn thick and grey underneath (identical curves stay visible).
+"""Plots of ``benchmarks/train_throughput.py``'s logs (its ``load_results`` / ``summarize``): samples/s per mode and
+precision over the baseline's, and the loss curves per precision. Docs: docs/benchmarks/training-runs.md.
 
     .venv/bin/python benchmarks/plot_train_throughput.py                      # benchmarks/results/train_throughput
     .venv/bin/python benchmarks/plot_train_throughput.py --out benchmarks/results/train_throughput_quick \\
@@ -57,7 +48,8 @@ def plot_speed(meta: dict, rows: list[dict], path: Path) -> None:
         bars = ax.bar(xs, heights, width, label=precision)
         ax.bar_label(bars, labels=labels, fontsize=7, rotation=90, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(modes)), [_wrap(titles[m]) for m in modes], fontsize=8)
+    wrap = lambda m: textwrap.fill(titles[m], 14, break_long_words=False)  # noqa: E731 - tick labels never overlap
+    ax.set_xticks(range(len(modes)), [wrap(m) for m in modes], fontsize=8)
     ax.set_ylabel("samples/s vs baseline (same precision)")
     ax.set_ylim(0, max([r["vs_baseline"] or 0 for r in rows] + [1.0]) * 1.3)
     baseline = titles.get(meta["baseline"], meta["baseline"])
@@ -92,16 +84,9 @@ def plot_loss(meta: dict, rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _wrap(title: str, width: int = 14) -> str:
-    """A mode title in lines of at most ``width`` characters (a longer word alone), so that neighbouring tick labels
-    never overlap (before, two titles of 4-rank modes ran into each other)."""
-    return textwrap.fill(title, width, break_long_words=False)
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_throughput",
-                   help="the benchmark's --out (default benchmarks/results/train_throughput)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_throughput", help="its --out")
     p.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img", help="where the PNGs go (default docs/img)")
     args = p.parse_args(argv)
     if not (args.out / "runs.json").exists():

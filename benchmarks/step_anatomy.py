@@ -1,41 +1,8 @@
-"""Where a training step's time goes, by layout: the unsharded model, shardlib at a world of one, tp=2, tp=2 + SP,
-sp, dp/ZeRO (CPU; ``--gpu``: one GPU), and the same layouts of a baseline checkout in the same rounds.
+"""Where a training step's time goes, by layout (``_anatomy_workload.MODES``: unsharded, world of one, tp=2 +- SP, sp,
+dp/ZeRO, compiled, fit; ``--gpu``: one GPU): step time in interleaved rounds of persistent rank pools, the profiled
+anatomy, switched variants, peaks of live tensors, a baseline checkout's layouts in the same rounds. Docs:
+docs/benchmarks/tensor-parallel.md (also long-sequences.md, one-gpu.md, kernels-and-compile.md, training-runs.md).
 
-What is measured
-----------------
-One step per layout (``_anatomy_workload.MODES``) of ``--workload`` on ``--size`` (comma-separated: one after
-another):
-
-* ``mlm`` (default for BERT): a ``BertForMaskedLM`` training step (MLM loss on 15% labelled tokens, AdamW) with
-  HF's default dropout 0.1: a hand loop for the unsharded model, ``Trainer.train_step`` for shardlib's layouts;
-* ``encoder`` (ViT and T5 sizes): ``BertModel`` / ``ViTModel`` / ``T5Model`` forward + backward of the mean square
-  of the final hidden states, dropout 0, no optimizer, a hand loop for every layout (the layers alone).
-
-The unsharded model and the world of one run on one process with both cores, the other layouts on ranks of one
-thread each. All start from the same weights and see the same batches. ``MODE@base`` runs a layout with shardlib
-imported from ``--baseline`` (a ``git worktree`` of the commit before a change), in the same rounds.
-
-1. **Step time**: every layout's ranks are started once and kept alive (``_rank_pool.RankPool``); ``--rounds``
-   interleaved rounds (order reversed every other round) each time ``--steps`` steps of every layout (a step's time
-   is the slowest rank's; a round's value is the median step). Per layout: the median over rounds [range], tokens/s,
-   the CPU time of all its ranks (steadier on a shared machine: a rank waiting in gloo costs little of it), minor
-   page faults, and the medians of the per-round ratios ``--base`` / layout (> 1: faster than the base).
-2. **Anatomy**: ``--profile-steps`` steps under ``torch.profiler`` by category (``_anatomy_measure``), ms per step
-   on rank 0; the ring layouts' waits and exchanges apart. The profiler adds its own cost: (1) gives the figures.
-3. **Switched variants** (``--switch SET``, ``_step_variants.SETS``): the first of ``--modes``, its set's variants
-   switched between consecutive steps (``--rounds`` pairs): resolves a change of 2-3%.
-4. **Peak of live tensors** (``--peak``): per rank, one step's tensors beyond the weights and their gradients.
-5. **One GPU** (``--gpu``, ``_gpu_anatomy.py``): the world of one against the hand loops, eager and compiled, bf16
-   and fp16; each case in its own process; no case starts after ``--budget`` seconds.
-
-Flags that reproduce the retired scripts' figures: ``--throughput`` (``tp_throughput.py``: the encoder workload of
-BERT-small, BERT-base, ViT-base and T5-base, modes unsharded, tp2, tp2_sp, sp2_a2a, one round of 20/12/8/6 steps
-after 2 warm-up steps, no profile, waiting for the machine to go quiet before each layout); modes ``*_compiled``
-(``compile_speed.py``: eager vs ``torch.compile``); modes ``*_loop`` and ``*_fit`` (``fit_overhead.py``: a window of
-``--steps`` ``train_step`` calls against one ``Trainer.fit`` call of as many steps).
-
-How to run
-----------
     .venv/bin/python benchmarks/step_anatomy.py                 # BERT-base MLM, 8 x 128, 5 rounds (~10 min idle)
     .venv/bin/python benchmarks/step_anatomy.py --quick         # BERT-small (~2 min): make bench
     .venv/bin/python benchmarks/step_anatomy.py --throughput [--quick]    # tp throughput, BERT / ViT / T5
@@ -57,12 +24,12 @@ How to run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -94,25 +61,21 @@ def parse(argv=None) -> argparse.Namespace:
                     "shardlib; the default for BERT); encoder: the bare model's fwd+bwd (BERT, ViT, T5)")
     ap.add_argument("--dropout", type=float, help="hidden and attention dropout (default: 0.1 for mlm, 0 for encoder)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 5; --throughput 1)")
-    ap.add_argument("--steps", type=int, help="timed steps per layout per round, their median counts (default 3; "
-                    "--throughput: per size, 20/12/8/6; --quick 3)")
+    ap.add_argument("--steps", type=int, help="timed steps per layout and round (default 3; --throughput 20/12/8/6)")
     ap.add_argument("--profile-steps", type=int, help="profiled steps per layout (default 2; --throughput 0)")
-    ap.add_argument("--wait-idle", type=float, help="before each layout's steps, wait up to this many seconds for "
-                    "the machine to go quiet (default 0; --throughput 60)")
+    ap.add_argument("--wait-idle", type=float, help="seconds to wait for quiet before each layout (--throughput 60)")
     ap.add_argument("--quick", action="store_true", help="BERT-small (--throughput: tiny BERT, ViT, T5, 3 steps)")
-    ap.add_argument("--throughput", action="store_true", help="tp throughput of BERT, ViT, T5 (module docstring)")
+    ap.add_argument("--throughput", action="store_true", help="tp throughput: the encoder workload of BERT, ViT, T5 at "
+                    "4 layouts, one round, no profile, waiting for quiet")
     ap.add_argument("--fresh", action="store_true", help="new ranks per layout and round, one warm-up step")
     ap.add_argument("--json", help="write every measurement here")
-    ap.add_argument("--in-process", action="store_true",
-                    help="the world of one only: unsharded hand loop, shardlib hand loop and Trainer in this process")
-    ap.add_argument("--gpu", action="store_true",
-                    help="one GPU: the world of one against hand loops, eager and compiled (_gpu_anatomy.CASES)")
+    ap.add_argument("--in-process", action="store_true", help="the world of one's variants in this one process")
+    ap.add_argument("--gpu", action="store_true", help="one GPU: the world of one against hand loops (_gpu_anatomy)")
     ap.add_argument("--cases", help="--gpu: comma-separated cases of _gpu_anatomy.CASES (default: the CUDA ones, in "
                                     "priority order; bert-small-b8-fp32-cpu is the CPU's world of one)")
     ap.add_argument("--budget", type=float, default=270, help="--gpu: seconds after which no new case starts")
     ap.add_argument("--cpu-test", action="store_true", help="--gpu's logic on the CPU with tiny models")
-    ap.add_argument("--switch", help="a set of _step_variants.SETS: its variants switched step by step in the ranks of "
-                    "the first of --modes (--rounds pairs)")
+    ap.add_argument("--switch", help="a set of _step_variants.SETS switched step by step (first of --modes)")
     ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
                                        "named MODE@base run it, in the same rounds as this checkout's")
     args = ap.parse_args(argv)
@@ -147,17 +110,15 @@ def main(argv=None) -> None:
         return in_process(args)
     if args.gpu or args.cpu_test:
         return gpu(args)
-    records = {}
-    for size in args.sizes:
-        steps = args.steps or (THROUGHPUT_STEPS.get(size, 3) if args.throughput and not args.quick else 3)
-        records[size] = layouts(args, size, steps)
+    runs = {size: layouts(args, size, args.steps or (THROUGHPUT_STEPS.get(size, 3) if args.throughput
+                                                     and not args.quick else 3)) for size in args.sizes}
     if args.json:
-        write_json(args.json, {"args": vars(args), **(records[size] if len(records) == 1 else {"sizes": records})})
+        write_json(args.json, {"args": vars(args), **(runs[args.sizes[0]] if len(runs) == 1 else {"sizes": runs})})
     print(f"total wall time {time.perf_counter() - started:.0f} s")
 
 
 def layouts(args, size: str, steps: int) -> dict:
-    """Every layout of ``--modes`` on ``size``: step time in interleaved rounds, anatomy, peaks (docstring, 1-4)."""
+    """Every layout of ``--modes`` on ``size``: step time in interleaved rounds, anatomy, peaks."""
     modes = args.modes
     what = "BertForMaskedLM training step (AdamW)" if args.workload == "mlm" else "forward + backward"
     print(f"step anatomy: {what}, {size}, batch {args.batch} x {args.seq}, dropout {args.dropout}; "
@@ -206,7 +167,7 @@ def layouts(args, size: str, steps: int) -> dict:
 
 
 def switched(args, mode: str) -> None:
-    """``--switch``: the variants of one set alternated step by step in the same ranks (docstring, 3)."""
+    """``--switch``: the variants of one set alternated step by step in the same ranks."""
     import _step_variants
 
     if args.switch not in _step_variants.SETS:
@@ -281,19 +242,9 @@ def gpu(args) -> None:
                 _gpu_anatomy.SUMMARY_HEADER, _gpu_anatomy.summary_rows(results))
 
 
-@contextlib.contextmanager
 def checkout(path: str | None):
     """Ranks spawned inside the block import shardlib from ``path`` (``_checkout.py``), else from this one."""
-    before = os.environ.get("SHARDLIB_CHECKOUT")
-    if path:
-        os.environ["SHARDLIB_CHECKOUT"] = str(Path(path).resolve())
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("SHARDLIB_CHECKOUT", None)
-        else:
-            os.environ["SHARDLIB_CHECKOUT"] = before
+    return mock.patch.dict(os.environ, {"SHARDLIB_CHECKOUT": str(Path(path).resolve())} if path else {})
 
 
 if __name__ == "__main__":

@@ -1,58 +1,15 @@
 """Training throughput, TorchAcc style: eager + torch DDP (the baseline) against shardlib's layouts under
-``Trainer.fit``, fp32 and mixed precision, on the same model, data, seed, global batch, learning rate and steps.
+``Trainer.fit``, fp32 and mixed precision, on the same BERT classifier, generated SST-2-like data, seed, global batch,
+learning rate and steps, each mode in fresh processes: samples/s and a per-step loss check against the baseline
+(FAIL: exit status 1). Per-step JSONL logs go to ``<out>/<mode>-<precision>/log.jsonl``, ``plot_train_throughput.py``
+draws them. Docs: docs/benchmarks/training-runs.md.
 
-What is measured
-----------------
-``BertForSequenceClassification`` (2 labels, 128-token inputs ``--seq``) from a config with random weights under
-``torch.manual_seed(1234)`` in every mode, ``train()`` mode with the config's dropout 0.1 (``--dropout``; ``--quick``:
-0, so that its loss check is exact). ``--size``: ``base`` (BERT-base, the default), ``small`` (4 layers, hidden 256),
-``tiny`` (2 layers, hidden 64, vocab 1000: ``--quick``; start-up dominates it, so it checks that every mode trains).
-
-Data (``sst2_like``): generated, learnable, the same samples in every mode: 32-126 filler word ids between [CLS] and
-[SEP], padded to 128; half the words from two "sentiment" sets (ids 30-39, 40-49), the label the set in the majority
-(the other has under a quarter). The loss falls after a plateau of 15-25 steps. Exactly ``steps x batch`` samples,
-read in order (``fit(shuffle=False)``): global batch i is samples [i*B, (i+1)*B) in every mode, each dp rank its
-contiguous share, as ``fit`` splits a global batch.
-
-Every mode trains ``--steps`` optimizer steps (base 40, small 40, tiny 30) of a global batch of 8 (``--batch``) with
-``torch.optim.AdamW(lr)`` (base 5e-5, small 3e-4, tiny 3e-3; constant, no clipping). Modes (``--modes``), one at a
-time, each in fresh processes training every precision in turn on a fresh model (``_train_throughput_workload``):
-``eager`` (one process, 2 threads, a hand loop: reference), ``ddp`` (THE BASELINE: the same loop under
-``DistributedDataParallel``, 2 x 1 thread), ``tp2``, ``tp2_sp``, ``dp2``, ``pp2`` (1F1B over ``--microbatches``),
-``dp2_tp2`` / ``ddp4`` / ``dp4`` (4 ranks on 2 cores: oversubscribed, the rows say so) through ``shard`` +
-``Trainer`` + ``fit``, and ``<mode>_compiled`` (``Trainer(compile=True)``; the default set has ``tp2_compiled``).
-Ranks get ``max(1, cores // world)`` threads. ``--precisions``: ``fp32``; ``bf16`` (autocast in the baseline,
-``Trainer(precision="bf16")``); ``fp16`` (autocast + ``GradScaler``; shardlib's loss scaler set to GradScaler's rule,
-so both skip the same steps). fp16 works on CPU but this CPU has no fp16 matmul kernel (the header prints how much
-slower), so it is not in the CPU default.
-
-Each run logs one JSON line per step: shardlib through ``fit(save_dir=..., log_interval=1)``
-(``<out>/<mode>-<precision>/log.jsonl``), the eager modes the same records from their own loop (which also computes
-the gradient norm every step, as ``fit`` does at ``log_interval=1``). ``samples_per_s``: a global batch over the
-wall time since the previous record. ``<out>/runs.json`` lists the runs; ``plot_train_throughput.py`` draws
-docs/img/train_throughput_{speed,loss}.png from them. ``<out>`` holds a ``.gitignore`` of ``*``.
-
-The table: samples/s (median of the steps after ``--warmup``), the ratio to the DDP baseline of the same precision
-and in fp32, first and last-5 loss, the largest per-step |loss - baseline loss| and the loss check: with dropout 0,
-fp32 must agree within 1e-3 at every step, bf16 / fp16 within 0.02 over the first 5 steps (autocast rounds split
-matmuls differently and training amplifies it); a larger difference is a FAIL (exit status 1). With dropout the
-masks differ by layout: "n/a (dropout)".
-
-GPU (``--device cuda``): one process, batch 32, fp32 / bf16 / fp16; modes ``eager`` (the baseline), ``shardlib``
-(a world of one on NCCL), ``shardlib_compiled`` and ``shardlib_kernels_compiled`` (fused QKV, bias+GELU,
-dropout+add); shardlib imported from the checkout (``_checkout.py``).
-
-How to run
-----------
     .venv/bin/python benchmarks/train_throughput.py --quick     # tiny BERT, 30 steps, fp32 + bf16, 6 modes, ~1.5 min
     .venv/bin/python benchmarks/train_throughput.py             # BERT-base, 40 steps, fp32 + bf16, 8 modes, ~1 hour
     .venv/bin/python benchmarks/train_throughput.py --size tiny --steps 6 --modes ddp,tp2,pp2
     .venv/bin/python benchmarks/train_throughput.py --dropout 0 --precisions fp32,bf16,fp16 --size small
     .venv/bin/python benchmarks/plot_train_throughput.py        # the PNGs from the last full run's logs
     python benchmarks/train_throughput.py --device cuda         # one GPU
-
-Each mode first waits (``--wait-idle``, up to 60 s) for other processes to go quiet; a mode during which they used
-more than 0.1 cores is flagged with a WARNING. Exit status 1 when a run failed or a loss check says FAIL.
 """
 
 from __future__ import annotations
@@ -68,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
-from _harness import loopback_ifname, print_closing, wait_idle, write_json  # noqa: E402
+from _harness import loopback_ifname, print_closing, timed, wait_idle, write_json  # noqa: E402
 from _train_throughput_workload import (  # noqa: E402
     BASELINE, CHECKED_STEPS, DEFAULT_LR, DEFAULT_MODES, DEFAULT_PRECISIONS, DEFAULT_STEPS, LAST_K, QUICK_MODES, ROOT,
     SIZES, TOLERANCE, mode_spec, run_mode, threads_for,
@@ -79,8 +36,7 @@ IDLE_CORES = 0.1  # other processes' average CPU use above which a mode is flagg
 
 # ------------------------------------------------------------------------------------------ results, the table
 def load_results(out: Path) -> tuple[dict, list[dict]]:
-    """``runs.json`` and each run's JSONL log: per run its steps' ``losses``, the ``rates`` (samples/s) of the
-    steps after the warm-up and their median ``samples_per_s`` (None when the run left no log)."""
+    """``runs.json`` and per run from its log: ``losses``, the ``rates`` after the warm-up, their median."""
     meta = json.loads((out / "runs.json").read_text())
     runs = []
     for run in meta["runs"]:
@@ -105,10 +61,8 @@ def _loss_check(meta: dict, run: dict, base: dict | None) -> tuple[float | None,
         return max(diffs), "n/a (dropout)"
     if len(run["losses"]) != len(base["losses"]):
         return max(diffs), f"FAIL ({len(run['losses'])} steps vs {len(base['losses'])})"
-    n = CHECKED_STEPS[run["precision"]]
-    where = "every step" if n is None else f"steps 1-{n}"
-    checked = max(diffs[:n])
-    tolerance = TOLERANCE[run["precision"]]
+    n, tolerance = CHECKED_STEPS[run["precision"]], TOLERANCE[run["precision"]]
+    where, checked = "every step" if n is None else f"steps 1-{n}", max(diffs[:n])
     if checked <= tolerance:
         return max(diffs), f"ok: {where} within {checked:.1e}"
     return max(diffs), f"FAIL: {where}: {checked:.1e} > {tolerance:g}"
@@ -152,37 +106,28 @@ def print_table(meta: dict, rows: list[dict]) -> None:
 # ------------------------------------------------------------------------------------------------------ main
 def fp16_slowdown() -> float:
     """How much slower fp16 autocast runs a 256 x 768 @ 768 x 768 linear than fp32 here (one thread, best of 3)."""
-    layer, x = torch.nn.Linear(768, 768), torch.randn(256, 768)
-    threads = torch.get_num_threads()
+    layer, x, threads, best = torch.nn.Linear(768, 768), torch.randn(256, 768), torch.get_num_threads(), {}
     torch.set_num_threads(1)
-    best = {}
     try:
-        for dtype in (torch.float32, torch.float16):
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype == torch.float16):
-                    layer(x)
-                times.append(time.perf_counter() - t0)
-            best[dtype] = min(times)
+        for fp16 in (False, True):
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                best[fp16] = min(timed(lambda: layer(x), 3))
     finally:
         torch.set_num_threads(threads)
-    return best[torch.float16] / best[torch.float32]
+    return best[True] / best[False]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (default: gloo ranks on this machine) or cuda (one process on one GPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo ranks; cuda: one GPU")
     p.add_argument("--size", choices=tuple(SIZES), default=None, help="BERT size (default base; --quick tiny)")
     p.add_argument("--modes", default=None, help="comma-separated (default, CPU: " + ",".join(DEFAULT_MODES["cpu"])
                    + "; --quick: " + ",".join(QUICK_MODES) + "; any shardlib mode + _compiled; CUDA: "
                    + ",".join(DEFAULT_MODES["cuda"]) + ")")
     p.add_argument("--precisions", default=None, help="comma-separated from fp32,bf16,fp16 (default CPU "
                    f"{DEFAULT_PRECISIONS['cpu']}, CUDA {DEFAULT_PRECISIONS['cuda']})")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: base 40, small 40, "
-                   "tiny 30)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 40; tiny 30)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (default 2)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 8; CUDA 32)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence, padding included (default 128)")
@@ -192,8 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches for pp modes (default 4)")
     p.add_argument("--out", type=Path, default=None, help="where the logs go (default "
                    "benchmarks/results/train_throughput; --quick: benchmarks/results/train_throughput_quick)")
-    p.add_argument("--wait-idle", type=float, default=60.0, metavar="SECONDS",
-                   help="before each mode wait up to this long for other processes to go quiet (default 60)")
+    p.add_argument("--wait-idle", type=float, default=60.0, metavar="SECONDS", help="wait for quiet before a mode")
     p.add_argument("--quick", action="store_true", help="tiny BERT, 30 steps, dropout 0, fp32 + bf16, modes "
                    + ",".join(QUICK_MODES) + " (about 1.5 minutes on 2 cores)")
     args = p.parse_args(argv)
@@ -247,11 +191,6 @@ def _header(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def _prepare_out(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ".gitignore").write_text("# written by benchmarks/train_throughput.py: logs are not committed\n*\n")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_ifname())  # children inherit it: gloo on loopback only
@@ -262,7 +201,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for line in _header(args):
         print(line, flush=True)
-    _prepare_out(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / ".gitignore").write_text("# written by benchmarks/train_throughput.py: logs are not committed\n*\n")
     opts = dict(device=args.device, size=args.size, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr,
                 dropout=args.dropout, microbatches=args.microbatches, out=str(args.out))
     meta = dict(opts, warmup=args.warmup, baseline=BASELINE[args.device], torch=torch.__version__,

@@ -1,12 +1,11 @@
 """Memory by layout: ZeRO stages 0-3 on CPU, the bytes each dp rank holds, the step time, the peak RSS of a large model.
+Each launch runs this file on N gloo ranks (``--worker``, internal), skipped where its estimated RAM exceeds 90% of
+MemAvailable. Docs: docs/benchmarks/zero-memory.md.
 
     .venv/bin/python benchmarks/zero_memory.py                      # all three parts (BERT-large zero=0: ~29 GiB)
     .venv/bin/python benchmarks/zero_memory.py --large-layers 12    # part 3 on a 24 GiB machine
     .venv/bin/python benchmarks/zero_memory.py --parts bytes        # 1. only: BERT-base at dp 2, 4, 8
     .venv/bin/python benchmarks/zero_memory.py --quick              # smoke run: tiny BERTs
-
-Each launch runs this file on N gloo ranks (``python -m shardlib.cli run``; ``--worker``, internal) and is skipped
-with a message where its estimated RAM exceeds 90% of MemAvailable (``--no-memory-check``).
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ FAILED: list[str] = []  # the launches that failed
 
 
 def launch(args, nproc: int, worker: str, opts: dict, tag: str, what: str, warnings: list, mmap: bool = False):
-    """Run this file on ``nproc`` ranks through ``python -m shardlib.cli run`` (first waiting for quiet with
-    ``--wait-idle``); rank 0's result, None on failure."""
+    """Run this file on ``nproc`` ranks through ``python -m shardlib.cli run``; rank 0's result, None on failure."""
     if args.wait_idle > 0 and (load := wait_idle(args.wait_idle, IDLE_CORES)) > IDLE_CORES:
         warnings.append(f"{load:.2f} cores busy by other processes before {what}")
         print(f"  WARNING: {warnings[-1]}", flush=True)
@@ -95,9 +93,7 @@ def run_bytes(args, dps: list, warnings: list) -> tuple[dict, dict]:
 
 
 def run_steps(args, dps: list, warnings: list) -> dict:
-    """Part 2: one launch per dp, all four stages; interleaved where the estimate fits in 70% of MemAvailable (zero=0's
-    parameters, AdamW state, gradients, the flat buffer and temporaries, 6 x the parameter bytes; interleaved also the
-    other stages' parameters and state; 10% slack)."""
+    """Part 2: one launch per dp, all four stages, interleaved where the estimate fits in 70% of MemAvailable."""
     results, pb = {}, 4.0 * param_count(args.base)
     for dp in dps:
         avail = mem_available()
@@ -130,14 +126,13 @@ def run_rss(args, stages: list, warnings: list) -> tuple[dict, dict]:
             print(f"  SKIPPED: {skipped[zero]}", flush=True)
             continue
         opts = dict(model=args.large, batch=args.batch, seq=args.seq, zero=zero)
-        if (res := launch(args, 4, "rss", opts, f"rss_zero{zero}", f"BERT-large zero={zero}", warnings, True)) \
-                is not None:
+        if (res := launch(args, 4, "rss", opts, f"rss_zero{zero}", f"BERT-large zero={zero}", warnings, True)):
             rss[zero] = res
     return rss, skipped
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny BERTs (hidden 64/128, 2 layers, vocab "
                                                         "1000), 8 x 32 tokens, 2 rounds, part 1 in buckets of 1/16 MiB")
@@ -156,8 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--large-layers", type=int, default=24, help="BERT-large layers for part 3 (default 24)")
     p.add_argument("--rss-stages", default="0,1,2,3", help="zero stages for part 3 (default 0,1,2,3)")
     p.add_argument("--no-memory-check", action="store_true", help="launch even where the estimate does not fit")
-    p.add_argument("--wait-idle", type=float, metavar="SECONDS", help="before each launch wait up to this long for "
-                                                                      "quiet (default 10; --quick 0; 0: don't)")
+    p.add_argument("--wait-idle", type=float, metavar="SECONDS", help="wait for quiet before a launch (default 10)")
     for hidden in ("--worker", "--opts", "--out"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -188,8 +182,7 @@ def main(argv=None) -> int:
     print(f"# ZeRO 0-3 on CPU: BertForSequenceClassification fp32, AdamW, max_grad_norm 1.0, tp=1; global batch "
           f"{args.batch} x {args.seq} tokens; {part1}torch {torch.__version__}, transformers {transformers.__version__}"
           f", {os.cpu_count()} CPUs, MemAvailable {mem_available() / 2**30:.1f} GiB, load average "
-          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}{'; QUICK (tiny models)' if args.quick else ''}",
-          flush=True)
+          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}{'; QUICK' if args.quick else ''}", flush=True)
     t_all, warnings, summary = time.perf_counter(), [], []
     args.tmp = tempfile.mkdtemp(prefix="zero_memory_")
     try:
