@@ -27,8 +27,8 @@ Settings and why:
   LayerNorms and row-parallel biases under Megatron SP, every layer parameter under all-to-all SP) are left out
   (DDP would read their ``.grad`` before it is complete); they are summed over dp once backward is done.
 
-Unused parameters. ``find_unused_parameters=True`` made DDP walk the autograd graph from every output tensor in each
-step's forward (and all-reduce a map of the used parameters), and torch warned once per rank where it found none
+Unused parameters. ``find_unused_parameters=True`` makes DDP walk the autograd graph from every output tensor in each
+step's forward (and all-reduce a map of the used parameters), and torch warns once per rank where it finds none
 unused, which is every HF model whose loss reaches each parameter. The walk is also not the question that matters:
 it starts from every output, not the loss, so a returned ``pooler_output`` the loss does not use counts as used.
 So the first step decides, from the gradients it actually produced: it runs without DDP, through the post-backward
@@ -47,7 +47,7 @@ anyway), and DDP is built before the second step's first forward:
 Cost: nothing is recomputed and no RNG stream is touched (the decision reads the first step's own gradients); the
 first step's dp sum runs after backward instead of overlapping it, and so does the second (DDP without
 ``find_unused_parameters`` puts every gradient in one bucket in its first iteration and rebuilds its buckets in
-backward order after it, as it always did), then each step saves the graph walk and DDP's used-map all-reduce (where
+backward order after it), then each step saves the graph walk and DDP's used-map all-reduce (where
 parameters were left out, the post-backward sum's small all-reduce of per-parameter flags takes its place). Measured
 on a shared 2-core CPU host: the dp sum of BERT-base's gradients at dp=2 over gloo takes 0.6 s (the most the first
 two steps can expose, once per run), its 201 flags 0.5-4 ms. Why not the alternatives: a probe forward/backward of
