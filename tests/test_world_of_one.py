@@ -84,3 +84,27 @@ def test_sequence_parallelism_at_tp1_says_it_does_nothing(mesh):
     notes = shardlib.report(model).notes
     assert len(notes) == 1 and "sequence_parallel=True does nothing at tp=1" in notes[0]
     assert "note: sequence_parallel=True does nothing at tp=1" in str(shardlib.report(model))
+
+
+def test_a_microbatch_without_loss_items_adds_nothing_to_the_step(mesh):
+    """HF's token loss over a microbatch whose labels are all -100 is a mean over nothing, NaN; the Trainer weighs
+    it by its share of the loss items, 0, so the step's loss and gradients are those of the other microbatch."""
+    spec = dict(cls="BertForMaskedLM", seed=0, batch=4, seq=6,
+                config=dict(vocab=41, heads=2, head_dim=4, layers=1, intermediate=24, dropout=0.0))
+    reference = bert_cases.make_model(spec).double()
+    batch = bert_cases.make_batch(spec, reference.config)
+    labels = batch["input_ids"].clone()
+    labels[2:] = -100  # the second microbatch has no loss item
+    batch["labels"] = labels
+    trainer = shardlib.Trainer(shardlib.shard(copy.deepcopy(reference), mesh), torch.optim.SGD, microbatches=2)
+    trainer.zero_grad()
+    loss = trainer.forward_backward(batch)
+    expected = reference(**{k: v[:2] for k, v in batch.items()}).loss
+    expected.backward()
+    assert torch.isfinite(torch.as_tensor(loss)) and torch.allclose(torch.as_tensor(loss, dtype=torch.float64),
+                                                                    expected.detach(), rtol=1e-12)
+    for name, p in trainer.model.named_parameters():
+        want = reference.get_parameter(name).grad
+        assert (p.grad is None) == (want is None), name
+        if want is not None:
+            assert torch.allclose(p.grad, want, rtol=1e-10, atol=1e-14), name

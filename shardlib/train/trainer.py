@@ -372,7 +372,10 @@ class Trainer:
             return loss * factor if factor != 1.0 else loss
         # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch
         # loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0
-        return loss * (float(weights.sum() / self._total) * factor if self._total else 0.0)
+        share = float(weights.sum() / self._total) if self._total else 0.0
+        if share == 0.0:  # no loss items here: HF's mean over none is NaN (its gradient is 0); it adds nothing
+            return loss.nan_to_num(0.0) * 0.0
+        return loss * (share * factor)
 
     def _pipeline_loss(self, output, weights):
         loss = output[0] if isinstance(output, (tuple, list)) else output
