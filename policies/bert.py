@@ -33,8 +33,9 @@ LOSSES = {
                                  labels=("labels", "next_sentence_label")),
 }
 
-#: what each head's loss averages over (the rest: one item per example; BertForPreTraining sums two means)
-LOSS_ITEMS = {BertForMaskedLM: TOKENS, BertForTokenClassification: TOKENS,
+#: what each head's loss averages over (the rest: one item per example; BertForPreTraining sums two means). Sequence
+#: classification counts its labels: one per example padded, one per document in packed rows ([rows, documents])
+LOSS_ITEMS = {BertForMaskedLM: TOKENS, BertForTokenClassification: TOKENS, BertForSequenceClassification: TOKENS,
               BertLMHeadModel: LossItems(key="labels", shift=1)}
 
 
@@ -71,8 +72,10 @@ def bert_plan(model, tp: int) -> Plan:
         styles[loss.head] = VocabParallel()
     trunk = (Stack(layers=f"{base}encoder.layer", before=(f"{base}embeddings",)),)
     items = next((spec for cls, spec in LOSS_ITEMS.items() if isinstance(model, cls)), EXAMPLES)
+    pool = f"{base}pooler" if isinstance(model, BertForSequenceClassification) and model.bert.pooler else None
     return Plan(styles=styles, divide_by_tp=heads, trunk=trunk, loss=loss, sequence_dropout=dropout,
-                attention=attention, fused_projections=projections, epilogues=epilogues, loss_items=items)
+                attention=attention, fused_projections=projections, epilogues=epilogues, loss_items=items,
+                document_pool=pool)
 
 
 POLICY = register_policy(Policy(name="bert", model_classes=(BertModel, *HEAD_CLASSES), make_plan=bert_plan))

@@ -155,7 +155,9 @@ class Plan:
     pattern -> names of the child linears of each matched module that read the same input (q, k, v), which the
     fused-QKV kernel computes with one GEMM. ``epilogues``: kernel kind ("bias_gelu", "dropout_add") -> patterns
     of the modules it applies to (:mod:`shardlib.kernels.epilogues`). ``loss_items``: what the model's own loss
-    averages over (:class:`LossItems`; every example by default)."""
+    averages over (:class:`LossItems`; every example by default). ``document_pool``: the module whose input's first
+    token the head reads for the whole sequence (BERT's pooler), which packed rows feed each document's first token
+    (:mod:`shardlib.sharding.documents`); None: the head cannot pool per document."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -166,6 +168,7 @@ class Plan:
     fused_projections: dict[str, tuple[str, ...]] = field(default_factory=dict)
     epilogues: dict[str, tuple[str, ...]] = field(default_factory=dict)
     loss_items: LossItems = EXAMPLES
+    document_pool: str | None = None
 
 
 @lru_cache(maxsize=None)

@@ -11,6 +11,10 @@ The last partial global batch of an epoch: training drops it (every step has exa
 samples fall in it changes with each epoch's permutation, so no sample is left out every epoch); evaluation keeps it,
 split as evenly as possible over dp (a share may be empty), so every sample is evaluated exactly once.
 
+Packing (``packing=``, a :class:`shardlib.train.packing.PackingCollator`): every rank reads the whole global batch,
+packs it into rows (the same rows everywhere: the packing is a function of the samples), and keeps the r-th of dp
+contiguous shares of the rows; the collator pads the row count to a multiple of dp x microbatches with empty rows.
+
 Loading goes through torch's ``DataLoader`` (workers, pinned memory, prefetching) with :class:`GlobalBatchSampler`
 as its batch sampler. Iterable datasets are read in their own order; every rank iterates the stream and collates
 only its share of each global batch (with workers, worker w takes global batches w, w + W, ...).
@@ -23,7 +27,7 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, get_worker_info
 
-from .batches import to_device
+from .batches import split_batch, to_device
 
 
 def epoch_order(length: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -105,12 +109,16 @@ class EpochData:
 
     def __init__(self, dataset, batch_size: int, mesh, *, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
-                 prefetch_factor: int | None = None, what: str = "train_data", device: str = "cpu"):
+                 prefetch_factor: int | None = None, what: str = "train_data", device: str = "cpu",
+                 packing: Callable | None = None):
         self.dataset, self.batch_size, self.what = dataset, batch_size, what
         self.device = torch.device(device)
         self.collate_fn = collate_fn or default_collate
+        self.packing = packing
         self.iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
-        dp, dp_rank = mesh.dp, (mesh.local_rank("dp") if mesh.dp > 1 else 0)
+        self.mesh_dp, self.mesh_dp_rank = mesh.dp, (mesh.local_rank("dp") if mesh.dp > 1 else 0)
+        # packed: the samplers hand every rank the whole global batch, and the rows are shared out after packing
+        dp, dp_rank = (1, 0) if packing is not None else (self.mesh_dp, self.mesh_dp_rank)
         self.dp, self.dp_rank, self.drop_last = dp, dp_rank, drop_last
         self.loader_options = dict(num_workers=num_workers, pin_memory=self.device.type == "cuda",
                                    prefetch_factor=prefetch_factor if num_workers else None)
@@ -131,6 +139,9 @@ class EpochData:
         return self.sampler.batches_per_epoch() if self.sampler is not None else None
 
     def _collate(self, items: list):
+        if self.packing is not None:
+            rows = self.packing(items)
+            return split_batch(rows, self.mesh_dp)[self.mesh_dp_rank] if self.mesh_dp > 1 else rows
         batch = self.collate_fn(items)
         if not isinstance(batch, dict):
             raise TypeError(f"{self.what}: a batch must be a dict of tensors, collate_fn gave "

@@ -4,8 +4,10 @@ exact resume. See docs/training.md.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+import math
 import logging
 import time
 from dataclasses import dataclass, field
@@ -80,18 +82,26 @@ def build_scheduler(lr_scheduler, optimizer, total_steps: int | None):
     return scheduler
 
 
-def _check_global_batch(batch_size, mesh, microbatches: int, what: str) -> None:
+def _check_global_batch(batch_size, mesh, microbatches: int, what: str, packed: bool = False) -> None:
+    """``packed``: any number of samples, since the packer pads the rows to dp x microbatches."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"{what} must be a positive integer, got {batch_size!r}")
-    if batch_size % (mesh.dp * microbatches):
+    if not packed and batch_size % (mesh.dp * microbatches):
         raise ValueError(f"global {what} {batch_size} is not divisible by dp({mesh.dp}) x "
                          f"microbatches({microbatches}) = {mesh.dp * microbatches}")
 
 
 def _tokens(model, batch: dict) -> int | None:
-    """Token positions in ``batch``'s main model input when it holds token ids (padding included), else None."""
+    """The real tokens of ``batch`` when its main model input holds token ids, else None: padding is left out where
+    the batch marks it (``document_ids`` of packed rows, an ``attention_mask``)."""
     value = batch.get(getattr(model, "main_input_name", None))
-    return value.numel() if torch.is_tensor(value) and not value.is_floating_point() else None
+    if not torch.is_tensor(value) or value.is_floating_point():
+        return None
+    for key, real in (("document_ids", lambda t: t >= 0), ("attention_mask", lambda t: t != 0)):
+        mask = batch.get(key)
+        if torch.is_tensor(mask) and mask.shape == value.shape:
+            return int(real(mask).sum())
+    return value.numel()
 
 
 def evaluate(trainer, data: EpochData, metrics: dict[str, Callable] | None = None) -> dict:
@@ -130,8 +140,26 @@ def evaluate(trainer, data: EpochData, metrics: dict[str, Callable] | None = Non
     return result
 
 
+def _packer(trainer, packing, rows_multiple: int):
+    """fit's collator for ``packing`` (None, a row length or a PackingCollator), padding the rows of a global batch
+    to a multiple of dp x microbatches; the model accepts packed rows from here on (or is refused now)."""
+    if packing is None:
+        return None
+    from ..sharding.documents import accept_documents
+    from .packing import PackingCollator
+
+    accept_documents(trainer.model)
+    if isinstance(packing, PackingCollator):
+        packer = copy.copy(packing)  # the caller's collator keeps its own rows_multiple
+        packer.rows_multiple = math.lcm(packing.rows_multiple, rows_multiple)
+        return packer
+    if isinstance(packing, bool) or not isinstance(packing, int):
+        raise TypeError(f"packing must be a row length in tokens or a PackingCollator, got {packing!r}")
+    return PackingCollator.for_model(trainer.model, packing, rows_multiple=rows_multiple)
+
+
 def _check_options(trainer, mesh, batch_size, epochs, max_steps, eval_interval, log_interval, save_dir,
-                   save_interval, resume) -> None:
+                   save_interval, resume, packed: bool) -> None:
     if epochs is None and max_steps is None:
         raise ValueError("fit needs epochs or max_steps (both are missing)")
     for name, value in (("epochs", epochs), ("max_steps", max_steps), ("log_interval", log_interval),
@@ -144,7 +172,7 @@ def _check_options(trainer, mesh, batch_size, epochs, max_steps, eval_interval, 
         raise ValueError(f"{'save_interval' if save_interval is not None else 'resume=auto'} needs a save_dir")
     if trainer.optimizer is None:
         raise ValueError("fit needs a Trainer with an optimizer: Trainer(model, optimizer=lambda params: ...)")
-    _check_global_batch(batch_size, mesh, trainer.microbatches, "batch_size")
+    _check_global_batch(batch_size, mesh, trainer.microbatches, "batch_size", packed)
 
 
 def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_steps: int | None = None,
@@ -152,7 +180,8 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
         eval_interval: int | str | None = None, log_interval: int = 10, save_dir: str | Path | None = None,
         save_interval: int | None = None, keep_last: int = 2, resume: str | Path | None = None,
         metrics: dict[str, Callable] | None = None, seed: int = 0, shuffle: bool = True, num_workers: int = 0,
-        prefetch_factor: int | None = None, progress: bool = True, async_save: bool = True) -> FitResult:
+        prefetch_factor: int | None = None, progress: bool = True, async_save: bool = True,
+        packing=None) -> FitResult:
     """Train ``trainer``'s model on ``train_data``: a map-style dataset of dict samples (a list of dicts, a torch
     ``Dataset``, a ``datasets.Dataset`` with ``with_format("torch")``) in a seeded global order, or an iterable of
     them (a ``datasets.IterableDataset``, a generator) read in its own order.
@@ -171,14 +200,19 @@ def fit(trainer, train_data, *, batch_size: int, epochs: int | None = None, max_
     writes them in the loop, which costs less where training already uses every CPU core (docs/training.md).
     With a ``save_dir``, SIGTERM saves the step in progress and then raises ``SystemExit``
     (:mod:`shardlib.train.termination`).
+    ``packing``: train padding-free: each global batch of ``batch_size`` samples is packed into rows of ``packing``
+    tokens (an int: :meth:`PackingCollator.for_model <shardlib.train.packing.PackingCollator.for_model>`), or by a
+    :class:`~shardlib.train.packing.PackingCollator` given here; ``collate_fn`` then serves ``eval_data`` only. The
+    steps compute what the padded batches of the same samples compute (docs/packing.md).
     Everything is checked before anything is written; see docs/training.md.
     """
     mesh = shard_state(trainer.model).mesh
     _check_options(trainer, mesh, batch_size, epochs, max_steps, eval_interval, log_interval, save_dir,
-                   save_interval, resume)
+                   save_interval, resume, packed=packing is not None)
+    packer = _packer(trainer, packing, mesh.dp * trainer.microbatches)
     device = next((p.device for p in trainer.params if p.device.type != "meta"), torch.device("cpu"))
     loader = dict(collate_fn=collate_fn, num_workers=num_workers, prefetch_factor=prefetch_factor, device=device)
-    data = EpochData(train_data, batch_size, mesh, seed=seed, shuffle=shuffle, **loader)
+    data = EpochData(train_data, batch_size, mesh, seed=seed, shuffle=shuffle, packing=packer, **loader)
     evals = None
     if eval_data is not None:
         evals = EpochData(eval_data, eval_batch_size or batch_size, mesh, shuffle=False, drop_last=False,
@@ -291,7 +325,7 @@ class FitLoop:
         self.result.losses.append(loss)
         self.progress.step(self.step)
         self._window.append(loss)
-        self._window_tokens += (_tokens(self.trainer.model, batch) or 0) * self.data.dp
+        self._window_tokens += (_tokens(self.trainer.model, batch) or 0) * self.data.mesh_dp
         self.log.step()
         if self.step % self.log_interval == 0:
             self._log_window()

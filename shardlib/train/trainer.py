@@ -33,6 +33,7 @@ from ..analysis.compiling import compile_model
 from ..parallel.random import generator_disagreement
 from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
+from ..sharding.documents import accept_documents
 from ..sharding.recompute import rng_safe_checkpointing
 from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
@@ -193,6 +194,7 @@ class Trainer:
             raise ValueError("train_step got an empty list of batches")
         for i, b in enumerate(batches):  # before any gradient is touched
             check_batch(b, "the batch" if len(batches) == 1 else f"batch {i} of {len(batches)}")
+            self._accept_packed(b)
         self.zero_grad()
         total = self._global_items(batches) if self._weighted(len(batches)) else None
         loss = sum(self._forward_backward_tensor(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches))
@@ -321,6 +323,7 @@ class Trainer:
         runs); elsewhere an empty list."""
         self.model.eval()
         parts = microbatch_count(check_batch(batch), self.microbatches)
+        self._accept_packed(batch)
         with torch.no_grad():
             if self.split is not None:
                 outputs = self.runner.eval(batch, parts)
@@ -335,6 +338,12 @@ class Trainer:
             return outputs
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _accept_packed(self, batch: dict) -> None:
+        """A packed batch (``document_ids``, :mod:`shardlib.train.packing`): the model keeps its documents apart
+        from now on (:func:`shardlib.sharding.documents.accept_documents`; a model that cannot is refused here)."""
+        if "document_ids" in batch:
+            accept_documents(self.model)
+
     def _autocast(self, batch):
         return autocast(self.precision, first_tensor(batch).device.type)
 

@@ -1,0 +1,166 @@
+"""Padding-free training (shardlib/train/packing.py, shardlib/sharding/documents.py): packed rows compute what the
+padded batches of the same samples compute.
+
+* The packer and the collator: every sample placed once and whole, rows within the budget, a pure function of the
+  lengths (hypothesis); document ids, in-document positions, per-document labels and decoder inputs; bad input
+  named (a sample longer than a row, a padded sample, a key that is neither tokens nor a label, a head that cannot
+  pool per document).
+* Training: ``fit(packing=16)`` for three AdamW steps (clipped by the global norm) against the unsharded model
+  trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
+  and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2, and
+  for BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2) and ZeRO-3 (dp=4) (tests/packing_tasks.py).
+
+Tolerances: float64, rtol 1e-10 on every step's loss and on every weight after the last step (relative to the
+largest weight). Llama's loss is computed in float32 by transformers (``logits.float()``) and by shardlib's
+vocab-parallel loss, which matches it: its losses and weights are compared at 1e-6 (they differ by ~2e-7 and
+~1e-9: the float32 loss of a packed microbatch sums its tokens in another order), and its float64 logits of every
+real token at 1e-10. A control breaks the positions and must fail that.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import packing_tasks
+import shardlib
+from profiles import examples
+from shardlib.sharding.documents import document_positions, document_starts
+from shardlib.train.packing import PackingCollator, pack_rows
+
+SPEC = dict(seed=3, samples=24, budget=16, batch_size=8, steps=3, microbatches=2)
+#: Llama's loss is float32 (see the module docstring): its losses and the weights its gradients step
+FLOAT32_LOSS = {"llama": 1e-6}
+
+
+def _check(result: dict, kind: str) -> None:
+    assert result["loss_error"] < FLOAT32_LOSS.get(kind, 1e-10), result
+    assert result["weight_error"] < FLOAT32_LOSS.get(kind, 1e-10), result
+
+
+# -- the packer and the collator -------------------------------------------------------------------------------
+@settings(max_examples=examples(60, 300), deadline=None)
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=40), st.integers(16, 40))
+def test_pack_rows_places_every_sample_once_within_the_budget(lengths, budget):
+    rows = pack_rows([(n,) for n in lengths], (budget,))
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= budget for row in rows)
+    assert all(row == sorted(row) for row in rows)
+    assert pack_rows([(n,) for n in lengths], (budget,)) == rows  # a function of the lengths
+    # first fit: a sample went to a later row only because it fit in no earlier one (whose load only grew)
+    loads = [sum(lengths[i] for i in row) for row in rows]
+    assert all(loads[a] + lengths[i] > budget for b, row in enumerate(rows) for i in row for a in range(b))
+
+
+def test_collator_rows_documents_positions_and_labels():
+    samples = [{"input_ids": [5, 6, 7], "token_type_ids": [0, 0, 1], "labels": 2},
+               {"input_ids": [8], "token_type_ids": [1], "labels": 0},
+               {"input_ids": [10, 11, 12, 13, 14], "token_type_ids": [0] * 5, "labels": 1}]
+    batch = PackingCollator(5, rows_multiple=4)(samples)
+    assert list(batch) == ["input_ids", "token_type_ids", "document_ids", "labels"]  # input_ids first (pipelines)
+    # first-fit decreasing: [10..14] opens row 0, [5, 6, 7] row 1, [8] joins row 1 (rows as long as the longest);
+    # two empty rows make 4
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 13, 14], [5, 6, 7, 8, 0], [0] * 5, [0] * 5]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, 1, -1], [-1] * 5, [-1] * 5]
+    assert batch["token_type_ids"][1].tolist() == [0, 0, 1, 1, 0]
+    assert batch["labels"].tolist() == [[1, -100], [2, 0], [-100, -100], [-100, -100]]
+    assert document_positions(batch["document_ids"])[:2].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]
+    assert document_starts(batch["document_ids"], 2)[:2].tolist() == [[0, 0], [0, 3]]
+
+
+def test_collator_shifts_causal_labels_and_builds_decoder_inputs():
+    causal = PackingCollator(8, label_shift=1)([{"input_ids": [3, 4, 5], "labels": [3, 4, 5]},
+                                                {"input_ids": [6, 7], "labels": [6, 7]}])
+    assert causal["labels"].tolist() == [[-100, 4, 5, -100, 7]]  # no document predicts the next one's first token
+    seq2seq = PackingCollator(8, target_length=4, decoder_start_token_id=0)(
+        [{"input_ids": [3, 4, 5], "labels": [7, 8]}, {"input_ids": [6], "labels": [9, -100]}])
+    assert seq2seq["labels"].tolist() == [[7, 8, 9, -100]]
+    assert seq2seq["decoder_input_ids"].tolist() == [[0, 7, 0, 9]]  # shifted right per document
+    assert seq2seq["decoder_document_ids"].tolist() == [[0, 0, 1, 1]]
+    fixed = PackingCollator(8, fixed_length=True)([{"input_ids": [3, 4]}])
+    assert fixed["input_ids"].shape == (1, 8)
+
+
+def test_collator_names_bad_input(caplog):
+    collate = PackingCollator(4)
+    cases = [([{"input_ids": [1, 2, 3, 4, 5]}], "sample 0 of the batch has 5 tokens, more than a row's 4"),
+             ([{"input_ids": [1]}, {"text": "a"}], "sample 1 of the batch has no input_ids"),
+             ([{"input_ids": [1, 2], "attention_mask": [1, 0]}], "sample 0 is padded"),
+             ([{"input_ids": [1, 2], "idx": 7}], "sample 0's 'idx' (shape ()) is neither a token sequence"),
+             ([{"input_ids": [1], "labels": 1}, {"input_ids": [2]}], "sample 1 has keys ['input_ids'], sample 0"),
+             ([], "the batch has no samples")]
+    for samples, message in cases:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            collate(samples)
+    with pytest.raises(ValueError, match="too_long must be"):
+        PackingCollator(4, too_long="split")
+    cut = PackingCollator(4, too_long="truncate")
+    with caplog.at_level(logging.WARNING, logger="shardlib.train"):
+        batch = cut([{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [1, 2, 3, 4, 5, 6]}, {"input_ids": [7] * 9,
+                                                                                        "labels": [7] * 9}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4], [7, 7, 7, 7]] and cut.truncated == 2
+    assert len([r for r in caplog.records if "cut to the row's 4" in r.getMessage()]) == 1  # said once
+
+
+# -- training at a world of one --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def world_of_one():
+    mesh = shardlib.init_mesh()
+    yield mesh
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", list(packing_tasks.CLASSES))
+def test_packed_training_equals_padded_at_a_world_of_one(world_of_one, kind, attention):
+    _check(packing_tasks.packed_fit({**SPEC, "model": kind, "attention": attention}), kind)
+
+
+def test_llama_logits_of_every_real_token_and_the_control(world_of_one, monkeypatch):
+    spec = {**SPEC, "model": "llama"}
+    assert packing_tasks.packed_logits(spec) < 1e-10
+    import shardlib.sharding.documents as documents
+
+    monkeypatch.setattr(documents, "document_positions", lambda ids: torch.arange(ids.shape[1]).expand_as(ids))
+    assert packing_tasks.packed_logits(spec) > 1e-8  # positions that run on across documents are caught
+
+
+def test_heads_that_read_whole_sequences_are_refused(world_of_one):
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    config = BertConfig(vocab_size=41, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=24)
+    model = shardlib.shard(BertForQuestionAnswering(config), world_of_one)
+    trainer = shardlib.Trainer(model, packing_tasks.adamw)
+    with pytest.raises(ValueError, match="BertForQuestionAnswering's loss reads whole sequences"):
+        trainer.fit([{"input_ids": [1, 2], "start_positions": 0}], batch_size=1, max_steps=1, packing=8,
+                    progress=False)
+
+
+# -- training across layouts on the pool ----------------------------------------------------------------------
+LAYOUTS = {"tp2": ({"tp": 2}, {}), "tp2_sp": ({"tp": 2}, {"sequence_parallel": True}),
+           "ring_sp2": ({"sp": 2}, {"sequence_parallel": "ring"}), "pp2_dp2": ({"pp": 2, "dp": 2}, {})}
+@pytest.mark.parametrize("kind", list(packing_tasks.CLASSES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_training_equals_padded_across_layouts(pool, layout, kind):
+    mesh, options = LAYOUTS[layout]
+    spec = {**SPEC, "model": kind, "layout": mesh, "shard": options}
+    for result in pool.run(packing_tasks.packed_fit, spec):
+        _check(result, kind)
+
+
+def test_packed_training_under_zero_and_activation_checkpointing(pool):
+    spec = {**SPEC, "model": "bert_mlm", "layout": {"tp": 2}, "trainer": {"zero": 1, "activation_checkpointing": True}}
+    for result in pool.run(packing_tasks.packed_fit, spec):
+        _check(result, "bert_mlm")
+
+
+def test_packed_training_under_zero3(pool):
+    spec = {**SPEC, "model": "bert_cls", "layout": {"dp": 4}, "trainer": {"zero": 3}}
+    for result in pool.run(packing_tasks.packed_fit, spec):
+        _check(result, "bert_cls")
