@@ -23,6 +23,9 @@ from train_tasks import MAX_GRAD_NORM, adamw
 
 CLASSES = {"bert_mlm": "BertForMaskedLM", "bert_cls": "BertForSequenceClassification",
            "t5": "T5ForConditionalGeneration", "llama": "LlamaForCausalLM"}
+#: inferred plans beyond Llama, at a world of one: positions counted from padding_idx + 1, and a fused-QKV decoder
+INFERRED = {"roberta_mlm": ("roberta", "RobertaForMaskedLM"), "gpt2": ("gpt2", "GPT2LMHeadModel")}
+CAUSAL = ("llama", "gpt2")
 BERT = dict(vocab=41, heads=4, head_dim=4, layers=2, intermediate=24, num_labels=3)
 T5 = dict(vocab=37, d_model=16, d_kv=4, d_ff=20, layers=2, heads=4)
 
@@ -34,8 +37,10 @@ def make_model(spec: dict) -> torch.nn.Module:
                                        "config": BERT})
     elif kind == "t5":
         model = t5_cases.make_model({"cls": CLASSES[kind], "seed": seed, "dtype": "float64", "config": T5})
-    else:
+    elif kind == "llama":
         model = inference_cases.make_model(CLASSES[kind], "llama", torch.float64, seed, initializer_range=0.5)
+    else:
+        model = inference_cases.make_model(INFERRED[kind][1], INFERRED[kind][0], torch.float64, seed)
     set_attention(model, spec.get("attention", "sdpa"))
     return model
 
@@ -48,14 +53,16 @@ def samples(spec: dict) -> list[dict]:
     for _ in range(spec["samples"]):
         n = int(torch.randint(1, budget + 1, (), generator=g))
         ids = torch.randint(3, 37, (n,), generator=g)
-        if kind == "llama":
+        if kind in CAUSAL:
             out.append({"input_ids": ids, "labels": ids.clone()})
         elif kind == "t5":
             target = torch.randint(3, 37, (int(torch.randint(1, budget + 1, (), generator=g)),), generator=g)
             out.append({"input_ids": ids, "labels": target})
         else:
-            sample = {"input_ids": ids, "token_type_ids": torch.randint(0, 2, (n,), generator=g)}
-            if kind == "bert_mlm":
+            sample = {"input_ids": ids}
+            if kind.startswith("bert"):
+                sample["token_type_ids"] = torch.randint(0, 2, (n,), generator=g)
+            if kind.endswith("mlm"):
                 labels = torch.where(torch.rand(n, generator=g) < 0.4, ids, -100)
                 labels[0] = ids[0]  # a target in every document
                 sample["labels"] = labels

@@ -8,7 +8,8 @@ padded batches of the same samples compute.
 * Training: ``fit(packing=16)`` for three AdamW steps (clipped by the global norm) against the unsharded model
   trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
   and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2, and
-  for BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2) and ZeRO-3 (dp=4) (tests/packing_tasks.py).
+  for BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4) and compiled at a world of one
+  (tests/packing_tasks.py).
 
 Tolerances: float64, rtol 1e-10 on every step's loss and on every weight after the last step (relative to the
 largest weight). Llama's loss is computed in float32 by transformers (``logits.float()``) and by shardlib's
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bert_cases
+import inference_cases
 import packing_tasks
 import shardlib
 from profiles import examples
@@ -35,7 +38,7 @@ from shardlib.train.packing import PackingCollator, pack_rows
 
 SPEC = dict(seed=3, samples=24, budget=16, batch_size=8, steps=3, microbatches=2)
 #: Llama's loss is float32 (see the module docstring): its losses and the weights its gradients step
-FLOAT32_LOSS = {"llama": 1e-6}
+FLOAT32_LOSS = {"llama": 1e-6, "gpt2": 1e-6}
 
 
 def _check(result: dict, kind: str) -> None:
@@ -121,6 +124,11 @@ def test_packed_training_equals_padded_at_a_world_of_one(world_of_one, kind, att
     _check(packing_tasks.packed_fit({**SPEC, "model": kind, "attention": attention}), kind)
 
 
+@pytest.mark.parametrize("kind", list(packing_tasks.INFERRED))
+def test_packed_training_of_inferred_plans(world_of_one, kind):
+    _check(packing_tasks.packed_fit({**SPEC, "model": kind}), kind)
+
+
 def test_llama_logits_of_every_real_token_and_the_control(world_of_one, monkeypatch):
     spec = {**SPEC, "model": "llama"}
     assert packing_tasks.packed_logits(spec) < 1e-10
@@ -130,16 +138,18 @@ def test_llama_logits_of_every_real_token_and_the_control(world_of_one, monkeypa
     assert packing_tasks.packed_logits(spec) > 1e-8  # positions that run on across documents are caught
 
 
-def test_heads_that_read_whole_sequences_are_refused(world_of_one):
-    from transformers import BertConfig, BertForQuestionAnswering
-
-    config = BertConfig(vocab_size=41, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
-                        intermediate_size=24)
-    model = shardlib.shard(BertForQuestionAnswering(config), world_of_one)
+@pytest.mark.parametrize("family,cls,message", [
+    ("bert", "BertForQuestionAnswering", "BertForQuestionAnswering's loss reads whole sequences"),
+    ("llama", "LlamaForSequenceClassification", "LlamaForSequenceClassification's loss reads whole sequences"),
+    ("bart", "BartForConditionalGeneration", "BartForConditionalGeneration computes absolute positions itself "
+                                             r"\(model.encoder.embed_positions\) and takes no position_ids")])
+def test_models_that_cannot_pack_are_refused_before_training(world_of_one, family, cls, message):
+    model = shardlib.shard(inference_cases.make_model(cls, family) if family != "bert" else
+                           bert_cases.make_model({"cls": cls, "seed": 0, "seq": 8, "config": packing_tasks.BERT}),
+                           world_of_one)
     trainer = shardlib.Trainer(model, packing_tasks.adamw)
-    with pytest.raises(ValueError, match="BertForQuestionAnswering's loss reads whole sequences"):
-        trainer.fit([{"input_ids": [1, 2], "start_positions": 0}], batch_size=1, max_steps=1, packing=8,
-                    progress=False)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit([{"input_ids": [3, 4]}], batch_size=1, max_steps=1, packing=8, progress=False)
 
 
 # -- training across layouts on the pool ----------------------------------------------------------------------
@@ -164,3 +174,9 @@ def test_packed_training_under_zero3(pool):
     spec = {**SPEC, "model": "bert_cls", "layout": {"dp": 4}, "trainer": {"zero": 3}}
     for result in pool.run(packing_tasks.packed_fit, spec):
         _check(result, "bert_cls")
+
+
+def test_packed_training_compiled(world_of_one):
+    """``Trainer(compile=True)``: the masks are built eagerly before the compiled forward (no graph break inside)."""
+    spec = {**SPEC, "model": "bert_cls", "trainer": {"compile": True}}
+    _check(packing_tasks.packed_fit(spec), "bert_cls")

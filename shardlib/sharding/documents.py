@@ -10,8 +10,10 @@ unmodified HF forward already takes:
   (``AttentionMaskInterface``: a boolean mask for SDPA, an additive one for eager, a block mask for
   flex_attention, which then skips the blocks no document reaches). A padding token sees only padding, so no row
   of the mask is empty.
-* ``position_ids``: positions that restart at every document (absolute position embeddings, rotary), where the
-  forward takes them. Relative position biases (T5) need nothing: within a document distances are unchanged.
+* ``position_ids``: positions that restart at every document (absolute position embeddings, rotary), counted from
+  where the model counts (RoBERTa-style embeddings from ``padding_idx + 1``). Relative position biases (T5) need
+  nothing: within a document distances are unchanged. A model with absolute positions whose forward takes no
+  ``position_ids`` (BART and its kin) is refused.
 * seq2seq: ``decoder_attention_mask`` (block-causal over the targets) and the cross mask (decoder document i sees
   encoder document i), swapped in by a pre-hook on the decoder, since HF passes the encoder's mask there.
 * sequence classification: a pre-hook on the plan's ``document_pool`` module (BERT's pooler) hands it each
@@ -45,6 +47,9 @@ def packing_problems(model: nn.Module) -> list[str]:
     config = model.config
     if getattr(model, "main_input_name", "input_ids") != "input_ids":
         return [f"{name} reads {model.main_input_name}, not token ids: only token sequences pack"]
+    if "position_ids" not in inspect.signature(model.forward).parameters and _absolute_positions(model):
+        return [f"{name} computes absolute positions itself ({_absolute_positions(model)[0]}) and takes no "
+                "position_ids: in a packed row they would run on across documents"]
     if config._attn_implementation not in _mask_functions():
         return [f"{name}: attention implementation {config._attn_implementation!r} has no 4-D mask in transformers' "
                 "AttentionMaskInterface to keep documents apart (use sdpa, eager or flex_attention)"]
@@ -65,6 +70,21 @@ def accept_documents(model: nn.Module) -> None:
         raise ValueError("packing: " + "; ".join(problems))
     hooks = _DocumentHooks(model)
     setattr(model, _HOOK_ATTR, hooks)
+
+
+def _absolute_positions(model: nn.Module) -> list[str]:
+    """The model's absolute position embeddings (by the names transformers gives them)."""
+    return [name for name, _ in model.named_modules()
+            if name.rsplit(".", 1)[-1] in ("position_embeddings", "embed_positions", "wpe")]
+
+
+def position_offset(model: nn.Module) -> int:
+    """The first position id the model gives a sequence: RoBERTa-style embeddings count from ``padding_idx + 1``
+    (their position embedding has a ``padding_idx``); 0 elsewhere."""
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            return module.padding_idx + 1
+    return 0
 
 
 def _mask_functions():
@@ -127,6 +147,7 @@ class _DocumentHooks:
         self.causal = not self.seq2seq and any(getattr(m, "is_causal", False) for m in model.modules())
         accepted = inspect.signature(model.forward).parameters
         self.takes_positions = "position_ids" in accepted
+        self.first_position = position_offset(model)
         self.takes_cache = "use_cache" in accepted
         self.cross_mask = self.starts = None
         model.register_forward_pre_hook(self.before_model, with_kwargs=True)
@@ -138,6 +159,7 @@ class _DocumentHooks:
     def _dtype(self) -> torch.dtype:
         return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
 
+    @torch.compiler.disable  # masks are built eagerly; a compiled model's graph starts after this hook
     def before_model(self, module, args, kwargs):
         documents = kwargs.pop("document_ids", None)
         targets = kwargs.pop("decoder_document_ids", None)
@@ -153,7 +175,7 @@ class _DocumentHooks:
         kwargs["attention_mask"] = document_mask(self.config, documents, documents,
                                                  causal=self.causal, dtype=dtype)
         if self.takes_positions and kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = document_positions(documents)
+            kwargs["position_ids"] = document_positions(documents) + self.first_position
         if self.takes_cache and kwargs.get("use_cache") is None:
             kwargs["use_cache"] = False  # a training forward; HF's default cache would only hold memory
         if self.seq2seq:
