@@ -130,11 +130,12 @@ def packed_fit(spec: dict) -> dict:
 def packed_logits(spec: dict) -> float:
     """A forward of one packed batch (eval_step, at the layout) against the unsharded model on the padded batch:
     the largest relative error of the logits of every real token (float64: no loss, which transformers computes in
-    float32 for a causal LM)."""
+    float32 for a causal LM; ``spec["dtype"]`` float32 for flex_attention, which takes no float64 on a CPU)."""
     from shardlib.train.packing import PackingCollator
 
-    ref = make_model(spec)
-    model = shardlib.shard(make_model(spec), _mesh(spec.get("layout", {})), **spec.get("shard", {}))
+    dtype = getattr(torch, spec.get("dtype", "float64"))
+    ref = make_model({**spec, "attention": "sdpa"}).to(dtype).eval()
+    model = shardlib.shard(make_model(spec).to(dtype), _mesh(spec.get("layout", {})), **spec.get("shard", {}))
     trainer = shardlib.Trainer(model, microbatches=spec.get("microbatches", 1))
     data = [{k: v for k, v in s.items() if k != "labels"} for s in samples(spec)[:spec["batch_size"]]]
     rows = PackingCollator(spec["budget"], rows_multiple=2)(data)
@@ -143,16 +144,15 @@ def packed_logits(spec: dict) -> float:
         return 0.0  # not the last pipeline stage
     logits = torch.cat([o["logits"] for o in outputs])
     with torch.no_grad():
-        expected = ref.eval()(**{k: v for k, v in padded(samples(spec)[:spec["batch_size"]], "llama").items()
-                                 if k != "labels"}).logits
+        inputs = padded([{**s, "labels": s["input_ids"]} for s in data], spec["model"])
+        expected = ref(**{k: v for k, v in inputs.items() if k != "labels"}).logits
     worst = 0.0
     for r in range(rows["input_ids"].shape[0]):
         for d in rows["document_ids"][r].unique().tolist():
             if d < 0:
                 continue
-            sample = _sample_of(rows, r, d, data)
             got = logits[r, rows["document_ids"][r] == d]
-            want = expected[sample, :got.shape[0]]
+            want = expected[_sample_of(rows, r, d, data), :got.shape[0]]
             worst = max(worst, float((got - want).abs().max() / want.abs().max()))
     return worst
 

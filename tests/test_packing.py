@@ -9,7 +9,7 @@ padded batches of the same samples compute.
   trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
   and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2, and
   for BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4) and compiled at a world of one
-  (tests/packing_tasks.py).
+  (tests/packing_tasks.py); a forward through flex_attention's block masks (CI profile).
 
 Tolerances: float64, rtol 1e-10 on every step's loss and on every weight after the last step (relative to the
 largest weight). Llama's loss is computed in float32 by transformers (``logits.float()``) and by shardlib's
@@ -32,7 +32,7 @@ import bert_cases
 import inference_cases
 import packing_tasks
 import shardlib
-from profiles import examples
+from profiles import ci_only, examples
 from shardlib.sharding.documents import document_positions, document_starts
 from shardlib.train.packing import PackingCollator, pack_rows
 
@@ -138,6 +138,14 @@ def test_llama_logits_of_every_real_token_and_the_control(world_of_one, monkeypa
     assert packing_tasks.packed_logits(spec) > 1e-8  # positions that run on across documents are caught
 
 
+@ci_only("flex_attention compiles its kernel on a CPU (17 s); SDPA's and eager's masks run in dev")
+def test_flex_attention_block_masks(world_of_one):
+    """flex_attention gets a block mask from transformers' mask interface (forward only: flex has no backward on a
+    CPU, nor float64; float32, so 1e-5)."""
+    spec = {**SPEC, "model": "bert_mlm", "attention": "flex_attention", "dtype": "float32"}
+    assert packing_tasks.packed_logits(spec) < 1e-5
+
+
 @pytest.mark.parametrize("family,cls,message", [
     ("bert", "BertForQuestionAnswering", "BertForQuestionAnswering's loss reads whole sequences"),
     ("llama", "LlamaForSequenceClassification", "LlamaForSequenceClassification's loss reads whole sequences"),
@@ -180,3 +188,27 @@ def test_packed_training_compiled(world_of_one):
     """``Trainer(compile=True)``: the masks are built eagerly before the compiled forward (no graph break inside)."""
     spec = {**SPEC, "model": "bert_cls", "trainer": {"compile": True}}
     _check(packing_tasks.packed_fit(spec), "bert_cls")
+
+
+def test_packed_batches_the_model_cannot_read_are_refused(world_of_one):
+    def sharded(kind, **config):
+        model = packing_tasks.make_model({"model": kind, "seed": 0})
+        model.config.update(config)
+        return shardlib.shard(model, world_of_one)
+
+    rows = PackingCollator(8)([{"input_ids": [3, 4, 5], "labels": 1}, {"input_ids": [6, 7], "labels": 0}])
+    trainer = shardlib.Trainer(sharded("bert_cls"), packing_tasks.adamw)
+    with pytest.raises(ValueError, match="takes no attention_mask: the documents are the mask"):
+        trainer.train_step({**rows, "attention_mask": torch.ones_like(rows["input_ids"])})
+    with pytest.raises(ValueError, match="got torch.float32 labels for num_labels=3"):
+        trainer.train_step({**rows, "labels": rows["labels"].float()})
+    regression = shardlib.Trainer(sharded("bert_cls", num_labels=1), packing_tasks.adamw)
+    with pytest.raises(ValueError, match="num_labels=1, problem_type=None"):
+        regression.train_step(rows)
+    t5 = shardlib.Trainer(sharded("t5"), packing_tasks.adamw)
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is a seq2seq model: a packed batch needs "
+                                         "decoder_document_ids"):
+        t5.train_step({"input_ids": rows["input_ids"], "document_ids": rows["document_ids"],
+                       "labels": rows["input_ids"]})
+    with pytest.raises(TypeError, match="packing must be a row length in tokens or a PackingCollator, got '128'"):
+        trainer.fit([{"input_ids": [3]}], batch_size=1, max_steps=1, packing="128", progress=False)

@@ -62,6 +62,8 @@ class TrainingArguments:
     batch_size: int = field(default=32, metadata={"help": "global batch size"})
     eval_batch_size: Optional[int] = field(default=None, metadata={"help": "global eval batch (default: "
                                                                              "--batch-size)"})
+    packing: Optional[int] = field(default=None, metadata={
+        "help": "train padding-free: pack each global batch's samples into rows of this many tokens"})
     lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     weight_decay: float = 0.0
     warmup_ratio: float = field(default=0.0, metadata={"help": "linear warmup share of the steps, then cosine"})
@@ -114,7 +116,8 @@ class TrainingArguments:
         for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("dp", "nproc", "eval_batch_size", "epochs", "max_steps", "save_interval", "microbatch_size"):
+        for name in ("dp", "nproc", "eval_batch_size", "epochs", "max_steps", "save_interval", "microbatch_size",
+                     "packing"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1 when given, got {getattr(self, name)}")
         for name in ("lr", "weight_decay"):
@@ -182,7 +185,7 @@ class TrainingArguments:
                 else interval, "log_interval": self.log_interval, "save_dir": self.save_dir,
                 "save_interval": self.save_interval, "keep_last": self.keep_last, "resume": self.resume,
                 "seed": self.seed, "num_workers": self.num_workers, "progress": self.progress,
-                "async_save": self.async_save,
+                "async_save": self.async_save, "packing": self.packing,
                 "lr_scheduler": warmup_cosine(self.warmup_ratio) if self.warmup_ratio else None}
 
     def shard_options(self) -> dict:
