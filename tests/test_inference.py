@@ -191,6 +191,9 @@ KNOWN = {
     r"after=\['(vit\.)?layernorm'(, 'pooler')?\]":
         "inference lists the final norm (and ViTModel's pooler) as run after the stack; the pipeline puts modules "
         "outside the trunk on the last stage either way",
+    r"loss_items: hand LossItems\(key='labels', count='targets', shift=0\) \| inferred LossItems\(key=None":
+        "BERT's sequence classifier counts its labels, so that packed rows (labels [rows, documents], -100 for empty "
+        "slots) weigh by documents; with one label per example both count one item per example",
     r"loss_items: hand LossItems\(key='bool_masked_pos'":
         "what the masked-image loss averages over (masked patches) is the model's semantics, not a graph fact",
     r"style (transformer\.)?decoder: hand CopyInputs\(encoder_hidden_states\) \| inferred -":
