@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/step_anatomy.py --quick
 	$(VPY) benchmarks/step_anatomy.py --throughput
+	$(VPY) benchmarks/step_anatomy.py --lengths sst2 --quick
 	$(VPY) benchmarks/train_throughput.py --quick
 	$(VPY) benchmarks/plot_train_throughput.py --out benchmarks/results/train_throughput_quick --img-dir benchmarks/results/img
 	$(VPY) benchmarks/zero_memory.py --quick --dps-bytes 2 --dps 2 --rss-stages 0,3

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _harness import libc
 
 MIB = 2 ** 20
 #: (category, substrings of an op's name): the first category with a match takes the op's self time
@@ -35,12 +36,23 @@ ORDER = ("GEMMs", "attention", "loss", "element-wise", "norms", "casts/copies", 
 
 
 def serve(step, command: str, steps: int = 1, variants: str = ""):
-    if command == "time":
-        if step.windowed:
-            return tuple(v / steps for v in measured(step, lambda: step.window(steps)))
-        return sorted(measured(step, step.run) for _ in range(steps))[steps // 2]
-    return {"profile": lambda: profile_steps(step, steps), "peak": lambda: peak_step(step),
-            "switch": lambda: switched_steps(step, variants, steps)}[command]()
+    try:
+        if command == "time":
+            if step.windowed:
+                return tuple(v / steps for v in measured(step, lambda: step.window(steps)))
+            return sorted(measured(step, step.run) for _ in range(steps))[steps // 2]
+        return {"profile": lambda: profile_steps(step, steps), "peak": lambda: peak_step(step),
+                "switch": lambda: switched_steps(step, variants, steps)}[command]()
+    finally:
+        release(step)
+
+
+def release(step) -> None:
+    """``--lengths``: a pool going idle hands its step's peak back to the system (glibc keeps freed heap), else the
+    six pools of BERT-base at 64 x 128 would keep theirs all at once; every batch form's first step of the next
+    window faults its activations in again, in proportion to their size."""
+    if step.real_tokens:
+        libc("malloc_trim", 0)
 
 
 def measured(step, fn) -> tuple[float, float, float]:
@@ -118,14 +130,23 @@ def _category(event) -> str:
 
 def peak_step(step) -> dict:
     """{"peak_mib", "at_peak": [(MiB, op, op number)]} of one step; gradients exist before it (zeroed in place), so
-    neither they nor the parameters count, nor the shared-memory transport's mapping (made once)."""
+    neither they nor the parameters count, nor the shared-memory transport's mapping (made once). A step with
+    ``real_tokens`` (``--lengths``): forward + backward of each of its batches, the largest peak, and each batch's
+    peak per real token (``kib_per_real_token``, in batch order)."""
     for p in step.model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
-    gc.collect()
-    with PeakStorages() as probe:
-        step.run(keep_grads=True)
-    return {"peak_mib": probe.peak / MIB, "at_peak": probe.at_peak}
+    probes = {}
+    for _ in range(len(step.real_tokens) if step.real_tokens else 1):
+        gc.collect()
+        batch = step.i % len(step.data)
+        with PeakStorages() as probes[batch]:
+            step.run(keep_grads=True)
+    top = max(probes.values(), key=lambda probe: probe.peak)
+    out = {"peak_mib": top.peak / MIB, "at_peak": top.at_peak}
+    if step.real_tokens:
+        out["kib_per_real_token"] = [probes[b].peak / 1024 / n for b, n in enumerate(step.real_tokens)]
+    return out
 
 
 class RingProbe:

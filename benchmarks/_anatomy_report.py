@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from _anatomy_measure import ORDER
-from _anatomy_workload import title
+from _anatomy_workload import base_mode, title
 from _harness import median_spread, print_table
 
 
@@ -83,6 +83,37 @@ def peak_rows(modes: list[str], peaks: dict, base: str = "unsharded") -> None:
         rows.append([name(m), f"{max(per_rank):.0f}", " / ".join(f"{v:.0f}" for v in per_rank), ratio, largest])
     print_table("Peak of live tensors in one step, MiB (parameters and their gradients excluded)",
                 ["layout", "largest rank", "per rank", f"/ {base}", "largest storages at the peak (MiB op)"], rows)
+
+
+def forms(modes: list[str], rec: dict, real_tokens: float, slots: dict) -> dict:
+    """``--lengths``: per layout and batch form, token positions and real tokens / s, packed / that form (real tokens
+    / s, paired by round: the same samples on both sides), and peak KiB per real token (largest rank) with packed /
+    that form (paired by batch). Returns {mode: per-round ratios packed / mode}."""
+    seconds, peaks, ratios, rows = rec["seconds"], rec.get("peaks") or {}, {}, []
+
+    def per_token(mode):  # each batch's peak per real token, the largest rank's
+        return [max(v) for v in zip(*(rank["kib_per_real_token"] for rank in peaks[mode]))]
+
+    for m in modes:
+        packed = base_mode(m) + "_packed"
+        row = [name(m), f"{slots[m]:.0f} ({1 - real_tokens / slots[m]:.0%})",
+               spread([real_tokens / s for s in seconds[m]])]
+        if packed in seconds and m != packed:
+            ratios[m] = [s / p for s, p in zip(seconds[m], seconds[packed])]
+            row.append(f"**{spread(ratios[m], 1, '.2f')}**")
+        else:
+            row.append("-")
+        if peaks:
+            row.append(spread(per_token(m)))
+            row.append(spread([p / s for p, s in zip(per_token(packed), per_token(m))], 1, ".3f")
+                       if packed in peaks and m != packed else "-")
+        rows.append(row)
+    print_table(f"Real tokens / s by batch form ({real_tokens:.0f} real tokens / step; median of rounds [range])",
+                ["layout, batch form", "token positions / step (padding)", "real tokens / s",
+                 "packed / this, real tokens / s (paired)"]
+                + (["peak KiB / real token (fwd + bwd, median of batches [range])", "packed / this, peak per real "
+                    "token (paired by batch)"] if peaks else []), rows)
+    return ratios
 
 
 def switched(seconds: dict) -> None:

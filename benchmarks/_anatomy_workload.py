@@ -1,17 +1,23 @@
 """The workload of ``benchmarks/step_anatomy.py``: one step of a model in one layout (:class:`Step`), kept alive in a
 ``_rank_pool.RankPool`` per layout. ``mlm``: a ``BertForMaskedLM`` step with AdamW (a hand loop unsharded,
 ``Trainer.train_step`` sharded); ``encoder``: the bare model's forward + backward of the mean square of its final
-hidden states, no optimizer. Layouts: ``MODES``; ``_compiled``, and ``_loop`` / ``_fit`` (a window timed whole)."""
+hidden states, no optimizer; ``cls`` (``--lengths``): a ``BertForSequenceClassification`` (2 labels) step with AdamW by
+``Trainer.train_step`` on global batches of samples whose lengths follow a dataset's histogram (``LENGTHS``), one
+batch form per mode (``FORMS``: padded, or packed by ``PackingCollator``), each window one pass over the same batches.
+Layouts: ``MODES``; ``_compiled``, and ``_loop`` / ``_fit`` (a window timed whole)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import _checkout  # noqa: E402,F401  (shardlib from this checkout)
 import torch  # noqa: E402
+from _anatomy_measure import release  # noqa: E402
 
 MODES = {  # name: (world, threads per rank, shard() options or None for the hand loop)
     "unsharded": (1, 2, None),
@@ -25,6 +31,15 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
        for kind, option in (("a2a", "all_to_all"), ("ring", "ring"))},
 }
 SUFFIXES = {"_compiled": ", compiled", "_loop": ", train_step loop", "_fit": ", Trainer.fit"}
+#: ``--lengths``: token-length histograms of real datasets' samples (docs/data/, each with its ``source``)
+LENGTHS = {"sst2": "sst2_train_token_lengths.json"}
+#: ``--lengths``: how a global batch of samples becomes the step's batch (a suffix of world1 and tp2)
+FORMS = {"_padded": ", padded to --seq", "_longest": ", padded to the batch's longest",
+         "_packed": ", packed into rows of --seq", "_packed_fixed": ", packed, fixed_length=True"}
+SUFFIXES.update(FORMS)
+MODES.update({m + f: MODES[m] for m in ("world1", "tp2") for f in FORMS})
+#: what ``step_anatomy.py --lengths`` runs without ``--modes``
+LENGTH_MODES = tuple(m + f for m in ("world1", "tp2") for f in ("_padded", "_longest", "_packed"))
 MODES.update({m + "_compiled": MODES[m] for m in ("unsharded", "world1", "tp2", "tp2_sp", "sp2_a2a")})
 MODES.update({m + s: MODES[m] for m in ("world1", "tp2", "dp2_zero0") for s in ("_loop", "_fit")})
 #: what ``step_anatomy.py`` runs without ``--modes``
@@ -111,6 +126,43 @@ def batches(n: int, batch: int, seq: int, vocab: int = 30522, padding: float = 0
     return out
 
 
+def length_batches(name: str, batches: int, batch: int, seq: int) -> list[list[int]]:
+    """``batches`` global batches of ``batch`` sample lengths drawn from ``LENGTHS[name]``'s histogram (seed 1),
+    cut to ``seq``."""
+    path = Path(__file__).resolve().parent.parent / "docs" / "data" / LENGTHS[name]
+    counts = json.loads(path.read_text())["counts"]
+    values, weights = torch.tensor([int(k) for k in counts]), torch.tensor([float(v) for v in counts.values()])
+    g = torch.Generator().manual_seed(1)
+    drawn = values[torch.multinomial(weights, batches * batch, replacement=True, generator=g)]
+    return drawn.clamp(max=seq).view(batches, batch).tolist()
+
+
+def form_batches(form: str, lengths: list[list[int]], seq: int, vocab: int = 30522) -> list[dict]:
+    """The same samples (random ids, one of 2 labels; seed 2) in batch form ``form`` (``FORMS``): padded to ``seq`` or
+    to the batch's longest (attention_mask), or packed into rows of ``seq`` tokens (``PackingCollator``)."""
+    from shardlib.train.packing import PackingCollator
+
+    g, out = torch.Generator().manual_seed(2), []
+    for lens in lengths:
+        samples = [{"input_ids": torch.randint(1, vocab, (n,), generator=g),
+                    "labels": int(torch.randint(0, 2, (), generator=g))} for n in lens]
+        if form.startswith("_packed"):
+            out.append(PackingCollator(seq, fixed_length=form == "_packed_fixed")(samples))
+            continue
+        ids = torch.zeros(len(lens), seq if form == "_padded" else max(lens), dtype=torch.long)
+        for row, sample in zip(ids, samples):
+            row[:len(sample["input_ids"])] = sample["input_ids"]
+        out.append({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                    "labels": torch.tensor([s["labels"] for s in samples])})
+    return out
+
+
+def slots(mode: str, lengths: list[list[int]], seq: int) -> float:
+    """Token positions (padding included) per step of ``mode``'s batches."""
+    form = next(f for f in FORMS if mode.endswith(f))
+    return sum(b["input_ids"].numel() for b in form_batches(form, lengths, seq)) / len(lengths)
+
+
 def encoder_batches(size: str, cfg, batch: int, seq: int, padding: float) -> list[dict]:
     """The ``encoder`` workload's inputs: ids and mask (T5: the same ids into the decoder), or random images."""
     if family(size) == "vit":
@@ -128,26 +180,36 @@ class Step:
     """One layout's model, optimizer and batches; ``hand_loop``: a sharded model stepped by a hand loop, no Trainer."""
 
     def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm",
-                 hand_loop: bool = False, layers: int | None = None, padding: float = 0.0):
+                 hand_loop: bool = False, layers: int | None = None, padding: float = 0.0,
+                 lengths: str | None = None, window: int = 3):
         import transformers
 
         import shardlib
 
         world, threads, options = MODES[mode]
         layout, compiled = base_mode(mode), mode.endswith("_compiled")
+        form = next((f for f in FORMS if mode.endswith(f)), None)
         if workload != "mlm" and mode.endswith(("_loop", "_fit")):
             raise ValueError(f"{mode} times the Trainer: --workload mlm")
+        if (form is not None) != (workload == "cls") or (workload == "cls") != (lengths is not None):
+            raise ValueError(f"{mode}: the batch forms {list(FORMS)} are the modes of --lengths (workload cls)")
         torch.set_num_threads(threads)
         torch.manual_seed(0)
-        cls = "BertForMaskedLM" if workload == "mlm" else MODEL_CLASS[family(size)]
-        model = getattr(transformers, cls)(config(size, dropout, seq, layers))
-        if workload == "mlm":
+        cls = {"mlm": "BertForMaskedLM", "cls": "BertForSequenceClassification"}.get(workload)
+        model = getattr(transformers, cls or MODEL_CLASS[family(size)])(config(size, dropout, seq, layers))
+        #: ``cls``: real (non-padding) tokens of each global batch; a window is one pass over them, in order
+        self.real_tokens = None
+        if workload == "cls":
+            assert model.config.num_labels == 2
+            lens = length_batches(lengths, window, batch, seq)
+            self.data, self.real_tokens = form_batches(form, lens, seq, model.config.vocab_size), list(map(sum, lens))
+        elif workload == "mlm":
             self.data = batches(4, batch, seq, model.config.vocab_size, padding)
         else:
             self.data = encoder_batches(size, model.config, batch, seq, padding)
         self.i, self.world, self.workload, self.batch = 0, world, workload, batch
         self.ring = options is not None and options.get("sequence_parallel") == "ring"
-        self.fit, self.windowed = mode.endswith("_fit"), mode.endswith(("_loop", "_fit"))
+        self.fit, self.windowed = mode.endswith("_fit"), mode.endswith(("_loop", "_fit")) or workload == "cls"
         make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-5)  # noqa: E731
         self.trainer = self.optimizer = self.mesh = None
         if options is None:
@@ -155,7 +217,7 @@ class Step:
         else:
             self.mesh = shardlib.init_mesh(**MESH_OPTIONS.get(layout, {"tp": world}))
             self.model = shardlib.shard(model, self.mesh, **options)
-        if workload == "mlm" and options is not None and not hand_loop:
+        if workload in ("mlm", "cls") and options is not None and not hand_loop:
             self.trainer = shardlib.Trainer(self.model, make_optimizer, compile=compiled,
                                             **TRAINER_OPTIONS.get(layout, {}))
         else:
@@ -168,6 +230,8 @@ class Step:
         batch = self.data[self.i % len(self.data)]
         self.i += 1
         if self.trainer is not None:
+            if keep_grads and self.workload == "cls":  # the peak's step: forward + backward, no optimizer
+                return self.trainer.forward_backward(batch)
             return self.trainer.train_step(batch)
         if self.workload == "encoder":
             self.model.zero_grad(set_to_none=not keep_grads)
@@ -196,10 +260,12 @@ class Step:
 
 
 def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str,
-          layers: int | None = None, padding: float = 0.0) -> Step:
-    step = Step(mode, size, batch, seq, dropout, workload, layers=layers, padding=padding)
-    for _ in range(2):  # warm-up: allocator, optimizer state, first-call paths (and compiling)
-        step.run()
+          layers: int | None = None, padding: float = 0.0, lengths: str | None = None, window: int = 3) -> Step:
+    step = Step(mode, size, batch, seq, dropout, workload, layers=layers, padding=padding, lengths=lengths,
+                window=window)
+    for _ in range(max(2, len(step.real_tokens or ()))):  # warm-up: allocator, optimizer state, first-call paths
+        step.run()  # (and compiling); --lengths: each batch of the window, each shape once
+    release(step)
     if step.fit:
         step.window(2)  # fit's imports, DataLoader
     return step

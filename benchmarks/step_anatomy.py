@@ -1,6 +1,7 @@
 """Where a training step's time goes, by layout (``_anatomy_workload.MODES``: unsharded, world of one, tp=2 +- SP, sp,
 dp/ZeRO, compiled, fit; ``--gpu``: one GPU): step time in interleaved rounds of persistent rank pools, the profiled
-anatomy, switched variants, peaks of live tensors, a baseline checkout's layouts in the same rounds. Docs:
+anatomy, switched variants, peaks of live tensors, a baseline checkout's layouts in the same rounds; ``--lengths``:
+packed against padded batches of real datasets' sample lengths, real tokens / s. Docs:
 docs/benchmarks/tensor-parallel.md (also long-sequences.md, one-gpu.md, kernels-and-compile.md, training-runs.md).
 
     .venv/bin/python benchmarks/step_anatomy.py                 # BERT-base MLM, 8 x 128, 5 rounds (~10 min idle)
@@ -19,6 +20,10 @@ docs/benchmarks/tensor-parallel.md (also long-sequences.md, one-gpu.md, kernels-
         --baseline /tmp/before                                   # after `git worktree add /tmp/before <commit>`
     .venv/bin/python benchmarks/step_anatomy.py --workload encoder --batch 1 --seq 4096 --layers 2 --padding 0.1 \
         --modes sp2_a2a,sp2_ring --base sp2_a2a     # ring against Ulysses; --modes unsharded,sp4_ring --peak --seq 8192
+    .venv/bin/python benchmarks/step_anatomy.py --lengths sst2 --peak --batch 32 --steps 2 \
+        --modes world1_padded,world1_longest,world1_packed    # packed vs padded, BERT-base, SST-2 lengths (~5 min);
+        # tp2_padded,tp2_longest,tp2_packed for tp=2: one layout per run (docs/benchmarks/packing.md)
+    .venv/bin/python benchmarks/step_anatomy.py --lengths sst2 --quick   # all six, BERT-tiny, 2 rounds (make bench)
 """
 
 from __future__ import annotations
@@ -51,20 +56,25 @@ def parse(argv=None) -> argparse.Namespace:
                     "--quick bert-small)")
     ap.add_argument("--modes", help="of: " + ", ".join(workload.MODES) + " (default "
                     + ",".join(workload.DEFAULT_MODES) + ")")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, help="samples per step (default 8; --lengths 64)")
     ap.add_argument("--seq", type=int, help="tokens per sequence (default 128; --throughput --quick 32)")
     ap.add_argument("--layers", type=int, help="layers of the model (default: the size's)")
     ap.add_argument("--padding", type=float, default=0.0, help="fraction of every row the attention mask hides")
     ap.add_argument("--base", default="unsharded", help="the layout of the paired ratios base / layout")
     ap.add_argument("--peak", action="store_true", help="each layout's peak of live tensors in one step, per rank")
-    ap.add_argument("--workload", choices=("mlm", "encoder"), help="mlm: BertForMaskedLM training step (Trainer for "
-                    "shardlib; the default for BERT); encoder: the bare model's fwd+bwd (BERT, ViT, T5)")
+    ap.add_argument("--workload", choices=("mlm", "encoder", "cls"), help="mlm: BertForMaskedLM training step "
+                    "(Trainer for shardlib; the default for BERT); encoder: the bare model's fwd+bwd (BERT, ViT, T5); "
+                    "cls: BertForSequenceClassification training step (Trainer), what --lengths runs")
+    ap.add_argument("--lengths", choices=tuple(workload.LENGTHS), help="samples as long as a real dataset's "
+                    "(docs/data/sst2_train_token_lengths.json), each batch form a mode (" + ", ".join(
+                        workload.LENGTH_MODES) + "; _packed_fixed): real tokens / s, packed / padded")
     ap.add_argument("--dropout", type=float, help="hidden and attention dropout (default: 0.1 for mlm, 0 for encoder)")
     ap.add_argument("--rounds", type=int, help="interleaved rounds (default 5; --throughput 1)")
     ap.add_argument("--steps", type=int, help="timed steps per layout and round (default 3; --throughput 20/12/8/6)")
     ap.add_argument("--profile-steps", type=int, help="profiled steps per layout (default 2; --throughput 0)")
     ap.add_argument("--wait-idle", type=float, help="seconds to wait for quiet before each layout (--throughput 60)")
-    ap.add_argument("--quick", action="store_true", help="BERT-small (--throughput: tiny BERT, ViT, T5, 3 steps)")
+    ap.add_argument("--quick", action="store_true", help="BERT-small (--throughput: tiny BERT, ViT, T5, 3 steps; "
+                    "--lengths: BERT-tiny, 2 rounds)")
     ap.add_argument("--throughput", action="store_true", help="tp throughput: the encoder workload of BERT, ViT, T5 at "
                     "4 layouts, one round, no profile, waiting for quiet")
     ap.add_argument("--fresh", action="store_true", help="new ranks per layout and round, one warm-up step")
@@ -79,23 +89,31 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--baseline", help="a checkout of the code before a change (git worktree add DIR COMMIT): modes "
                                        "named MODE@base run it, in the same rounds as this checkout's")
     args = ap.parse_args(argv)
-    tp, quick = args.throughput, args.quick
-    args.size = args.size or (THROUGHPUT[1 if quick else 0] if tp else "bert-small" if quick else "bert-base")
+    tp, quick, lengths = args.throughput, args.quick, args.lengths
+    args.size = args.size or (THROUGHPUT[1 if quick else 0] if tp else "bert-tiny" if quick and lengths
+                              else "bert-small" if quick else "bert-base")
     args.sizes = args.size.split(",")
-    args.modes = (args.modes or (THROUGHPUT[2] if tp else ",".join(workload.DEFAULT_MODES))).split(",")
+    args.modes = (args.modes or (THROUGHPUT[2] if tp else ",".join(workload.LENGTH_MODES if lengths
+                                                                    else workload.DEFAULT_MODES))).split(",")
+    args.batch = args.batch or (64 if lengths else 8)
     args.seq = args.seq or (32 if tp and quick else 128)
-    args.rounds = args.rounds if args.rounds is not None else 1 if tp else 5
-    args.profile_steps = args.profile_steps if args.profile_steps is not None else 0 if tp else 2
+    args.rounds = args.rounds if args.rounds is not None else 1 if tp else 2 if lengths and quick else 5
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else 0 if tp or lengths else 2
     args.wait_idle = args.wait_idle if args.wait_idle is not None else 60 if tp else 0
+    args.base = args.modes[0] if lengths and args.base == "unsharded" else args.base
     bert = all(workload.family(s) == "bert" for s in args.sizes)
-    args.workload = args.workload or ("mlm" if bert and not tp else "encoder")
-    args.dropout = args.dropout if args.dropout is not None else 0.1 if args.workload == "mlm" else 0.0
+    args.workload = args.workload or ("cls" if lengths else "mlm" if bert and not tp else "encoder")
+    args.dropout = args.dropout if args.dropout is not None else 0.1 if args.workload in ("mlm", "cls") else 0.0
     unknown = [x for x in args.sizes if x not in workload.SIZES]
     unknown += [m for m in args.modes if m.partition("@")[0] not in workload.MODES]
     if unknown:
         ap.error(f"unknown sizes or modes {unknown}")
-    if args.workload == "mlm" and not bert:
+    if args.workload in ("mlm", "cls") and not bert:
         ap.error("ViT and T5 sizes run --workload encoder")
+    forms = [m for m in args.modes if m.partition("@")[0].endswith(tuple(workload.FORMS))]
+    if (args.workload == "cls") != bool(lengths) or forms != (args.modes if lengths else []):
+        ap.error(f"--lengths (workload cls) runs the batch forms' modes {list(workload.FORMS)} only, and they run "
+                 "only under --lengths")
     if any("@" in m for m in args.modes) and not args.baseline:
         ap.error("a mode@baseline needs --baseline CHECKOUT")
     return args
@@ -120,8 +138,13 @@ def main(argv=None) -> None:
 def layouts(args, size: str, steps: int) -> dict:
     """Every layout of ``--modes`` on ``size``: step time in interleaved rounds, anatomy, peaks."""
     modes = args.modes
-    what = "BertForMaskedLM training step (AdamW)" if args.workload == "mlm" else "forward + backward"
-    print(f"step anatomy: {what}, {size}, batch {args.batch} x {args.seq}, dropout {args.dropout}; "
+    what = {"mlm": "BertForMaskedLM training step (AdamW)", "encoder": "forward + backward",
+            "cls": "BertForSequenceClassification training step (AdamW)"}[args.workload]
+    lengths = workload.length_batches(args.lengths, steps, args.batch, args.seq) if args.lengths else None
+    shape = f"batch {args.batch} x {args.seq}" if not lengths else (
+        f"{steps} global batches of {args.batch} samples of {args.lengths} lengths (mean "
+        f"{sum(map(sum, lengths)) / steps / args.batch:.1f}, max {max(map(max, lengths))} tokens), rows of {args.seq}")
+    print(f"step anatomy: {what}, {size}, {shape}, dropout {args.dropout}; "
           f"{args.rounds} interleaved rounds of {steps} steps", flush=True)
     pools, started_s = {}, {}
     rec = {"seconds": {m: [] for m in modes}, "cpu_seconds": {m: [] for m in modes},
@@ -131,7 +154,7 @@ def layouts(args, size: str, steps: int) -> dict:
         name, _, baseline = mode.partition("@")
         setup = functools.partial(workload.setup, mode=name, size=size, batch=args.batch, seq=args.seq,
                                   dropout=args.dropout, workload=args.workload, layers=args.layers,
-                                  padding=args.padding)
+                                  padding=args.padding, lengths=args.lengths, window=steps)
         t0 = time.perf_counter()
         with checkout(args.baseline if baseline else None):
             pools[mode] = RankPool(workload.MODES[name][0], setup, measure.serve)
@@ -160,9 +183,14 @@ def layouts(args, size: str, steps: int) -> dict:
         for pool in pools.values():
             pool.close()
     rec["started_s"] = started_s
-    report.layouts(modes, rec, args.base, workload.tokens(size, args.batch, args.seq), size)
+    real = sum(map(sum, lengths)) / steps if lengths else None
+    report.layouts(modes, rec, args.base, real or workload.tokens(size, args.batch, args.seq), size)
     if rec["peaks"]:
         report.peak_rows(modes, rec["peaks"], args.base)
+    if lengths:
+        positions = {m: workload.slots(m.partition("@")[0], lengths, args.seq) for m in modes}
+        rec["lengths"] = {"real_tokens_per_step": real, "positions_per_step": positions, "sample_lengths": lengths,
+                          "packed_over": report.forms(modes, rec, real, positions)}
     return rec
 
 

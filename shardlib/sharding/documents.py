@@ -120,11 +120,12 @@ def document_mask(config, queries: torch.Tensor, keys: torch.Tensor, *, causal: 
     among the keys, or every key when the keys hold no padding (a cross mask), so that no row is empty."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, and_masks, causal_mask_function
 
-    padded_keys = bool((keys < 0).any())
+    # a padding query sees the keys' padding (itself, in a self mask); where the keys hold none, every key
+    sees_all = queries is not keys and not bool((keys < 0).any())
 
     def same_document(batch, head, q, kv):
         mine = queries[batch, q]
-        return (mine == keys[batch, kv]) | ((mine < 0) & (not padded_keys))
+        return (mine == keys[batch, kv]) | ((mine < 0) & sees_all)
 
     function = and_masks(causal_mask_function, same_document) if causal else same_document
     mask = ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation](
@@ -150,10 +151,11 @@ class _DocumentHooks:
         self.first_position = position_offset(model)
         self.takes_cache = "use_cache" in accepted
         self.cross_mask = self.starts = None
+        self.pools = plan.document_pool is not None
         model.register_forward_pre_hook(self.before_model, with_kwargs=True)
         if self.seq2seq:
             model.get_decoder().register_forward_pre_hook(self.before_decoder, with_kwargs=True)
-        if plan.document_pool is not None:
+        if self.pools:
             model.get_submodule(plan.document_pool).register_forward_pre_hook(self.before_pool)
 
     def _dtype(self) -> torch.dtype:
@@ -184,11 +186,14 @@ class _DocumentHooks:
                                  "decoder_document_ids for its targets (PackingCollator(target_length=...))")
             kwargs["decoder_attention_mask"] = document_mask(self.config, targets, targets, causal=True, dtype=dtype)
             self.cross_mask = document_mask(self.config, targets, documents, causal=False, dtype=dtype)
-        self._pool_positions(documents, kwargs.get("labels"))
+        if self.pools:
+            self._pool_positions(documents, kwargs.get("labels"))
         return args, kwargs
 
     def _pool_positions(self, documents: torch.Tensor, labels) -> None:
-        if not torch.is_tensor(labels) or labels.dim() != 2 or self.seq2seq:
+        """Where the pooler reads each document: as many slots per row as the labels have (``[rows, slots]``), or
+        as the fullest row has documents (no labels: inference)."""
+        if not torch.is_tensor(labels) or labels.dim() != 2:
             slots = int(documents.max()) + 1 if documents.numel() else 1
         else:
             if labels.is_floating_point() or self.config.num_labels < 2 or \
