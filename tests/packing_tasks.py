@@ -102,6 +102,14 @@ def reference(spec: dict) -> dict:
     return {"losses": losses, "state": model.state_dict()}
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, items: list[dict]):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
 def _mesh(layout: dict):
     if not layout:
         return shardlib.init_mesh() if not dist.is_initialized() else pool_mesh(dp=1)
@@ -114,7 +122,10 @@ def packed_fit(spec: dict) -> dict:
     model = shardlib.shard(make_model(spec), _mesh(spec.get("layout", {})), **spec.get("shard", {}))
     trainer = shardlib.Trainer(model, adamw, microbatches=spec.get("microbatches", 1), max_grad_norm=MAX_GRAD_NORM,
                                **spec.get("trainer", {}))
-    result = trainer.fit(samples(spec), batch_size=spec["batch_size"], max_steps=spec["steps"], shuffle=False,
+    data = samples(spec)
+    if spec.get("iterable"):  # read in its own order; every rank packs each whole global batch
+        data = _Stream(data)
+    result = trainer.fit(data, batch_size=spec["batch_size"], max_steps=spec["steps"], shuffle=False,
                          packing=spec["budget"], progress=False, log_interval=1)
     state = shardlib.full_state_dict(model)
     expected = reference(spec)

@@ -178,6 +178,12 @@ def test_packed_training_under_zero_and_activation_checkpointing(pool):
         _check(result, "bert_mlm")
 
 
+def test_packed_training_from_an_iterable_at_dp4(pool):
+    spec = {**SPEC, "model": "bert_mlm", "layout": {"dp": 4}, "iterable": True}
+    for result in pool.run(packing_tasks.packed_fit, spec):
+        _check(result, "bert_mlm")
+
+
 def test_packed_training_under_zero3(pool):
     spec = {**SPEC, "model": "bert_cls", "layout": {"dp": 4}, "trainer": {"zero": 3}}
     for result in pool.run(packing_tasks.packed_fit, spec):
