@@ -25,7 +25,9 @@ CLASSES = {"bert_mlm": "BertForMaskedLM", "bert_cls": "BertForSequenceClassifica
            "t5": "T5ForConditionalGeneration", "llama": "LlamaForCausalLM"}
 #: inferred plans beyond Llama, at a world of one: positions counted from padding_idx + 1, and a fused-QKV decoder
 INFERRED = {"roberta_mlm": ("roberta", "RobertaForMaskedLM"), "gpt2": ("gpt2", "GPT2LMHeadModel")}
-CAUSAL = ("llama", "gpt2")
+#: BERT's other token heads, at a world of one
+MORE_BERT = {"bert_tokens": "BertForTokenClassification", "bert_lm": "BertLMHeadModel"}
+CAUSAL = ("llama", "gpt2", "bert_lm")
 BERT = dict(vocab=41, heads=4, head_dim=4, layers=2, intermediate=24, num_labels=3)
 T5 = dict(vocab=37, d_model=16, d_kv=4, d_ff=20, layers=2, heads=4)
 
@@ -33,7 +35,7 @@ T5 = dict(vocab=37, d_model=16, d_kv=4, d_ff=20, layers=2, heads=4)
 def make_model(spec: dict) -> torch.nn.Module:
     kind, seed = spec["model"], spec["seed"]
     if kind.startswith("bert"):
-        model = bert_cases.make_model({"cls": CLASSES[kind], "seed": seed, "seq": 32, "dtype": "float64",
+        model = bert_cases.make_model({"cls": {**CLASSES, **MORE_BERT}[kind], "seed": seed, "seq": 32, "dtype": "float64",
                                        "config": BERT})
     elif kind == "t5":
         model = t5_cases.make_model({"cls": CLASSES[kind], "seed": seed, "dtype": "float64", "config": T5})
@@ -62,7 +64,9 @@ def samples(spec: dict) -> list[dict]:
             sample = {"input_ids": ids}
             if kind.startswith("bert"):
                 sample["token_type_ids"] = torch.randint(0, 2, (n,), generator=g)
-            if kind.endswith("mlm"):
+            if kind == "bert_tokens":
+                sample["labels"] = torch.randint(0, 3, (n,), generator=g)
+            elif kind.endswith("mlm"):
                 labels = torch.where(torch.rand(n, generator=g) < 0.4, ids, -100)
                 labels[0] = ids[0]  # a target in every document
                 sample["labels"] = labels
@@ -80,7 +84,7 @@ def padded(batch: list[dict], kind: str) -> dict:
     out = {"input_ids": pad("input_ids", 0),
            "attention_mask": pad_sequence([torch.ones(len(s["input_ids"]), dtype=torch.long) for s in batch],
                                           batch_first=True)}
-    if kind.startswith("bert"):
+    if "token_type_ids" in batch[0]:
         out["token_type_ids"] = pad("token_type_ids", 0)
     out["labels"] = torch.tensor([s["labels"] for s in batch]) if kind == "bert_cls" else pad("labels", -100)
     return out

@@ -38,7 +38,7 @@ from shardlib.train.packing import PackingCollator, pack_rows
 
 SPEC = dict(seed=3, samples=24, budget=16, batch_size=8, steps=3, microbatches=2)
 #: Llama's loss is float32 (see the module docstring): its losses and the weights its gradients step
-FLOAT32_LOSS = {"llama": 1e-6, "gpt2": 1e-6}
+FLOAT32_LOSS = {"llama": 1e-6, "gpt2": 1e-6, "bert_lm": 1e-6}
 
 
 def _check(result: dict, kind: str) -> None:
@@ -124,8 +124,8 @@ def test_packed_training_equals_padded_at_a_world_of_one(world_of_one, kind, att
     _check(packing_tasks.packed_fit({**SPEC, "model": kind, "attention": attention}), kind)
 
 
-@pytest.mark.parametrize("kind", list(packing_tasks.INFERRED))
-def test_packed_training_of_inferred_plans(world_of_one, kind):
+@pytest.mark.parametrize("kind", [*packing_tasks.INFERRED, *packing_tasks.MORE_BERT])
+def test_packed_training_of_inferred_plans_and_other_heads(world_of_one, kind):
     _check(packing_tasks.packed_fit({**SPEC, "model": kind}), kind)
 
 

@@ -4,11 +4,11 @@ exact resume. See docs/training.md.
 
 from __future__ import annotations
 
-import copy
+import functools
 import inspect
 import json
-import math
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,10 +149,8 @@ def _packer(trainer, packing, rows_multiple: int):
     from .packing import PackingCollator
 
     accept_documents(trainer.model)
-    if isinstance(packing, PackingCollator):
-        packer = copy.copy(packing)  # the caller's collator keeps its own rows_multiple
-        packer.rows_multiple = math.lcm(packing.rows_multiple, rows_multiple)
-        return packer
+    if isinstance(packing, PackingCollator):  # the caller's collator, its own rows_multiple kept
+        return functools.partial(packing, rows_multiple=math.lcm(packing.rows_multiple, rows_multiple))
     if isinstance(packing, bool) or not isinstance(packing, int):
         raise TypeError(f"packing must be a row length in tokens or a PackingCollator, got {packing!r}")
     return PackingCollator.for_model(trainer.model, packing, rows_multiple=rows_multiple)

@@ -120,7 +120,7 @@ class PackingCollator:
                 continue
             if key == "labels" and torch.is_tensor(value) and value.dim() == 0:
                 label = value.long()
-            elif torch.is_tensor(value) and value.dim() == 1 and len(value) == len(ids) and not value.is_floating_point():
+            elif _token_sequence(value, len(ids)):
                 tokens[key] = value.long()
             else:
                 what = f"shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
@@ -148,7 +148,8 @@ class PackingCollator:
         return {k: v[:budget] for k, v in sequences.items()}
 
     # -- rows --------------------------------------------------------------------------------------------------
-    def __call__(self, samples: Sequence) -> dict:
+    def __call__(self, samples: Sequence, rows_multiple: int | None = None) -> dict:
+        """The rows of ``samples``; ``rows_multiple`` (default: the collator's) for this call."""
         if not len(samples):
             raise ValueError("packing: the batch has no samples")
         documents = [self._document(s, i) for i, s in enumerate(samples)]
@@ -162,7 +163,7 @@ class PackingCollator:
         lengths = [(len(d["tokens"]["input_ids"]),) + ((len(d["target"]),) if seq2seq else ()) for d in documents]
         budgets = (self.max_length,) + ((self.target_length,) if seq2seq else ())
         rows = pack_rows(lengths, budgets)
-        rows += [[] for _ in range(-len(rows) % self.rows_multiple)]
+        rows += [[] for _ in range(-len(rows) % (rows_multiple or self.rows_multiple))]
         batch = self._inputs(documents, rows, keys)
         if documents[0]["label"] is not None:
             slots = max(len(row) for row in rows)
@@ -214,9 +215,13 @@ class PackingCollator:
         return {"labels": labels, "decoder_input_ids": inputs, "decoder_document_ids": ids}
 
 
+def _token_sequence(value, length: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and len(value) == length and not value.is_floating_point()
+
+
 def _ids(value, key: str, index: int) -> torch.Tensor:
     ids = torch.as_tensor(value)
     if ids.dim() != 1 or ids.is_floating_point() or len(ids) == 0:
-        raise ValueError(f"packing: sample {index}'s {key} must be a non-empty 1-D sequence of token ids, got "
-                         f"{'shape ' + str(tuple(ids.shape)) if ids.dim() != 1 else 'an empty one' if not len(ids) else ids.dtype}")
+        got = f"shape {tuple(ids.shape)}" if ids.dim() != 1 else "an empty one" if not len(ids) else str(ids.dtype)
+        raise ValueError(f"packing: sample {index}'s {key} must be a non-empty 1-D sequence of token ids, got {got}")
     return ids.long()
