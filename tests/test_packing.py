@@ -218,3 +218,24 @@ def test_packed_batches_the_model_cannot_read_are_refused(world_of_one):
                        "labels": rows["input_ids"]})
     with pytest.raises(TypeError, match="packing must be a row length in tokens or a PackingCollator, got '128'"):
         trainer.fit([{"input_ids": [3]}], batch_size=1, max_steps=1, packing="128", progress=False)
+
+
+@pytest.mark.parametrize("documents,visible", [
+    ([16, 16, 16, 16], [True, False]),   # each quarter a document: rank 0 (quarters 0 and 3) never sees rank 1's
+    ([24, 16, 24], [True, True]),         # a document across a segment boundary: both blocks
+    ([64], [True, True])])                # one document: all of it
+def test_the_ring_skips_blocks_of_other_documents(documents, visible):
+    """Ring attention (sp=2, zigzag: rank 0 holds the first and last quarter) reads a packed row's mask and skips the
+    key/value blocks none of its queries sees, so a document spanning ranks is computed and other documents are
+    not."""
+    from transformers import BertConfig
+
+    from shardlib.kernels.ring_attention import _self_mask
+    from shardlib.kernels.ring_blocks import RingGeometry, RingLayout
+    from shardlib.sharding.documents import document_mask
+
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(documents)])[None]
+    mask = document_mask(BertConfig(attn_implementation="sdpa"), ids, ids, causal=False, dtype=torch.float32)
+    layout, length = RingLayout(ranks=2, ring=2), ids.shape[1]
+    geometry = RingGeometry(0, 2, layout.padded(length) // 2, length, layout.order(length, "cpu"))
+    assert _self_mask(mask, geometry, torch.float32)[1] == visible
