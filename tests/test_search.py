@@ -163,6 +163,28 @@ def test_search_takes_a_budget_and_says_what_nothing_fits():
     assert [p.step_s for p in tight.ranked] == sorted(p.step_s for p in tight.ranked)
 
 
+def test_search_prices_packed_rows_by_their_real_tokens():
+    """``mean_tokens``: a global batch of 12 samples of 3.5 tokens packs into ceil(42 / 8) = 6 rows of 8; every dp x
+    microbatches is a candidate (the packer pads the rows to a multiple of it), each priced on exactly those rows,
+    and the rate is real tokens per second. Fewer rows than the padded batch's 12: every layout is faster packed."""
+    spec = {**BERT, "seq": 8}
+    model = cases(spec).make_model(spec)
+    padded = search(model, 4, global_batch=12, seq=8, checkpointing=(False,))
+    packed = search(model, 4, global_batch=12, seq=8, checkpointing=(False,), mean_tokens=3.5)
+    assert packed.real_tokens == 42 and padded.real_tokens is None
+    for p in packed.ranked:
+        parts = p.layout.dp * p.layout.microbatches
+        assert p.layout.global_batch == math.ceil(6 / parts) * parts, p.layout
+        assert packed.real_tokens_per_s(p) == pytest.approx(42 / p.step_s)
+    assert any(p.layout.dp == 4 and p.layout.microbatches == 2 for p in packed.ranked)  # 8 rows: 2 of them empty
+    by_layout = {p.layout: p.step_s for p in padded.ranked}
+    faster = [by_layout[replace(p.layout, batch=12 // (p.layout.dp * p.layout.microbatches))] > p.step_s
+              for p in packed.ranked if 12 % (p.layout.dp * p.layout.microbatches) == 0]
+    assert faster and all(faster)
+    with pytest.raises(ValueError, match=r"mean length must be in \(0, seq=8\] tokens, got 9"):
+        search(model, 4, global_batch=12, seq=8, mean_tokens=9)
+
+
 def _cli(capsys, *argv) -> tuple[int, str, str]:
     """``shardlib ...`` in this process: (exit status, stdout, stderr)."""
     status = cli.main([*argv, "--class", BERT["cls"]])
@@ -189,6 +211,10 @@ def test_plan_cli_search_and_its_bad_input(tmp_path, capsys):
     assert status == 1 and len(err.strip().splitlines()) == 1 and "memory_bytes_per_s" in err, err
     status, out, err = _cli(capsys, *search_args, "--memory", "lots")
     assert status == 1 and "expected a positive size" in err, err
+    status, out, err = _cli(capsys, *search_args, "--packing", "3.5")
+    assert status == 0 and "tokens/s" in out and "samples/s" not in out, (out, err)
+    status, out, err = _cli(capsys, "plan", str(tmp_path), "--packing", "3.5")
+    assert status == 1 and "--packing prices the rows of packed samples in the layout search: it needs --world" in err
 
 
 def test_layout_auto_sets_the_training_arguments(tmp_path, capsys):

@@ -28,7 +28,8 @@ def add_plan_parser(sub) -> None:
     examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
                 "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json\n"
                 "  shardlib plan ./llama-1b --sp ring 4 --seq 16384\n"
-                "  shardlib plan ./bert-large --world 64 --memory 16GiB --profile h100.json --global-batch 512")
+                "  shardlib plan ./bert-large --world 64 --memory 16GiB --profile h100.json --global-batch 512\n"
+                "  shardlib plan ./bert-base --world 4 --global-batch 32 --seq 128 --packing 13.3   # packed SST-2")
     p = sub.add_parser("plan", help="dry run of a layout, or a search of every layout", description=description,
                        epilog=examples, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="model directory (with config.json) or a config.json file")
@@ -53,6 +54,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--world", type=int, help="search every layout of this many ranks instead of one dry run")
     p.add_argument("--memory", help="with --world: the memory budget per rank (16GiB, 80GB, ...)")
     p.add_argument("--global-batch", type=int, default=32, help="with --world: sequences per step (default 32)")
+    p.add_argument("--packing", type=float, metavar="MEAN_TOKENS",
+                   help="with --world: the samples average this many tokens and train packed into rows of --seq "
+                        "(fit(packing=SEQ)): layouts are priced on the rows packing makes, ranked by real tokens/s")
     p.add_argument("--top", type=int, default=15, help="with --world: rows of the ranked table (default 15)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--auto", action="store_true",
@@ -98,6 +102,10 @@ def plan_command(args: argparse.Namespace) -> int:
         return _auto_plan_command(args)
     if args.world is not None:
         return _search_command(args)
+    if args.packing is not None:
+        print("shardlib plan: --packing prices the rows of packed samples in the layout search: it needs --world N",
+              file=sys.stderr)
+        return 1
 
     def dry_run():
         sequence_parallel, sp = _sequence_args(args.sp)
@@ -160,7 +168,8 @@ def _search_command(args: argparse.Namespace) -> int:
         if args.world < 1:
             raise _input_error(f"--world must be >= 1, got {args.world}")
         return search(args.source, args.world, memory_bytes=memory, profile=_profile(args),
-                      global_batch=args.global_batch, seq=args.seq, cls=args.cls, precision=args.precision)
+                      global_batch=args.global_batch, seq=args.seq, cls=args.cls, precision=args.precision,
+                      mean_tokens=args.packing)
 
     try:
         status, result = _planning(run)

@@ -13,10 +13,16 @@ Pricing is cached: one :class:`~shardlib.analysis.layertable.LayerTable` per (tp
 precision) (a
 dry run of a two-layers-per-stack copy of the model, at two microbatch sizes), one report per (table, pp, dp,
 microbatch size); ZeRO stage, schedule and microbatch count only change the arithmetic.
+
+Packed training (``mean_tokens``: the global batch's samples average that many tokens and are packed into rows of
+``seq``, as ``fit(packing=seq)`` does): each layout is priced on the rows packing makes, ``ceil(global_batch x
+mean_tokens / seq)`` padded up to a multiple of dp x microbatches (the packer's empty rows), so any dp and microbatch
+count is a candidate; the table then reports real tokens per second, ``global_batch x mean_tokens / step``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -44,6 +50,11 @@ class SearchResult:
     refused: list[tuple[str, str]] = field(default_factory=list)
     dominated: int = 0  # checkpointed layouts not priced: the same layout without checkpointing fits
     seconds: float = 0.0
+    real_tokens: float | None = None  # packed: the real tokens of a global batch
+
+    def real_tokens_per_s(self, prediction: Prediction) -> float | None:
+        """Packed: the real tokens a layout trains per second (None unpacked)."""
+        return self.real_tokens / prediction.step_s if self.real_tokens is not None else None
 
     @property
     def best(self) -> Prediction | None:
@@ -51,7 +62,9 @@ class SearchResult:
 
     def to_dict(self) -> dict:
         return {"world": self.world, "memory_bytes": self.memory_bytes, "profile": self.profile,
-                "seconds": self.seconds, "dominated": self.dominated, "ranked": [p.to_dict() for p in self.ranked],
+                "seconds": self.seconds, "dominated": self.dominated, "real_tokens": self.real_tokens,
+                "ranked": [p.to_dict() | ({"real_tokens_per_s": self.real_tokens_per_s(p)} if self.real_tokens
+                                          else {}) for p in self.ranked],
                 "over_budget": [p.to_dict() for p in self.over_budget],
                 "refused": [{"what": w, "why": y} for w, y in self.refused]}
 
@@ -72,25 +85,27 @@ def mesh_shapes(world: int) -> list[tuple[int, int, int, int, str]]:
     return shapes
 
 
-def _microbatch_counts(per_dp: int, pp: int) -> list[int]:
+def _microbatch_counts(per_dp: int, pp: int, packed: bool = False) -> list[int]:
     wanted = [pp, 2 * pp, 4 * pp] if pp > 1 else [1, 2, 4, 8]
-    return [m for m in wanted if per_dp % m == 0]
+    return [m for m in wanted if (m <= per_dp if packed else per_dp % m == 0)]
 
 
 def candidate_layouts(world: int, global_batch: int, seq: int, *, checkpointing=(False, True),
-                      precision: str = "fp32") -> list[Layout]:
-    """Every layout of the enumeration (module docstring), before shard() and the budget have their say."""
+                      precision: str = "fp32", packed_rows: int | None = None) -> list[Layout]:
+    """Every layout of the enumeration (module docstring), before shard() and the budget have their say.
+    ``packed_rows``: the rows of a packed global batch, which any dp x microbatches takes (padded with empty rows)."""
     layouts = []
+    rows = packed_rows or global_batch
     for dp, pp, sp, tp, mode in mesh_shapes(world):
-        if global_batch % dp:
+        if packed_rows is None and global_batch % dp:
             continue
-        for m in _microbatch_counts(global_batch // dp, pp):
+        for m in _microbatch_counts(math.ceil(rows / dp), pp, packed=packed_rows is not None):
             for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                 for schedule in ("1f1b", "gpipe") if pp > 1 else ("1f1b",):
                     for ckpt in checkpointing:
                         layouts.append(Layout(dp=dp, pp=pp, tp=tp, sp=sp, sequence_parallel=mode, zero=zero,
                                               microbatches=m, schedule=schedule, activation_checkpointing=ckpt,
-                                              precision=precision, batch=global_batch // (dp * m), seq=seq))
+                                              precision=precision, batch=math.ceil(rows / (dp * m)), seq=seq))
     return layouts
 
 
@@ -155,21 +170,26 @@ class _Pricer:
 
 def search(model_or_config, world: int, *, memory_bytes: int | None = None, profile: Profile | None = None,
            global_batch: int = 32, seq: int = 128, cls=None, policy=None, checkpointing=(False, True),
-           precision: str = "fp32") -> SearchResult:
+           precision: str = "fp32", mean_tokens: float | None = None) -> SearchResult:
     """Every layout of ``model_or_config`` on ``world`` ranks, priced (module docstring). ``memory_bytes``: the
-    budget per rank (None: no budget). ``profile``: the machine (default: the built-in nominal one). Raises
+    budget per rank (None: no budget). ``profile``: the machine (default: the built-in nominal one).
+    ``mean_tokens``: the samples' mean length, packed into rows of ``seq`` (module docstring). Raises
     :class:`PlanInputError` for bad input and when no layout exists at all (saying which worlds would work)."""
     for name, value in (("world", world), ("global_batch", global_batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanInputError(f"{name} must be a positive integer, got {value!r}")
+    if mean_tokens is not None and not 0 < mean_tokens <= seq:
+        raise PlanInputError(f"packed samples' mean length must be in (0, seq={seq}] tokens, got {mean_tokens!r}")
+    real_tokens = global_batch * mean_tokens if mean_tokens is not None else None
     started = time.perf_counter()
     full = meta_model(model_or_config, cls)
     profile = profile or default_profile()
     pricer = _Pricer(full, planned_policy(full, policy), profile.device)
-    result = SearchResult(world=world, memory_bytes=memory_bytes, profile=profile.machine)
+    result = SearchResult(world=world, memory_bytes=memory_bytes, profile=profile.machine, real_tokens=real_tokens)
     refused: dict[str, str] = {}
     fitting: set[Layout] = set()  # without checkpointing: their checkpointed twins are slower, never priced
-    layouts = candidate_layouts(world, global_batch, seq, checkpointing=checkpointing, precision=precision)
+    layouts = candidate_layouts(world, global_batch, seq, checkpointing=checkpointing, precision=precision,
+                                packed_rows=math.ceil(real_tokens / seq) if real_tokens is not None else None)
     for layout in sorted(layouts, key=lambda la: la.activation_checkpointing):
         if layout.activation_checkpointing and replace(layout, activation_checkpointing=False) in fitting:
             result.dominated += 1
@@ -227,11 +247,13 @@ def render(result: SearchResult, top: int = 15) -> str:
              f"{len(result.over_budget)} over budget, {len(result.refused)} meshes refused, {result.dominated} "
              "dominated (checkpointing where the layout fits without it); "
              f"profile: {result.profile}; searched in {result.seconds:.1f} s", ""]
-    header = f"  {'#':>3} {'layout':<44} {'peak/rank':>11} {'step':>9} {'samples/s':>10}  bottleneck"
+    rate = "tokens/s" if result.real_tokens is not None else "samples/s"
+    header = f"  {'#':>3} {'layout':<44} {'peak/rank':>11} {'step':>9} {rate:>10}  bottleneck"
     lines.append(header)
     for i, p in enumerate(result.ranked[:top], 1):
+        per_s = result.real_tokens_per_s(p) if result.real_tokens is not None else p.samples_per_s
         lines.append(f"  {i:>3} {p.layout.name():<44} {size_text(p.peak_bytes):>11} {p.step_s * 1e3:>7.1f}ms "
-                     f"{p.samples_per_s:>10.1f}  {p.bottleneck} ({p.time[p.bottleneck] / p.step_s:.0%})")
+                     f"{per_s:>10.1f}  {p.bottleneck} ({p.time[p.bottleneck] / p.step_s:.0%})")
     if not result.ranked and result.over_budget:
         lines.append(f"  {no_fit_message(result)}")
     if result.refused:
