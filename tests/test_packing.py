@@ -3,24 +3,27 @@ padded batches of the same samples compute.
 
 * The packer and the collator: every sample placed once and whole, rows within the budget, a pure function of the
   lengths (hypothesis); document ids, in-document positions, per-document labels and decoder inputs; bad input
-  named (a sample longer than a row, a padded sample, a key that is neither tokens nor a label, a head that cannot
-  pool per document).
+  named (a sample longer than a row, a padded sample, a key that is neither tokens nor a label, a model or a batch
+  that cannot pack).
 * Training: ``fit(packing=16)`` for three AdamW steps (clipped by the global norm) against the unsharded model
   trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
-  and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2, and
-  for BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4) and compiled at a world of one
-  (tests/packing_tasks.py); a forward through flex_attention's block masks (CI profile).
+  and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2; for
+  BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4), compiled at a world of one and from
+  an iterable dataset at dp=4; at a world of one for BERT token classification and causal LM, RoBERTa (positions
+  from ``padding_idx + 1``) and GPT-2 (tests/packing_tasks.py); a forward through flex_attention's block masks (CI
+  profile); which key/value blocks ring attention skips for a packed row.
 
 Tolerances: float64, rtol 1e-10 on every step's loss and on every weight after the last step (relative to the
-largest weight). Llama's loss is computed in float32 by transformers (``logits.float()``) and by shardlib's
-vocab-parallel loss, which matches it: its losses and weights are compared at 1e-6 (they differ by ~2e-7 and
-~1e-9: the float32 loss of a packed microbatch sums its tokens in another order), and its float64 logits of every
-real token at 1e-10. A control breaks the positions and must fail that.
+largest weight). A causal LM's loss is computed in float32 by transformers (``logits.float()``) and by shardlib's
+vocab-parallel loss, which matches it: their losses and weights are compared at 1e-6 (Llama's differ by ~2e-7 and
+~1e-9: the float32 loss of a packed microbatch sums its tokens in another order), and Llama's float64 logits of
+every real token at 1e-10. A control breaks the positions and must fail that.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -37,7 +40,7 @@ from shardlib.sharding.documents import document_positions, document_starts
 from shardlib.train.packing import PackingCollator, pack_rows
 
 SPEC = dict(seed=3, samples=24, budget=16, batch_size=8, steps=3, microbatches=2)
-#: Llama's loss is float32 (see the module docstring): its losses and the weights its gradients step
+#: causal LMs' losses are float32 (see the module docstring): their losses and the weights their gradients step
 FLOAT32_LOSS = {"llama": 1e-6, "gpt2": 1e-6, "bert_lm": 1e-6}
 
 
@@ -98,7 +101,7 @@ def test_collator_names_bad_input(caplog):
              ([{"input_ids": [1], "labels": 1}, {"input_ids": [2]}], "sample 1 has keys ['input_ids'], sample 0"),
              ([], "the batch has no samples")]
     for samples, message in cases:
-        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             collate(samples)
     with pytest.raises(ValueError, match="too_long must be"):
         PackingCollator(4, too_long="split")
