@@ -8,8 +8,8 @@ padded batches of the same samples compute.
 * Training: ``fit(packing=16)`` for three AdamW steps (clipped by the global norm) against the unsharded model
   trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
   and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2; for
-  BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4), compiled at a world of one and from
-  an iterable dataset at dp=4; at a world of one for BERT token classification and causal LM, RoBERTa (positions
+  BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4), compiled at a world of one (CI
+  profile) and from an iterable dataset at dp=4; at a world of one for BERT token classification and causal LM, RoBERTa (positions
   from ``padding_idx + 1``) and GPT-2 (tests/packing_tasks.py); a forward through flex_attention's block masks (CI
   profile); which key/value blocks ring attention skips for a packed row.
 
@@ -193,6 +193,7 @@ def test_packed_training_under_zero3(pool):
         _check(result, "bert_cls")
 
 
+@ci_only("compiles BERT (5 s); the hook runs outside the graph either way, and every layout runs packed in dev")
 def test_packed_training_compiled(world_of_one):
     """``Trainer(compile=True)``: the masks are built eagerly before the compiled forward (no graph break inside)."""
     spec = {**SPEC, "model": "bert_cls", "trainer": {"compile": True}}
