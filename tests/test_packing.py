@@ -9,7 +9,7 @@ padded batches of the same samples compute.
   trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
   and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2; for
   BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4), compiled at a world of one (CI
-  profile) and from an iterable dataset at dp=4; at a world of one for BERT token classification and causal LM, RoBERTa (positions
+  profile), from an iterable dataset at dp=4 and accumulating over two packed batches; at a world of one for BERT token classification and causal LM, RoBERTa (positions
   from ``padding_idx + 1``) and GPT-2 (tests/packing_tasks.py); a forward through flex_attention's block masks (CI
   profile); which key/value blocks ring attention skips for a packed row.
 
@@ -243,3 +243,19 @@ def test_the_ring_skips_blocks_of_other_documents(documents, visible):
     layout, length = RingLayout(ranks=2, ring=2), ids.shape[1]
     geometry = RingGeometry(0, 2, layout.padded(length) // 2, length, layout.order(length, "cpu"))
     assert _self_mask(mask, geometry, torch.float32)[1] == visible
+
+
+def test_gradient_accumulation_over_packed_batches(world_of_one):
+    """``train_step([packed, packed])``: two packed batches of one global batch's samples (rows of different
+    counts and widths) step as the padded global batch does, the loss normalized over both batches' items."""
+    spec = {**SPEC, "model": "bert_mlm", "steps": 1}
+    expected = packing_tasks.reference(spec)
+    model = shardlib.shard(packing_tasks.make_model(spec), world_of_one)
+    trainer = shardlib.Trainer(model, packing_tasks.adamw, max_grad_norm=packing_tasks.MAX_GRAD_NORM)
+    data, collate = packing_tasks.samples(spec)[:spec["batch_size"]], PackingCollator(spec["budget"])
+    loss = trainer.train_step([collate(data[:3]), collate(data[3:])])
+    assert loss == pytest.approx(expected["losses"][0], rel=1e-12)
+    state = shardlib.full_state_dict(model)
+    for name, weight in expected["state"].items():
+        if name in state and weight.is_floating_point():
+            torch.testing.assert_close(state[name], weight, rtol=1e-10, atol=1e-12)
