@@ -262,6 +262,7 @@ class Trainer:
         every data-parallel rank (same value on every rank). The gradients are summed over dp by
         :meth:`reduce_gradients`, after backward (:meth:`train_step` sums them during its last backward)."""
         check_batch(batch)
+        self._accept_packed(batch)
         return float(self._forward_backward_tensor(batch, total_items, sync=False))
 
     def _forward_backward_tensor(self, batch: dict, total_items: float | None, *, sync: bool) -> torch.Tensor:
