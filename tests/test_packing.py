@@ -9,9 +9,10 @@ padded batches of the same samples compute.
   trained by hand on the padded batches, for BERT masked LM and sequence classification, T5 conditional generation
   and Llama (inferred plan), at a world of one (SDPA and eager), tp=2, tp=2 + SP, ring sp=2 and pp=2 x dp=2; for
   BERT under ZeRO-1 with activation checkpointing (dp=2 x tp=2), ZeRO-3 (dp=4), compiled at a world of one (CI
-  profile), from an iterable dataset at dp=4 and accumulating over two packed batches; at a world of one for BERT token classification and causal LM, RoBERTa (positions
-  from ``padding_idx + 1``) and GPT-2 (tests/packing_tasks.py); a forward through flex_attention's block masks (CI
-  profile); which key/value blocks ring attention skips for a packed row.
+  profile), from an iterable dataset at dp=4 and accumulating over two packed batches; at a world of one for BERT
+  token classification and causal LM, RoBERTa (positions from ``padding_idx + 1``) and GPT-2
+  (tests/packing_tasks.py); a sharded model's own forward in a hand loop; a forward through flex_attention's block
+  masks (CI profile); which key/value blocks ring attention skips for a packed row.
 
 Tolerances: float64, rtol 1e-10 on every step's loss and on every weight after the last step (relative to the
 largest weight). A causal LM's loss is computed in float32 by transformers (``logits.float()``) and by shardlib's
@@ -259,3 +260,21 @@ def test_gradient_accumulation_over_packed_batches(world_of_one):
     for name, weight in expected["state"].items():
         if name in state and weight.is_floating_point():
             torch.testing.assert_close(state[name], weight, rtol=1e-10, atol=1e-12)
+
+
+def test_a_sharded_model_takes_packed_rows_in_a_hand_loop(world_of_one):
+    """``shard()`` installs the document hook, so ``model(**packed)`` is exact without the Trainer (transformers
+    would otherwise take ``document_ids`` into its ``**kwargs`` silently and attend across documents), a padded batch
+    after a packed one pools as HF does, and a model that cannot pack refuses the batch at its forward."""
+    spec = {**SPEC, "model": "bert_cls"}
+    data = packing_tasks.samples(spec)[:8]
+    ref = packing_tasks.make_model(spec)
+    model = shardlib.shard(packing_tasks.make_model(spec), world_of_one)
+    padded = packing_tasks.padded(data, "bert_cls")
+    expected = ref(**padded).loss
+    assert float(model(**PackingCollator(16)(data)).loss) == pytest.approx(float(expected), rel=1e-12)
+    assert float(model(**padded).loss) == pytest.approx(float(expected), rel=1e-12)
+    qa = bert_cases.make_model({"cls": "BertForQuestionAnswering", "seed": 0, "seq": 8, "config": packing_tasks.BERT})
+    qa = shardlib.shard(qa, world_of_one)
+    with pytest.raises(ValueError, match="BertForQuestionAnswering's loss reads whole sequences"):
+        qa(**PackingCollator(16)([{"input_ids": [3, 4]}]))

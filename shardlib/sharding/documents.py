@@ -2,8 +2,8 @@
 
 A packed batch (:class:`shardlib.train.packing.PackingCollator`) carries ``document_ids`` [rows, length] (0, 1, ...
 per row for its documents, -1 for padding) beside ``input_ids``, and for a seq2seq model ``decoder_document_ids``
-for its targets. :func:`accept_documents` installs one forward pre-hook on the model that turns them into what the
-unmodified HF forward already takes:
+for its targets. ``shard()`` installs one forward pre-hook on every model it shards (:func:`attach_document_hooks`)
+that turns them into what the unmodified HF forward already takes (a batch without them passes untouched):
 
 * ``attention_mask``: a 4-D mask in which a token sees only its own document, bidirectional in an encoder and
   causal in a decoder, built by transformers' own mask function for the model's attention implementation
@@ -21,9 +21,10 @@ unmodified HF forward already takes:
   the labels ``[rows, slots]`` (-100 for empty slots) line up with them.
 
 Everything downstream (tensor, sequence and ring parallelism, pipeline stages, ZeRO, checkpointing) sees an
-ordinary 4-D mask, so every layout runs packed rows unchanged. A model whose loss reads whole sequences (question
-answering, multiple choice, sequence heads without a ``document_pool``, images) is refused when the hook is installed,
-before anything runs.
+ordinary 4-D mask, so every layout runs packed rows unchanged. A model that cannot pack (:func:`packing_problems`:
+a loss that reads whole sequences, absolute positions it computes itself, images) refuses a packed batch at its
+forward, and :func:`accept_documents` (``fit(packing=...)``, the Trainer's first packed batch) before anything runs;
+transformers would otherwise take ``document_ids`` into its ``**kwargs`` and attend across documents silently.
 """
 
 from __future__ import annotations
@@ -62,14 +63,26 @@ def packing_problems(model: nn.Module) -> list[str]:
 def accept_documents(model: nn.Module) -> None:
     """Let ``model`` (sharded by :func:`shardlib.shard`) take packed batches: ``document_ids`` (and
     ``decoder_document_ids``) become masks, positions and per-document pooling (see the module docstring). Batches
-    without them run as before. Idempotent; a ValueError naming the model when it cannot (:func:`packing_problems`)."""
-    if getattr(model, _HOOK_ATTR, None) is not None:
-        return
-    problems = packing_problems(model)
-    if problems:
-        raise ValueError("packing: " + "; ".join(problems))
-    hooks = _DocumentHooks(model)
-    setattr(model, _HOOK_ATTR, hooks)
+    without them run as before. Idempotent; a ValueError naming the model when it cannot (:func:`packing_problems`),
+    before anything runs."""
+    hooks = install_document_hooks(model)
+    if hooks.problems:
+        raise ValueError("packing: " + "; ".join(hooks.problems))
+
+
+def attach_document_hooks(wrapper: nn.Module, model: nn.Module) -> None:
+    """``shard()``'s last step: the document hooks on ``model``, reachable from its ``wrapper`` (a peft model) too."""
+    setattr(wrapper, _HOOK_ATTR, install_document_hooks(model))
+
+
+def install_document_hooks(model: nn.Module) -> "_DocumentHooks":
+    """The document hooks of ``model``, installed once (``shard()`` installs them on every model it shards, so that
+    a packed batch is never silently taken for a padded one: a model that cannot pack refuses it at its forward)."""
+    hooks = getattr(model, _HOOK_ATTR, None)
+    if hooks is None:
+        hooks = _DocumentHooks(model, packing_problems(model))
+        setattr(model, _HOOK_ATTR, hooks)
+    return hooks
 
 
 def _absolute_positions(model: nn.Module) -> list[str]:
@@ -141,8 +154,9 @@ class _DocumentHooks:
     """The pre-hooks :func:`accept_documents` installs, and what one forward's hook hands the later ones (the
     decoder's cross mask, the pooled positions), cleared at the next forward."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, problems: list[str]):
         plan = shard_state(model).plan
+        self.problems = problems
         self.model, self.config = model, model.config
         self.seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
         self.causal = not self.seq2seq and any(getattr(m, "is_causal", False) for m in model.modules())
@@ -153,6 +167,8 @@ class _DocumentHooks:
         self.cross_mask = self.starts = None
         self.pools = plan.document_pool is not None
         model.register_forward_pre_hook(self.before_model, with_kwargs=True)
+        if problems:
+            return
         if self.seq2seq:
             model.get_decoder().register_forward_pre_hook(self.before_decoder, with_kwargs=True)
         if self.pools:
@@ -161,8 +177,17 @@ class _DocumentHooks:
     def _dtype(self) -> torch.dtype:
         return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
 
-    @torch.compiler.disable  # masks are built eagerly; a compiled model's graph starts after this hook
     def before_model(self, module, args, kwargs):
+        if "document_ids" not in kwargs and "decoder_document_ids" not in kwargs:
+            if self.starts is not None or self.cross_mask is not None:
+                self.cross_mask = self.starts = None  # a padded batch after a packed one: pool and mask as HF does
+            return None  # nothing for torch.compile to trace
+        return self._packed(module, args, kwargs)
+
+    @torch.compiler.disable  # masks are built eagerly; a compiled model's graph starts after this hook
+    def _packed(self, module, args, kwargs):
+        if self.problems:
+            raise ValueError("packing: " + "; ".join(self.problems))
         documents = kwargs.pop("document_ids", None)
         targets = kwargs.pop("decoder_document_ids", None)
         self.cross_mask = self.starts = None

@@ -21,6 +21,7 @@ from ..kernels import Kernels
 from ..parallel.mesh import Mesh
 from ..parallel.random import RNGStatesTracker, rng_streams
 from .adapters import peft_inner_model
+from .documents import attach_document_hooks
 from .passes import Resolved, passes_for
 from .plan import INFERRED, PlanError
 from .sequence import SP_MODES, sequence_mode
@@ -118,6 +119,7 @@ def _shard(wrapper: nn.Module, mesh: Mesh, policy, verify_plan: bool, options: d
                        pipeline=r.split)
     for holder in {id(wrapper): wrapper, id(model): model}.values():
         state.attach(holder)
+    attach_document_hooks(wrapper, model)
     log.info("%s", report)
     return wrapper
 

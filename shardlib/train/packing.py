@@ -8,9 +8,9 @@ Each sample (a dict: ``input_ids`` and, token by token, any other id sequence su
 ``labels``; or one ``labels`` value per sample, for sequence classification) becomes a *document*; documents are
 placed whole into rows of at most ``max_length`` tokens by first-fit decreasing over the batch, a pure function of
 the samples and their order, so the same global batch packs into the same rows on every rank and at every dp. Each
-row says which document every token belongs to (``document_ids``: 0, 1, ... in the row, -1 for padding); the model
-keeps documents apart from that (:mod:`shardlib.sharding.documents`, installed by the Trainer on the first packed
-batch). Per-sample labels become ``labels`` [rows, documents per row], -100 where a row has fewer documents.
+row says which document every token belongs to (``document_ids``: 0, 1, ... in the row, -1 for padding); a sharded
+model keeps documents apart from that (:mod:`shardlib.sharding.documents`, installed by ``shard()``). Per-sample
+labels become ``labels`` [rows, documents per row], -100 where a row has fewer documents.
 
 Seq2seq (``target_length``): a sample's ``labels`` are its target sequence. Rows hold documents whose inputs fit
 ``max_length`` and whose targets fit ``target_length``; ``decoder_input_ids`` are each target shifted right behind
