@@ -279,3 +279,20 @@ def test_a_sharded_model_takes_packed_rows_in_a_hand_loop(world_of_one):
     qa = shardlib.shard(qa, world_of_one)
     with pytest.raises(ValueError, match="BertForQuestionAnswering's loss reads whole sequences"):
         qa(**PackingCollator(16)([{"input_ids": [3, 4]}]))
+
+
+def test_the_document_hook_keeps_no_reference_cycle(world_of_one):
+    """The model holds its document hooks; they hold it weakly, so a sharded model is freed when its last reference
+    goes (a cycle kept it, with the threads its modules reach, alive into interpreter shutdown, where a rank of a
+    finished run aborted: "terminate called without an active exception")."""
+    import gc
+    import weakref
+
+    model = shardlib.shard(packing_tasks.make_model({**SPEC, "model": "bert_cls"}), world_of_one)
+    freed = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert freed() is None
+    finally:
+        gc.enable()

@@ -30,6 +30,7 @@ transformers would otherwise take ``document_ids`` into its ``**kwargs`` and att
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch import nn
@@ -157,7 +158,9 @@ class _DocumentHooks:
     def __init__(self, model: nn.Module, problems: list[str]):
         plan = shard_state(model).plan
         self.problems = problems
-        self.model, self.config = model, model.config
+        # held weakly: the model holds these hooks, and a cycle would keep it (and the process groups and threads
+        # its modules reach) alive into interpreter shutdown
+        self.model, self.config = weakref.ref(model), model.config
         self.seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
         self.causal = not self.seq2seq and any(getattr(m, "is_causal", False) for m in model.modules())
         accepted = inspect.signature(model.forward).parameters
@@ -175,7 +178,7 @@ class _DocumentHooks:
             model.get_submodule(plan.document_pool).register_forward_pre_hook(self.before_pool)
 
     def _dtype(self) -> torch.dtype:
-        return next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return next((p.dtype for p in self.model().parameters() if p.is_floating_point()), torch.float32)
 
     def before_model(self, module, args, kwargs):
         if "document_ids" not in kwargs and "decoder_document_ids" not in kwargs:
