@@ -49,8 +49,9 @@ def packing_problems(model: nn.Module) -> list[str]:
     config = model.config
     if getattr(model, "main_input_name", "input_ids") != "input_ids":
         return [f"{name} reads {model.main_input_name}, not token ids: only token sequences pack"]
-    if "position_ids" not in inspect.signature(model.forward).parameters and _absolute_positions(model):
-        return [f"{name} computes absolute positions itself ({_absolute_positions(model)[0]}) and takes no "
+    absolute = _absolute_positions(model)
+    if absolute and "position_ids" not in inspect.signature(model.forward).parameters:
+        return [f"{name} computes absolute positions itself ({absolute[0]}) and takes no "
                 "position_ids: in a packed row they would run on across documents"]
     if config._attn_implementation not in _mask_functions():
         return [f"{name}: attention implementation {config._attn_implementation!r} has no 4-D mask in transformers' "
