@@ -59,6 +59,8 @@ BUILTIN: dict[str, tuple[str, ...]] = {
     "t5": tuple(f"{family}{head}" for family in ("T5", "MT5", "UMT5")
                 for head in ("Model", "ForConditionalGeneration", "EncoderModel", "ForSequenceClassification",
                              "ForTokenClassification", "ForQuestionAnswering")),
+    "switch_transformers": ("SwitchTransformersModel", "SwitchTransformersForConditionalGeneration",
+                            "SwitchTransformersEncoderModel"),
 }
 _BUILTIN_MODULE = {name: module for module, names in BUILTIN.items() for name in names}
 

@@ -23,6 +23,8 @@ UMT5 has a relative bias table in every layer; the same patterns cover it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import transformers
 
 from shardlib.parallel.styles import (
@@ -41,7 +43,21 @@ def _attention(path: str) -> dict:
 
 
 def t5_plan(model, tp: int) -> Plan:
-    config = model.config
+    plan = t5_attention_plan(model)
+    base = "transformer." if hasattr(model, "transformer") else ""
+    styles = dict(plan.styles)
+    for stack in (s.layers.rpartition(".block")[0][len(base):] for s in plan.trunk):
+        ff = f"{base}{stack}.block.*.layer.{2 if stack == 'decoder' else 1}.DenseReluDense"
+        styles[ff] = (CopyInputs("hidden_states"), LocalRNG())  # gated: wi_0 and wi_1 share one input copy
+        for wi in ("wi_0", "wi_1") if model.config.is_gated_act else ("wi",):
+            styles[f"{ff}.{wi}"] = ColwiseParallel(copy_input=False)
+        styles[f"{ff}.wo"] = RowwiseParallel()
+    return dataclasses.replace(plan, styles=styles)
+
+
+def t5_attention_plan(model) -> Plan:
+    """T5's plan without the feed-forward layers: attention, relative bias, embeddings, the LM head and its loss,
+    the trunk (shared with Switch Transformers, whose feed-forward differs)."""
     base = "transformer." if hasattr(model, "transformer") else ""
     root = model.get_submodule(base.rstrip(".")) if base else model
     stacks = ["encoder", "decoder"] if hasattr(root, "decoder") else ["encoder"]
@@ -65,11 +81,6 @@ def t5_plan(model, tp: int) -> Plan:
             kv_input = "encoder_hidden_states" if "umt5" in type(model).__module__ else "key_value_states"
             attention[f"{block}.layer.1.EncDecAttention"] = AttentionSite("n_heads", kv_input=kv_input)
             projections[f"{block}.layer.1.EncDecAttention"] = ("k", "v")
-        ff = f"{block}.layer.{2 if stack == 'decoder' else 1}.DenseReluDense"
-        styles[ff] = (CopyInputs("hidden_states"), LocalRNG())  # gated: wi_0 and wi_1 share one input copy
-        for wi in ("wi_0", "wi_1") if config.is_gated_act else ("wi",):
-            styles[f"{ff}.{wi}"] = ColwiseParallel(copy_input=False)
-        styles[f"{ff}.wo"] = RowwiseParallel()
     epilogues = {}
     if type(model).__module__.endswith(".modeling_t5"):  # the fused forwards restate T5's (not MT5's / UMT5's)
         epilogues["dropout_add"] = tuple(f"{base}{stack}.block.*.layer.*" for stack in stacks)

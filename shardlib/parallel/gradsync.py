@@ -110,6 +110,16 @@ class _Bucket:
             p.grad.add_(grad)
 
 
+#: set on a module (a mixture-of-experts block under Megatron sequence parallelism) that computes on the whole
+#: sequence on every rank of the group: its replicated parameters get their whole gradient on every rank, so the
+#: group's sum leaves them out
+WHOLE_SEQUENCE_ATTR = "_shardlib_whole_sequence"
+
+
+def _whole_sequence_params(layer: torch.nn.Module) -> set[int]:
+    return {id(p) for m in layer.modules() if m.__dict__.get(WHOLE_SEQUENCE_ATTR) for p in m.parameters()}
+
+
 class ReplicatedGradSync:
     """Forward pre-hook for a layer of a sequence-parallel stack that buckets the gradients of the layer's
     parameters replicated over ``group`` (module docstring). Megatron style (``group`` = TP): the LayerNorms and
@@ -136,7 +146,9 @@ class ReplicatedGradSync:
         params = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
         if all(self.hooked.get(id(p)) is p for _, p in params):
             return
-        members = [p for name, p in params if self.tp_sharded_too or not layout_of(layer, name).is_sharded]
+        whole = _whole_sequence_params(layer)
+        members = [p for name, p in params if id(p) not in whole
+                   and (self.tp_sharded_too or not layout_of(layer, name).is_sharded)]
         bucket = self.buckets.get(layer)
         if bucket is None:
             bucket = self.buckets[layer] = _Bucket(self)

@@ -13,6 +13,9 @@ without them (so HF never sees the vocab-sharded logits), then computes the loss
 * ``seq2seq_lm``: ``masked_lm`` on the decoder logits; labels shifted right become the decoder inputs when none
   are given (T5ForConditionalGeneration).
 
+A mixture-of-experts model asked for its router logits adds its auxiliary router losses to each of these as its
+own forward does (:func:`shardlib.sharding.experts.router_losses`).
+
 Logits in the returned output: with ``gather_logits=None`` (default) they are gathered to the full vocabulary
 (padding stripped) when no labels were passed (inference, generation) and left vocab-sharded, [..., V_pad/tp],
 when labels were passed (training: full logits are never gathered for the loss). True / False force either.
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from ..parallel.collectives import gather_from_tp
 from ..parallel.layers import vocab_parallel_cross_entropy
+from .experts import router_losses
 
 IGNORE_INDEX = -100
 
@@ -118,6 +122,8 @@ def install_vocab_parallel_loss(model, spec, gather_logits: bool | None) -> None
         out = hf_forward(*bound.args, **bound.kwargs)
         head = self.get_submodule(spec.head)
         loss = loss_fn(out, spec, labels, head, extra)
+        if loss is not None and (router := router_losses(self, out)) is not None:
+            loss = loss + router  # a mixture of experts' auxiliary losses, added as its own forward adds them
         fields = {k: v for k, v in out.items() if k != "loss"}
         if gather_logits or (gather_logits is None and not has_labels):
             fields[spec.logits] = gather_from_tp(fields[spec.logits], head.group, -1)[..., : head.global_out_features]

@@ -38,6 +38,7 @@ from ..parallel.random import LOCAL_STREAM_ATTR
 from ..parallel.styles import ColwiseParallel, RowwiseParallel, ShardContext, VocabParallel, as_tuple, style_name
 from .adapters import adapter_problems, is_lora_layer, shard_adapted, styled_module
 from .all_to_all import AllToAllSequenceParallel
+from .experts import MixtureOfExperts, moe_blocks
 from .losses import LOSSES, install_vocab_parallel_loss
 from .plan import Plan, PlanError, match_modules
 from .positions import SequencePositions
@@ -94,10 +95,14 @@ class Resolved:
         return next((k for k, stack in enumerate(self.plan.trunk) if path.startswith(stack.layers + ".")), None)
 
     def shard_context(self, path: str) -> ShardContext:
+        """What a style needs at ``path``: under Megatron sequence parallelism, the sequence stream of its stack,
+        except inside a mixture-of-experts block, which runs on the whole sequence (:mod:`.experts`)."""
         ctx = ShardContext(group=self.group, tp=self.tp, rank=self.mesh.tp_rank,
                            rng_tracker=self.options["rng_tracker"])
         stack = self.stack_of(path) if self.sequence is not None else None
-        return ctx if stack is None else replace(ctx, sequence=self.sequence.stream(stack))
+        if stack is None or any(path == b or path.startswith(b + ".") for b in moe_blocks(self)):
+            return ctx
+        return replace(ctx, sequence=self.sequence.stream(stack))
 
 
 # --------------------------------------------------------------------------------------------- tensor parallel
@@ -351,6 +356,8 @@ def passes_for(r: Resolved) -> list:
     if mode not in SP_MODES and sp > 1:
         r.problems.append(f"the mesh has sp={sp} ranks per sequence but sequence_parallel={o['sequence_parallel']!r}; "
                           "pass sequence_parallel='all_to_all' or 'ring'")
+    if r.plan.moe:
+        passes.append(MixtureOfExperts())
     if r.plan.loss is not None:
         passes.append(VocabParallelLoss())
     if o["check_replicated_inputs"] and r.tp > 1:

@@ -143,6 +143,19 @@ class AttentionSite:
         return counts
 
 
+@dataclass(frozen=True)
+class MoESite:
+    """A mixture-of-experts block: ``router`` (child path) computes which experts each token goes to and with what
+    weight, and stays replicated (in the dtype the model computes it in); ``experts`` (child path) holds the experts,
+    which tensor parallelism splits like an MLP (:class:`shardlib.parallel.experts.ExpertsTensorParallel`).
+    ``capacity``: whether the router drops tokens past an expert's capacity counted along each whole sequence
+    (Switch Transformers), which a sequence split over ranks or packed rows would change."""
+
+    router: str
+    experts: str
+    capacity: bool = False
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """``styles``: pattern -> style or tuple of styles. ``divide_by_tp``: pattern -> integer attributes that become
@@ -157,7 +170,8 @@ class Plan:
     of the modules it applies to (:mod:`shardlib.kernels.epilogues`). ``loss_items``: what the model's own loss
     averages over (:class:`LossItems`; every example by default). ``document_pool``: the module whose input's first
     token the head reads for the whole sequence (BERT's pooler), which packed rows feed each document's first token
-    (:mod:`shardlib.sharding.documents`); None: the head cannot pool per document."""
+    (:mod:`shardlib.sharding.documents`); None: the head cannot pool per document. ``moe``: pattern ->
+    :class:`MoESite` for the mixture-of-experts blocks (:mod:`shardlib.sharding.experts`)."""
 
     styles: dict[str, Style | tuple[Style, ...]]
     divide_by_tp: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -169,6 +183,7 @@ class Plan:
     epilogues: dict[str, tuple[str, ...]] = field(default_factory=dict)
     loss_items: LossItems = EXAMPLES
     document_pool: str | None = None
+    moe: dict[str, MoESite] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,123 @@
+"""Mixture-of-experts blocks (``Plan.moe``): what the sharded model does around each block besides splitting its
+experts (:class:`shardlib.parallel.experts.ExpertsTensorParallel`, a style of the plan).
+
+The router stays replicated and computes exactly what the unsharded model computes, on every rank of the TP group:
+the same tokens, the same experts, the same capacity drops, in the dtype the model routes in. So:
+
+* **Megatron sequence parallelism**: a block sees the whole sequence, as the model's own router does (Switch counts
+  an expert's capacity along each whole sequence): its input is all-gathered at the block (bwd: this rank's chunk
+  of the gradient, which is whole on every rank: the router computes on every rank, the experts' and shared
+  experts' inputs are all-reduced by their own entries) and its output cut back to this rank's chunk (bwd:
+  all-gather). The block's replicated parameters (the router, a shared expert's gate) then get their whole
+  gradient on every rank, so the layer's sequence-parallel gradient sum leaves them out
+  (:data:`shardlib.parallel.gradsync.WHOLE_SEQUENCE_ATTR`), and the styles inside the block use the plain
+  tensor-parallel entries and exits (no sequence collectives).
+* **Sequence parallelism over sp** (all-to-all, ring): each rank routes its own positions, which is exact for
+  routers that route each token alone (Mixtral, Qwen-MoE); a router with a per-sequence capacity is refused, and so
+  are the auxiliary router losses (a load-balancing loss over the whole batch is not a sum over positions).
+* **Pipelines**: the auxiliary router losses sum over every layer's router, which no single stage holds: asking a
+  pipelined model for them (``output_router_logits``) is refused at the forward.
+* **Losses**: the auxiliary losses the model adds to its training loss (:func:`router_losses`) are added to the
+  vocab-parallel loss the same way (:mod:`shardlib.sharding.losses`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
+from .sequence import MEGATRON, SP_MODES, SequenceStream
+
+
+def moe_blocks(r) -> list[str]:
+    """The module paths of ``r``'s mixture-of-experts blocks (a :class:`shardlib.sharding.passes.Resolved`)."""
+    return [path for pattern in r.plan.moe for path in r.match(pattern, "moe")]
+
+
+class MixtureOfExperts:
+    """The pass of a plan with ``moe`` blocks (module docstring)."""
+
+    def problems(self, r) -> list[str]:
+        problems, mode = [], r.options.get("sequence_mode")
+        for pattern, site in r.plan.moe.items():
+            for path in r.match(pattern, "moe"):
+                block = r.modules[path]
+                for role, child in (("router", site.router), ("experts", site.experts)):
+                    if not isinstance(_child(block, child), nn.Module):
+                        problems.append(f"{path}: the MoE block has no {role} module {child!r}")
+                if mode in SP_MODES and site.capacity:
+                    problems.append(f"{path}: its router drops tokens past each expert's capacity counted along the "
+                                    f"whole sequence, which sequence_parallel={mode!r} splits over ranks; use "
+                                    "sequence_parallel=True (Megatron, on the TP group), which routes whole sequences")
+        if mode in SP_MODES and r.plan.moe and getattr(r.model.config, "output_router_logits", False):
+            problems.append(f"{r.name}: config.output_router_logits=True adds a load-balancing loss over the whole "
+                            f"batch, which sequence_parallel={mode!r} cannot split over positions; set it False")
+        return problems
+
+    def prepare(self, r) -> None:
+        """Before the sequence-parallel pass hooks the layers' replicated parameters: mark the blocks that run on
+        the whole sequence."""
+        for path in self._whole_sequence_blocks(r):
+            r.modules[path].__dict__[WHOLE_SEQUENCE_ATTR] = True
+
+    def install(self, r) -> None:
+        if getattr(r.mesh, "pp", 1) > 1:
+            r.model.register_forward_pre_hook(_refuse_router_losses, with_kwargs=True)
+        for path in self._whole_sequence_blocks(r):
+            _whole_sequence(r.modules[path], r.sequence.stream(r.stack_of(path)))
+
+    @staticmethod
+    def _whole_sequence_blocks(r) -> list[str]:
+        if r.options.get("sequence_mode") != MEGATRON or r.sequence is None:
+            return []
+        return [path for path in moe_blocks(r) if r.stack_of(path) is not None]
+
+
+def _child(module: nn.Module, path: str):
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _whole_sequence(block: nn.Module, seq: SequenceStream) -> None:
+    """Megatron SP: ``block`` runs on the whole sequence (module docstring)."""
+
+    def gather(mod, args, kwargs):
+        if args:
+            return (seq.leave(args[0]).contiguous(), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": seq.leave(kwargs["hidden_states"]).contiguous()}
+
+    def cut(mod, args, out):
+        return seq.chunk(out) if torch.is_tensor(out) else (seq.chunk(out[0]), *out[1:])
+
+    block.register_forward_pre_hook(gather, with_kwargs=True)
+    block.register_forward_hook(cut)
+
+
+def _refuse_router_losses(model, args, kwargs):
+    if kwargs.get("output_router_logits") or (kwargs.get("output_router_logits") is None
+                                              and getattr(model.config, "output_router_logits", False)):
+        raise ValueError(f"{type(model).__name__}: the auxiliary router losses (output_router_logits=True) sum over "
+                         "every MoE layer's router, and a pipeline stage holds only some of them; train without "
+                         "them under pp > 1")
+
+
+def router_losses(model: nn.Module, out) -> torch.Tensor | None:
+    """The auxiliary router losses a transformers MoE model adds to its loss when it was asked for its router
+    logits, from the fields of its output, weighted as the model weighs them: Switch Transformers' z-loss and
+    load-balancing loss of the encoder and the decoder; the decoders' (Mixtral, Qwen-MoE) ``aux_loss``. None when
+    the output carries none."""
+    def total(*names):
+        return sum(out.get(name) if out.get(name) is not None else 0 for name in names)
+
+    if out.get("encoder_z_loss") is not None or out.get("decoder_z_loss") is not None:
+        return (model.router_z_loss_coef * total("encoder_z_loss", "decoder_z_loss")
+                + model.router_aux_loss_coef * total("encoder_aux_loss", "decoder_aux_loss"))
+    if out.get("aux_loss") is not None and hasattr(model, "router_aux_loss_coef"):
+        return model.router_aux_loss_coef * out["aux_loss"]
+    return None
+
+
+__all__ = ["MixtureOfExperts", "moe_blocks", "router_losses"]
