@@ -38,6 +38,7 @@ from .assemble import (
     pattern_of, stacks_of,
 )
 from .attention_sites import attention_sites, observe_blocks
+from .experts import moe_facts, moe_plan_entries, taken_by_moe
 from .graph import ExportError, export_twin, out_features
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
 from .twin import ROLES, analysis_twin
@@ -137,23 +138,26 @@ def _infer(model: nn.Module) -> Inferred:
         reasons = "; ".join(f"{u.module}: {u.why}" for u in unplaced) or "no attention op in the graph"
         raise PlanError(f"cannot infer a plan for {type(model).__name__}: no attention block could be identified "
                         f"({reasons}). Write a policy for it (docs/policy-authoring.md)")
-    taken = {p for f in attention for p in (f.q, f.k, f.v, f.out)}
+    moe = moe_facts(twin, sizes.hidden, unplaced)
+    taken = {p for f in attention for p in (f.q, f.k, f.v, f.out)} | taken_by_moe(moe)
     blocks = [f.block for f in attention]
     stacks = stacks_of(twin, blocks)
     mlps = mlp_facts(g, taken, tuple(stacks))
     tables, head = vocab_sites(g, twin, sizes, unplaced)
     facts = Facts(attention=attention, mlps=mlps, tables=tables, head=head, relative=relative_tables(g, sizes, blocks),
-                  stacks=stacks, unplaced=unplaced)
+                  stacks=stacks, unplaced=unplaced, moe_blocks=[f.block for f in moe])
     facts.entries = entry_arguments(twin, inputs, _entry_groups(g, attention, mlps))
     facts.carries = layer_carries(twin, inputs, stacks)
     facts.divide = divided_attributes(twin, blocks, sizes, attributes_read(twin, inputs, blocks))
     plan, dropped = build_plan(facts, g, twin, task_of(twin), inspect.signature(twin.forward).parameters)
     sites, unsited = attention_sites(g, facts, twin, sizes, SEQ, observe_blocks(twin, inputs, blocks))
-    plan = dataclasses.replace(plan, attention=sites)
+    moe_styles, moe_sites = moe_plan_entries(moe, lambda path: pattern_of(path, stacks))
+    plan = dataclasses.replace(plan, attention=sites, styles={**plan.styles, **moe_styles}, moe=moe_sites)
     evidence = {f"attention {f.block}": f.evidence for f in attention}
     evidence |= {f"mlp {f.down}": f.evidence for f in mlps}
     if tables:
         evidence["vocabulary"] = [f"{', '.join(tables)}: {sizes.vocab} rows (the twin's vocabulary)"]
+    evidence |= {f"experts {f.block}.{f.experts}": [f"fused experts; router {f.block}.{f.router}"] for f in moe}
     if facts.relative:
         evidence["per-head tables"] = [f"{', '.join(facts.relative)}: {sizes.heads} columns, inside attention blocks"]
     return Inferred(type(model).__name__, plan, evidence, unplaced + dropped + unsited, time.perf_counter() - start,

@@ -36,6 +36,7 @@ class Facts:
     entries: dict[str, dict[str, str]] = field(default_factory=dict)
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
     carries: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # stack -> Stack.carry
+    moe_blocks: list[str] = field(default_factory=list)  # mixture-of-experts blocks (.experts)
 
 
 def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]) -> dict[str, dict[str, str]]:

@@ -113,9 +113,11 @@ def _unsited_attention(g: Graph, facts: Facts) -> list[Unplaced]:
     """Attention ops inside the stacks that are no identified block's (an attention left replicated there), and
     blocks outside the stacks (the implementation switch would reach them too)."""
     blocks = {f.block for f in facts.attention}
+    routing = tuple(b + "." for b in facts.moe_blocks)  # a router's softmax is not attention
     why = [Unplaced(g.module_of(op), "an attention op inside the layers that is not an identified attention block")
            for op in g.calls(ATTENTION_OPS | SOFTMAX_OPS) if g.module_of(op) not in blocks
-           and any(g.module_of(op).startswith(s + ".") for s in facts.stacks)]
+           and any(g.module_of(op).startswith(s + ".") for s in facts.stacks)
+           and not g.module_of(op).startswith(routing)]
     why += [Unplaced(b, "an attention block outside the layer stacks") for b in sorted(blocks)
             if not any(b.startswith(s + ".") for s in facts.stacks)]
     return why

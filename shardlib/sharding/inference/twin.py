@@ -26,10 +26,16 @@ ROLES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("num_key_value_heads",),
     "head_dim": ("head_dim", "d_kv", "attention_head_size"),
     "hidden": ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "pooler_hidden_size"),
-    "ffn": ("intermediate_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner", "hidden_dim"),
+    "ffn": ("intermediate_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "n_inner", "hidden_dim",
+            "moe_intermediate_size", "shared_expert_intermediate_size"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
     "vocab": ("vocab_size", "decoder_vocab_size"),
     "embedding": ("embedding_size",),
 }
+
+
+#: a twin's experts per mixture-of-experts layer (where the model has them)
+TWIN_EXPERTS = 8
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,10 @@ def twin_config(config, *, heads: int, kv_heads: int, head_dim: int, ffn: int, v
                   for n in ROLES["kv_heads"])
     kv = kv_heads if grouped else heads
     for role, value in (("layers", 2), ("heads", heads), ("kv_heads", kv), ("hidden", hidden), ("ffn", ffn),
-                        ("vocab", vocab), ("embedding", hidden)):
+                        ("vocab", vocab), ("embedding", hidden), ("experts", TWIN_EXPERTS)):
         _set_role(config, role, value)
+    if isinstance(getattr(config, "num_experts_per_tok", None), int):  # top-k within the twin's experts
+        config.num_experts_per_tok = min(config.num_experts_per_tok, TWIN_EXPERTS)
     if free:
         _set_role(config, "head_dim", head_dim)
     if dropout_off:  # dropout, and the other random drops: stochastic depth (BEiT's drop_path_rate), layerdrop
@@ -102,14 +110,24 @@ def analysis_twin(model: nn.Module) -> tuple[nn.Module, Sizes]:
     """The twin the graph is read on (module docstring), float32, in eval mode."""
     config, sizes = twin_config(model.config, heads=12, kv_heads=4, head_dim=8, ffn=74, vocab=101,
                                 distinct_hidden=70, dropout_off=False)
-    return build(type(model), config).eval(), sizes
+    return experts_running(build(type(model), config), "batched_mm").eval(), sizes
 
 
 def verification_twin(model: nn.Module, tp: int) -> tuple[nn.Module, Sizes]:
     """The twin a plan is proven on at tensor-parallel degree ``tp`` (module docstring), float64, dropout off."""
     config, sizes = twin_config(model.config, heads=2 * tp, kv_heads=tp, head_dim=4, ffn=16 * tp, vocab=13 * tp + 3,
                                 distinct_hidden=None, dropout_off=True)
-    return build(type(model), config).double(), sizes
+    return experts_running(build(type(model), config), "eager").double(), sizes
+
+
+def experts_running(model: nn.Module, implementation: str) -> nn.Module:
+    """``model`` with its fused experts (transformers' ``@use_experts_implementation`` modules) run by
+    ``implementation``: the analysis twin exports ``batched_mm`` (no data-dependent loop over experts, which
+    torch.export cannot trace), the verification twin runs ``eager`` (``grouped_mm`` has no float64 and needs
+    16-byte strides). Every implementation computes the same function of the same weights."""
+    if getattr(model.config, "_experts_implementation", None) not in (None, implementation):
+        model.set_experts_implementation(implementation)
+    return model
 
 
 def build(cls: type, config) -> nn.Module:
