@@ -27,7 +27,7 @@ FAMILIES = {
 }
 
 
-def make_model(family: str, *, experts: int = 4, top_k: int = 2, capacity: int = 3, dtype=torch.float64,
+def build_model(family: str, *, experts: int = 4, top_k: int = 2, capacity: int = 3, dtype=torch.float64,
                implementation: str = "eager", router_losses: bool = False, router_dtype: str = "float64",
                seed: int = 0, **overrides) -> torch.nn.Module:
     """``family``'s model with ``experts`` experts; Switch routes top-1 with ``capacity`` tokens per expert and
@@ -47,7 +47,7 @@ def make_model(family: str, *, experts: int = 4, top_k: int = 2, capacity: int =
     return model
 
 
-def make_batch(family: str, *, batch: int = 2, seq: int = 9, labels: bool = True, seed: int = 1) -> dict:
+def build_batch(family: str, *, batch: int = 2, seq: int = 9, labels: bool = True, seed: int = 1) -> dict:
     """Random token ids; Switch gets decoder labels (its loss), the decoders their ids as labels when ``labels``
     (then the loss is float32, transformers' upcast), else none (a weighted sum of the float64 logits is the
     objective)."""
@@ -76,3 +76,14 @@ def routed_tokens(model: torch.nn.Module, batch: dict) -> tuple[int, int]:
         for h in handles:
             h.remove()
     return sum(kept), sum(total)
+
+
+# ------------------------------------------------------- the rank tasks' case interface (rank_tasks.cases(spec))
+def make_model(spec: dict) -> torch.nn.Module:
+    """``spec["model"]``'s model with ``spec["options"]`` (:func:`build_model`), in ``spec["dtype"]``."""
+    return build_model(spec["model"], dtype=getattr(torch, spec["dtype"]), **spec.get("options", {}))
+
+
+def make_batch(spec: dict, config) -> dict:
+    return build_batch(spec["model"], batch=spec.get("batch", 4), seq=spec.get("seq", 9),
+                       labels=spec.get("labels", True))

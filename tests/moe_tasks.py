@@ -9,7 +9,7 @@ import torch
 
 import shardlib
 from harness import mesh as pool_mesh
-from moe_cases import make_batch, make_model, routed_tokens
+from moe_cases import build_batch, build_model, routed_tokens
 from rank_tasks import compare_training_step
 
 SEQUENCE = {"none": False, "megatron": True, "all_to_all": "all_to_all", "ring": "ring"}
@@ -22,10 +22,10 @@ def moe_equivalence(family: str, tp: int = 2, sequence: str = "none", sp: int = 
     with a float64 router); the decoders route in float32 whatever the model's dtype (transformers' upcast before
     the softmax, rounding the routing weights to float32), so they are compared at float32 tolerances."""
     dtype = getattr(torch, dtype)
-    ref = make_model(family, dtype=dtype, **model_options)
+    ref = build_model(family, dtype=dtype, **model_options)
     model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=tp, sp=sp), gather_logits=True,
                            sequence_parallel=SEQUENCE[sequence])
-    batch = make_batch(family, labels=labels, seq=seq)
+    batch = build_batch(family, labels=labels, seq=seq)
     kept, routed = routed_tokens(ref, batch) if family == "switch" else (0, 0)
     exact = dtype == torch.float64 and family == "switch" and model_options.get("router_dtype", "float64") == "float64"
     compared = compare_training_step(ref, model, batch, torch.float64 if exact else torch.float32)
@@ -36,7 +36,7 @@ def moe_equivalence(family: str, tp: int = 2, sequence: str = "none", sp: int = 
 
 def shard_refusal(family: str, tp: int = 1, sequence: str = "none", sp: int = 1, **model_options) -> str:
     """The PlanError of sharding ``family`` at this layout ("no error" if none), the model left untouched."""
-    model = make_model(family, **model_options)
+    model = build_model(family, **model_options)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         shardlib.shard(model, pool_mesh(tp=tp, sp=sp), sequence_parallel=SEQUENCE[sequence])
@@ -45,3 +45,39 @@ def shard_refusal(family: str, tp: int = 1, sequence: str = "none", sp: int = 1,
         after = model.state_dict()
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         return str(exc)
+
+
+def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0, checkpointing: bool = False,
+                        microbatches: int = 2, steps: int = 2, per_rank: int = 4, seq: int = 9,
+                        **model_options) -> dict:
+    """``steps`` Trainer steps (AdamW) of ``family`` at dp x pp x tp (dp: the rest of the pool) with ZeRO ``zero``
+    and activation checkpointing, each dp rank training on its share of the global batch, against the unsharded
+    model's steps on the whole batch: every weight afterwards, and the losses (float32 tolerances where the model
+    computes its loss in float32: the causal LMs)."""
+    from shardlib.train import Trainer, dp_shard
+
+    from rank_tasks import TOL, _adamw
+
+    mesh = pool_mesh(tp=tp, pp=pp)
+    ref = build_model(family, **model_options)
+    model = shardlib.shard(copy.deepcopy(ref), mesh)
+    trainer = Trainer(model, _adamw, microbatches=microbatches, zero=zero, activation_checkpointing=checkpointing)
+    ref_optimizer = _adamw(ref.parameters())
+    tol = TOL[torch.float64 if family == "switch" else torch.float32]
+    losses = []
+    for step in range(steps):
+        batch = build_batch(family, batch=per_rank * mesh.dp, seq=seq, seed=10 + step)
+        loss = trainer.train_step(dp_shard(batch, mesh))
+        ref_optimizer.zero_grad()
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_optimizer.step()
+        torch.testing.assert_close(torch.tensor(loss, dtype=torch.float64), ref_loss.detach().double(), **tol)
+        losses.append(loss)
+    weights = shardlib.full_state_dict(model)
+    reference = dict(ref.named_parameters())
+    for name, w in weights.items():
+        torch.testing.assert_close(w, reference[name].detach(), **tol, msg=lambda m, n=name: f"weight {n}: {m}")
+    # experts no token of any rank reached in the last step: no gradient, as in the unsharded model
+    idle = [name for name, p in model.named_parameters() if ".experts." in name and p.grad is None]
+    return {"losses": losses, "weights": len(weights), "idle_expert_params": len(idle)}

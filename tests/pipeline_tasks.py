@@ -48,7 +48,7 @@ def pipeline_equivalence(spec: dict) -> dict:
     # HF computes the causal-LM loss in float32 (logits.float()): float32 noise in float64 models too. Masked image
     # modeling divides by (masked pixels + 1e-5): weighting microbatches by their masked patches is exact up to that
     # epsilon, a relative 1e-5 / (masked pixels), far below float32 tolerance but above float64's
-    loose = spec["cls"] in ("BertLMHeadModel", "ViTForMaskedImageModeling")
+    loose = spec["cls"] in ("BertLMHeadModel", "ViTForMaskedImageModeling") or spec["cls"].endswith("ForCausalLM")
     dtype = torch.float32 if loose else DTYPES[spec["dtype"]]
     mesh, ref, model, batch = build(spec)
     compile = {"backend": spec["compile"]} if spec.get("compile") else False

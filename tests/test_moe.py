@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moe_tasks
+import pipeline_tasks
 from profiles import examples
 
 
@@ -78,3 +79,34 @@ def test_refusals_name_the_module_and_the_fix(pool):
     assert "output_router_logits=True" in losses_ring, losses_ring
     width = pool.run(moe_tasks.shard_refusal, "qwen2moe", 4, moe_intermediate_size=6)[0]
     assert "gate_up_proj: intermediate width 6 of 4 experts is not divisible by tp=4" in width, width
+
+
+@pytest.mark.parametrize("family,tp,zero,checkpointing", [
+    ("switch", 1, 3, False), ("switch", 2, 1, True), ("mixtral", 2, 3, True), ("qwen2moe", 1, 2, False)])
+def test_training_steps_at_dp_with_zero_and_checkpointing_equal_unsharded(pool, family, tp, zero, checkpointing):
+    """Two Trainer steps at dp x tp (the pool's 4 ranks) with ZeRO and activation checkpointing == two AdamW
+    steps of the unsharded model on the whole batch."""
+    options = {"router_dtype": "float64", "capacity": 2} if family == "switch" else {}
+    for result in pool.run(moe_tasks.trainer_equivalence, family, tp, zero=zero, checkpointing=checkpointing,
+                           **options):
+        assert result["weights"] >= 20, result
+
+
+def test_a_rank_whose_experts_get_no_tokens_neither_hangs_nor_computes_wrong_gradients(pool):
+    """Switch at dp=4 under ZeRO-3 with 6 experts and one 3-token sample per rank: most experts get no token on a
+    rank (FSDP2 needs their gradient all the same: it reduce-scatters a layer's gradients as one buffer)."""
+    results = pool.run(moe_tasks.trainer_equivalence, "switch", zero=3, experts=6, capacity=3, per_rank=1, seq=3,
+                       microbatches=1, router_dtype="float64")
+    assert all(r["weights"] >= 100 and r["idle_expert_params"] for r in results), results
+
+
+@pytest.mark.parametrize("family,cls,tp", [("switch", "SwitchTransformersForConditionalGeneration", 1),
+                                           ("mixtral", "MixtralForCausalLM", 2),
+                                           ("qwen2moe", "Qwen2MoeForCausalLM", 1)])
+def test_pipelined_moe_equals_unsharded(pool, family, cls, tp):
+    """pp=2 (encoder / decoder stages for Switch) x tp, 1F1B over 2 microbatches: the loss, every gradient of
+    each rank's stage and the weights after AdamW."""
+    spec = {"family": "moe", "model": family, "cls": cls, "pp": 2, "tp": tp, "schedule": "1f1b", "microbatches": 2,
+            "dtype": "float64", "options": {"router_dtype": "float64"} if family == "switch" else {}}
+    for result in pool.run(pipeline_tasks.pipeline_equivalence, spec):
+        assert result["grads"] >= 10, result

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .collectives import copy_to_tp, reduce_from_tp
+from .collectives import all_reduce, copy_to_tp, reduce_from_tp
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .layout import Layout, set_layout
 from .styles import LocalRNG, ShardContext, Style
@@ -147,4 +147,73 @@ def _enter_and_leave_once(module: nn.Module, ctx: ShardContext) -> None:
     module.register_forward_hook(lambda mod, args, out: reduce_from_tp(out, group))
 
 
-__all__ = ["ExpertsTensorParallel", "is_fused_experts"]
+#: set on an experts module by shard() (:mod:`shardlib.sharding.experts`)
+EXPERTS_ATTR = "_shardlib_experts"
+
+
+class _ZeroGradients(torch.autograd.Function):
+    """forward: ``out`` unchanged; backward: ``out``'s gradient, and zeros for ``params`` (which took no part)."""
+
+    @staticmethod
+    def forward(ctx, out, *params):
+        ctx.shapes = [(p.shape, p.dtype, p.device) for p in params]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
+
+
+#: on an experts module hooked by :func:`every_expert_gets_a_gradient`: the experts that ran in the step so far
+USED_ATTR = "_shardlib_used_experts"
+
+
+def every_expert_gets_a_gradient(experts: nn.Module) -> None:
+    """Give the experts of a ModuleDict that received no token in a forward a zero gradient in its backward (the
+    model runs only the experts some token was routed to, so the others get none). What ZeRO-3 needs: FSDP2
+    reduce-scatters a layer's gradients as one flat buffer per layer, so a rank whose expert got no tokens while
+    another rank's did would pass a shorter buffer, and the collective fails. Which experts ran is kept (every
+    forward under grad until :func:`release_idle_experts`), so that an expert no rank used goes without a
+    gradient after the reduction, as in the unsharded model (an optimizer steps a zero gradient, not a missing
+    one: AdamW would decay the weights). Fused experts (one 3-D parameter for all experts) need none of this."""
+    used: set[int] = experts.__dict__.setdefault(USED_ATTR, set())
+    ran: set[int] = set()
+
+    def reset(mod, args):
+        ran.clear()
+
+    def note(mod, args, out):
+        ran.add(id(mod))
+        if torch.is_grad_enabled():
+            used.add(id(mod))
+
+    def touch(mod, args, out):
+        idle = [p for expert in mod.children() if id(expert) not in ran
+                for p in expert.parameters() if p.requires_grad]
+        return _ZeroGradients.apply(out, *idle) if idle and torch.is_grad_enabled() else out
+
+    experts.register_forward_pre_hook(reset)
+    for expert in experts.children():
+        expert.register_forward_hook(note)
+    experts.register_forward_hook(touch)
+
+
+def release_idle_experts(model: nn.Module, group) -> None:
+    """After a step's gradients were reduced over ``group`` (data parallel): the experts that ran on no rank of it
+    since the last call lose their (zero) gradient (:func:`every_expert_gets_a_gradient`). One small all-reduce."""
+    modules = [m for m in model.modules() if USED_ATTR in m.__dict__]
+    if not modules:
+        return
+    experts = [(m, e) for m in modules for e in m.children()]
+    ran = torch.tensor([float(id(e) in m.__dict__[USED_ATTR]) for m, e in experts])
+    ran = all_reduce(ran, group, "max") if group is not None else ran
+    for (module, expert), anywhere in zip(experts, ran.tolist()):
+        if not anywhere:
+            for p in expert.parameters():
+                p.grad = None
+    for module in modules:
+        module.__dict__[USED_ATTR].clear()
+
+
+__all__ = ["ExpertsTensorParallel", "is_fused_experts", "every_expert_gets_a_gradient", "release_idle_experts",
+           "EXPERTS_ATTR"]

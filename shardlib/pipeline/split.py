@@ -17,6 +17,7 @@ summed over the pipeline group after backward (:meth:`PipelineSplit.sync_tied_gr
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,22 @@ from ..parallel.collectives import all_reduce_flat
 from ..parallel.random import preserved_rng
 from ..sharding.plan import PlanError, Stack
 from .stages import StagePlan, _exists, tensor_owners
+
+
+@functools.cache
+def _stack_output_class():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class StackOutput(BaseModelOutput):
+        """A stack's output handed to a later stage (``Stack.output_arg``): its last hidden state; every other
+        field the model may read of it (Switch Transformers' ``router_logits``, which no later stage has) is None."""
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return None
+
+    return StackOutput
 
 
 class StageExit(Exception):
@@ -209,7 +226,9 @@ class PipelineSplit:
         handles, restore = [], []
         kwargs = dict(kwargs)
         for k in route.receives_outputs:
-            kwargs[self.trunk[k].output_arg] = (outputs[k],)
+            # what the model's own stack returns (a ModelOutput indexes like the tuple older forwards take, and has
+            # the attributes newer ones read: Switch Transformers reads encoder_outputs.last_hidden_state)
+            kwargs[self.trunk[k].output_arg] = _stack_output_class()(last_hidden_state=outputs[k])
         stage_layers = set(self.plan.layers[route.index])
         for k, stack in enumerate(self.trunk):
             module_list = self.model.get_submodule(stack.layers)

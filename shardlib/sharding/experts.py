@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel.experts import EXPERTS_ATTR
 from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
 from .sequence import MEGATRON, SP_MODES, SequenceStream
 
@@ -56,8 +57,12 @@ class MixtureOfExperts:
         return problems
 
     def prepare(self, r) -> None:
-        """Before the sequence-parallel pass hooks the layers' replicated parameters: mark the blocks that run on
-        the whole sequence."""
+        """Mark each experts module (what ZeRO-3 looks for: :func:`~shardlib.parallel.experts.
+        every_expert_gets_a_gradient`) and, before the sequence-parallel pass hooks the layers' replicated
+        parameters, the blocks that run on the whole sequence."""
+        for pattern, site in r.plan.moe.items():
+            for path in r.match(pattern, "moe"):
+                r.modules[path].get_submodule(site.experts).__dict__[EXPERTS_ATTR] = True
         for path in self._whole_sequence_blocks(r):
             r.modules[path].__dict__[WHOLE_SEQUENCE_ATTR] = True
 

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from ..parallel.dp_shards import like, local, local_shape, whole  # noqa: F401 - re-exported
+from ..parallel.experts import EXPERTS_ATTR, every_expert_gets_a_gradient, is_fused_experts
 from ..parallel.gradsync import unbucket
 from ..sharding.sharded import shard_state
 
@@ -56,6 +57,9 @@ def apply_fsdp(model: nn.Module, *, offload: bool = False) -> list[FSDPModule]:
         policy = CPUOffloadPolicy()
     dp_mesh = dp_device_mesh(state.mesh)
     unbucket(model)  # FSDP2 reads a layer's gradients right after its backward
+    for module in model.modules():  # each layer's flat gradient buffer must be as long on every dp rank
+        if module.__dict__.get(EXPERTS_ATTR) and not is_fused_experts(module):
+            every_expert_gets_a_gradient(module)
     modules = []
     for stack in state.plan.trunk:
         for layer in model.get_submodule(stack.layers):  # under a pipeline, this rank's stages' layers

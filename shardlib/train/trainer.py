@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..analysis.compiling import compile_model
+from ..parallel.experts import release_idle_experts
 from ..parallel.random import generator_disagreement
 from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
@@ -305,6 +306,8 @@ class Trainer:
             shard = functools.partial(local_shape, dp=self.mesh.dp, dp_rank=self.mesh.local_rank("dp"))
             self.split.sync_tied_grads(shard if self.zero == 3 else None)
         self.data_parallel.finish_grads()
+        if self.zero == 3:  # experts no dp rank routed a token to: no gradient, as in the unsharded model
+            release_idle_experts(self.model, self.mesh.group("dp") if self.mesh.dp > 1 else None)
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradient of the whole (unsharded) model, a float64 scalar tensor
