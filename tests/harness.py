@@ -74,18 +74,18 @@ def _free_port() -> int:
 _MESHES: dict = {}
 
 
-def mesh(dp=None, pp=1, tp=1, sp=1):
+def mesh(dp=None, pp=1, tp=1, sp=1, ep=1):
     """A cached ``shardlib.Mesh`` over the pool's world (call inside a task)."""
     import torch.distributed as dist
 
     import shardlib
 
     world = dist.get_world_size()
-    key = (dp or world // (pp * sp * tp), pp, tp, sp)
+    key = (dp or world // (pp * sp * tp), pp, tp, sp, ep)
     if key not in _MESHES:
         # the process group's collectives (the path NCCL and multi-host gloo take) under every property; the
         # shared-memory transport, the default on one host, is proven on its own (tests/test_shm.py)
-        _MESHES[key] = shardlib.init_mesh(*key[:3], sp=sp, transport="c10d")
+        _MESHES[key] = shardlib.init_mesh(*key[:3], sp=sp, ep=ep, transport="c10d")
     return _MESHES[key]
 
 

@@ -34,12 +34,14 @@ def moe_equivalence(family: str, tp: int = 2, sequence: str = "none", sp: int = 
             "policy": report.policy}
 
 
-def shard_refusal(family: str, tp: int = 1, sequence: str = "none", sp: int = 1, **model_options) -> str:
+def shard_refusal(family: str, tp: int = 1, sequence: str = "none", sp: int = 1, ep: int = 1,
+                  expert_capacity: float | None = None, **model_options) -> str:
     """The PlanError of sharding ``family`` at this layout ("no error" if none), the model left untouched."""
     model = build_model(family, **model_options)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        shardlib.shard(model, pool_mesh(tp=tp, sp=sp), sequence_parallel=SEQUENCE[sequence])
+        shardlib.shard(model, pool_mesh(tp=tp, sp=sp, ep=ep), sequence_parallel=SEQUENCE[sequence],
+                       expert_capacity=expert_capacity)
         return "no error"
     except shardlib.PlanError as exc:
         after = model.state_dict()
@@ -48,7 +50,8 @@ def shard_refusal(family: str, tp: int = 1, sequence: str = "none", sp: int = 1,
 
 
 def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0, checkpointing: bool = False,
-                        microbatches: int = 2, steps: int = 2, per_rank: int = 4, seq: int = 9,
+                        microbatches: int = 2, steps: int = 2, per_rank: int = 4, seq: int = 9, ep: int = 1,
+                        expert_capacity: float | None = None, max_grad_norm: float | None = None,
                         **model_options) -> dict:
     """``steps`` Trainer steps (AdamW) of ``family`` at dp x pp x tp (dp: the rest of the pool) with ZeRO ``zero``
     and activation checkpointing, each dp rank training on its share of the global batch, against the unsharded
@@ -58,10 +61,11 @@ def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0,
 
     from rank_tasks import TOL, _adamw
 
-    mesh = pool_mesh(tp=tp, pp=pp)
+    mesh = pool_mesh(tp=tp, pp=pp, ep=ep)
     ref = build_model(family, **model_options)
-    model = shardlib.shard(copy.deepcopy(ref), mesh)
-    trainer = Trainer(model, _adamw, microbatches=microbatches, zero=zero, activation_checkpointing=checkpointing)
+    model = shardlib.shard(copy.deepcopy(ref), mesh, expert_capacity=expert_capacity)
+    trainer = Trainer(model, _adamw, microbatches=microbatches, zero=zero, activation_checkpointing=checkpointing,
+                      max_grad_norm=max_grad_norm)
     ref_optimizer = _adamw(ref.parameters())
     tol = TOL[torch.float64 if family == "switch" else torch.float32]
     losses = []
@@ -71,6 +75,8 @@ def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0,
         ref_optimizer.zero_grad()
         ref_loss = ref(**batch).loss
         ref_loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
         ref_optimizer.step()
         torch.testing.assert_close(torch.tensor(loss, dtype=torch.float64), ref_loss.detach().double(), **tol)
         losses.append(loss)
@@ -81,3 +87,45 @@ def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0,
     # experts no token of any rank reached in the last step: no gradient, as in the unsharded model
     idle = [name for name, p in model.named_parameters() if ".experts." in name and p.grad is None]
     return {"losses": losses, "weights": len(weights), "idle_expert_params": len(idle)}
+
+
+def static_capacity_drops(ep: int, factor: float) -> dict:
+    """Mixtral at ep with the static capacity ``factor``: the pairs each rank's exchange dropped, as counted by
+    shard() (``expert_load``), and as counted here from the router's own choices: per expert, what exceeds
+    ``ceil(factor * pairs / experts)`` in its token order."""
+    import math
+
+    import torch.distributed as dist
+
+    from shardlib.sharding.experts import expert_load
+
+    mesh = pool_mesh(ep=ep)
+    ref = build_model("mixtral", experts=4, top_k=2)
+    model = shardlib.shard(copy.deepcopy(ref), mesh, expert_capacity=factor)
+    batch = build_batch("mixtral", batch=2, seq=9, labels=False, seed=20 + dist.get_rank())
+    chosen = []
+    handles = [m.register_forward_hook(lambda mod, args, out: chosen.append(out[2]))
+               for m in model.modules() if type(m).__name__ == "MixtralTopKRouter"]
+    with torch.no_grad():
+        model(**batch)
+    for h in handles:
+        h.remove()
+    expected = 0
+    for index in chosen:
+        capacity = max(1, math.ceil(factor * index.numel() / 4))
+        expected += int((torch.bincount(index.reshape(-1), minlength=4) - capacity).clamp(min=0).sum())
+    load = expert_load(model)
+    return {"counted": int(sum(d for _, d in load.values())), "expected": expected,
+            "routed": int(sum(r for r, _ in load.values())), "layers": len(load)}
+
+
+def full_state_round_trip_at_ep(ep: int) -> dict:
+    """Mixtral's full state dict loaded into ep shards (``load_full_state_dict``: each rank keeps its experts) and
+    gathered back (``full_state_dict``): bitwise the same, with E/ep experts per rank."""
+    ref = build_model("mixtral", experts=4)
+    model = shardlib.shard(build_model("mixtral", experts=4, seed=5), pool_mesh(ep=ep))
+    shardlib.load_full_state_dict(model, ref.state_dict())
+    local = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
+    full, expected = shardlib.full_state_dict(model), ref.state_dict()
+    differing = [name for name, tensor in full.items() if not torch.equal(tensor, expected[name])]
+    return {"local_experts": local, "differing": differing, "compared": len(full)}

@@ -110,3 +110,38 @@ def test_pipelined_moe_equals_unsharded(pool, family, cls, tp):
             "dtype": "float64", "options": {"router_dtype": "float64"} if family == "switch" else {}}
     for result in pool.run(pipeline_tasks.pipeline_equivalence, spec):
         assert result["grads"] >= 10, result
+
+
+# ------------------------------------------------------------------------------------------ expert parallelism
+@pytest.mark.parametrize("family,ep,capacity,clip", [("mixtral", 2, None, 1.0), ("qwen2moe", 4, None, None),
+                                                     ("mixtral", 2, 8.0, None), ("qwen2moe", 2, 4.0, 0.5)])
+def test_expert_parallel_training_equals_unsharded(pool, family, ep, capacity, clip):
+    """Two Trainer steps at dp=4 with each MoE layer's experts split over ep ranks (ep=2: two expert-data-parallel
+    replicas), dropless or with a static capacity large enough to drop nothing, gradient clipping over the whole
+    model == the unsharded model's steps on the whole batch."""
+    for result in pool.run(moe_tasks.trainer_equivalence, family, ep=ep, expert_capacity=capacity,
+                           max_grad_norm=clip, experts=4):
+        assert result["weights"] >= 20, result
+
+
+@pytest.mark.parametrize("ep,factor", [(2, 0.5), (4, 0.75)])
+def test_static_capacity_counts_every_pair_it_drops(pool, ep, factor):
+    for result in pool.run(moe_tasks.static_capacity_drops, ep, factor):
+        assert result["layers"] == 2 and result["routed"] == 2 * 18 * 2, result
+        assert result["counted"] == result["expected"] > 0, result
+
+
+def test_full_state_loads_into_expert_shards_and_gathers_back_bitwise(pool):
+    for result in pool.run(moe_tasks.full_state_round_trip_at_ep, 4):
+        assert result["local_experts"] == 1 and not result["differing"] and result["compared"] >= 20, result
+
+
+def test_expert_parallel_refusals_name_the_problem(pool):
+    switch = pool.run(moe_tasks.shard_refusal, "switch", ep=2)[0]
+    assert "expert parallelism splits transformers' fused experts" in switch, switch
+    odd = pool.run(moe_tasks.shard_refusal, "mixtral", ep=4, experts=6)[0]
+    assert "6 experts are not divisible by ep=4" in odd, odd
+    with_tp = pool.run(moe_tasks.shard_refusal, "mixtral", tp=2, ep=2)[0]
+    assert "ep=2 with tp=2 is not supported yet" in with_tp, with_tp
+    capacity = pool.run(moe_tasks.shard_refusal, "mixtral", expert_capacity=1.0)[0]
+    assert "needs a mesh with ep > 1" in capacity, capacity

@@ -24,7 +24,7 @@ from ..sharding.state import materialize
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .outcome import all_ranks, timeout_of
 from .reader import ShardedCheckpoint
-from .tensors import fill_local, local_tensors, model_tensor_names, tp_rank
+from .tensors import fill_local, local_tensors, model_tensor_names, rank_along, tp_rank
 
 log = logging.getLogger("shardlib.checkpoint")
 
@@ -111,9 +111,9 @@ def _read_hf_weights(model: nn.Module, files: SafetensorsFiles, strict: bool) ->
         found.append((tensor, names[0], key, layout))
     known = {to_hub(n) for n in model_names}
     _unmatched(model, str(files.directory), missing, sorted(set(files.weight_map) - known), strict)
-    rank = tp_rank(model)
-    for tensor, name, key, layout in found:
-        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank, tensor, key)
+    for tensor, name, key, layout in found:  # each rank reads only its slice (its experts' rows under ep)
+        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank_along(model, layout),
+                   tensor, key)
     return [name for _, name, _, _ in found], initialized
 
 

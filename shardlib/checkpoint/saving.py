@@ -117,6 +117,11 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
     work, except where a ZeRO stage's state or FSDP2's parameters are gathered over dp (every dp rank calls it)."""
     state = shard_state(model)
     mesh = state.mesh
+    if getattr(mesh, "ep", 1) > 1:
+        raise CheckpointError(f"saving a checkpoint of an expert-parallel model (ep={mesh.ep}) is not supported yet "
+                              "(its experts are split over data-parallel ranks, which the sharded format does not "
+                              "describe): gather it with shardlib.full_state_dict(model) on every rank and save that "
+                              "from one, or train at ep=1 with tp")
     # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
     # (a ZeRO optimizer's state too, once saved_tensors has gathered it)
     sp_writer = mesh.sp == 1 or mesh.local_rank("sp") == 0

@@ -73,6 +73,15 @@ def tp_rank(model: nn.Module) -> int:
     return state.mesh.tp_rank if state is not None else 0
 
 
+def rank_along(model: nn.Module, layout) -> int:
+    """This rank's index along the mesh dimension that splits ``layout`` (tp, or ep for experts split by expert
+    parallelism)."""
+    state = shard_state(model, required=False)
+    if layout.mesh_dim == "ep" and state is not None:
+        return state.mesh.ep_rank
+    return tp_rank(model)
+
+
 def saved_tensors(model: nn.Module, optimizer=None):
     """(name, tensor, layout, aliases) of everything a checkpoint holds: parameters and persistent buffers (tied ones
     once), then, with an optimizer, each parameter's state tensors as ``optimizer.<state>.<param name>`` (master

@@ -164,6 +164,14 @@ class _ZeroGradients(torch.autograd.Function):
         return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes))
 
 
+def expert_module_params(model: nn.Module) -> set[int]:
+    """Ids of the parameters of the per-expert modules of ``model``'s experts (a ModuleDict marked by shard()):
+    which of them get a gradient depends on where the tokens go, step by step, so the Trainer's data-parallel sum
+    takes them after backward (counting the ranks that gave each one a gradient), not in torch's DDP."""
+    return {id(p) for m in model.modules() if m.__dict__.get(EXPERTS_ATTR) and not is_fused_experts(m)
+            for p in m.parameters()}
+
+
 #: on an experts module hooked by :func:`every_expert_gets_a_gradient`: the experts that ran in the step so far
 USED_ATTR = "_shardlib_used_experts"
 
@@ -216,4 +224,4 @@ def release_idle_experts(model: nn.Module, group) -> None:
 
 
 __all__ = ["ExpertsTensorParallel", "is_fused_experts", "every_expert_gets_a_gradient", "release_idle_experts",
-           "EXPERTS_ATTR"]
+           "expert_module_params", "EXPERTS_ATTR"]

@@ -63,6 +63,9 @@ class Mesh:
     pp: int
     tp: int
     sp: int = 1
+    #: expert parallelism: each mixture-of-experts layer's experts split over ``ep`` data-parallel ranks (consecutive
+    #: ones; ep divides dp), which exchange their tokens (:mod:`shardlib.parallel.expert_parallel`)
+    ep: int = 1
     #: the bound on every collective wait, seconds (``init_mesh(timeout_s=...)``; :mod:`shardlib.parallel.timeouts`)
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S, compare=False)
     #: how the tp and sp groups move tensors: "c10d" (the process group's backend) or "shm" (shared memory, ranks
@@ -71,6 +74,8 @@ class Mesh:
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def group(self, dim: str) -> dist.ProcessGroup:
+        if dim in ("ep", "edp"):
+            return self.split_dp_for_experts()[dim == "edp"]
         if dim not in self._groups:
             self._groups[dim] = self.device_mesh.get_group(dim)
         return self._groups[dim]
@@ -93,8 +98,31 @@ class Mesh:
             self._groups[key] = groups
         return self._groups[key]
 
+    def split_dp_for_experts(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """The dp dimension as ``dp / ep`` groups of ``ep`` consecutive ranks: (this rank's expert-parallel group,
+        which splits the experts, its expert-data-parallel group: the ranks holding the same experts, over which
+        their gradients are summed). Collective the first time, cached after (``_unflatten`` as in
+        :meth:`split_sp`)."""
+        if "ep" not in self._groups:
+            split = self.device_mesh._unflatten("dp", (self.dp // self.ep, self.ep), ("edp", "ep"))
+            groups = split.get_group("ep"), split.get_group("edp")
+            if dist.get_backend() != FAKE_BACKEND:
+                for group in groups:
+                    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s), group)
+            self._groups["ep"], self._groups["edp"] = groups
+        return self._groups["ep"], self._groups["edp"]
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.split_dp_for_experts()[0]
+
+    @property
+    def ep_rank(self) -> int:
+        return self.local_rank("dp") % self.ep
+
     def size(self, dim: str) -> int:
-        return {"dp": self.dp, "pp": self.pp, "sp": self.sp, "tp": self.tp}[dim]
+        return {"dp": self.dp, "pp": self.pp, "sp": self.sp, "tp": self.tp, "ep": self.ep,
+                "edp": self.dp // self.ep}[dim]
 
     def local_rank(self, dim: str) -> int:
         return self.device_mesh.get_local_rank(dim)
@@ -116,6 +144,10 @@ class Mesh:
         return self.device_mesh.device_type
 
     def __str__(self) -> str:
+        text = self._describe()
+        return text if self.ep == 1 else text.replace("Mesh(dp=", f"Mesh(ep={self.ep} of dp=", 1)
+
+    def _describe(self) -> str:
         coord = tuple(self.device_mesh.get_coordinate() or ())
         if self.sp == 1:
             at = coord[:2] + coord[3:]
@@ -164,8 +196,10 @@ def init_mesh(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     transport: str | None = None,
+    ep: int = 1,
 ) -> Mesh:
     """Return a validated dp x pp x sp x tp :class:`Mesh` over all ranks (``dp=None`` infers dp from WORLD_SIZE).
+    ``ep``: expert parallelism over that many consecutive data-parallel ranks (it must divide dp).
 
     Rank order is dp-major, tp-minor: tensor-parallel peers are adjacent ranks (on one node when possible), then
     the all-to-all sequence-parallel peers (``sp``, which also move activations every layer).
@@ -185,6 +219,9 @@ def init_mesh(
     world = dist.get_world_size()
     try:
         dp, pp, sp, tp = _resolve_sizes(world, dp, pp, tp, sp)
+        if not isinstance(ep, int) or ep < 1 or dp % ep:
+            raise MeshError(f"ep={ep!r} must be a positive integer dividing dp={dp} (expert-parallel ranks are drawn "
+                            f"from the data-parallel ones); ep=1 or a divisor of {dp}")
     except MeshError as exc:
         if created:  # leave the process as it was: no half-set-up world behind a refused mesh
             dist.destroy_process_group()
@@ -209,7 +246,7 @@ def init_mesh(
     if transport == "shm" and real:
         groups = [device_mesh.get_group(dim) for dim in ("sp", "tp") if sizes[dim] > 1]
         transport = _attach_shared_memory(groups, timeout_s, required, created)
-    return Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, timeout_s=timeout_s, transport=transport)
+    return Mesh(device_mesh=device_mesh, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep, timeout_s=timeout_s, transport=transport)
 
 
 def _attach_shared_memory(groups: list, timeout_s: float, required: bool, created: bool) -> str:

@@ -19,16 +19,28 @@ the same tokens, the same experts, the same capacity drops, in the dtype the mod
   pipelined model for them (``output_router_logits``) is refused at the forward.
 * **Losses**: the auxiliary losses the model adds to its training loss (:func:`router_losses`) are added to the
   vocab-parallel loss the same way (:mod:`shardlib.sharding.losses`).
+* **Expert parallelism** (``mesh.ep > 1``): each experts module keeps the E/ep experts of its rank of the ep group
+  (its 3-D weights split along the expert dim, the layout recorded over ``ep``) and exchanges tokens with the others
+  (:mod:`shardlib.parallel.expert_parallel`); ``shard(expert_capacity=c)`` picks the static-capacity exchange.
+  Built for transformers' fused experts at tp = pp = 1 without sequence parallelism over sp; the other
+  combinations are refused before anything changes.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
 
-from ..parallel.experts import EXPERTS_ATTR
+from ..parallel.expert_parallel import ROUTED_ATTR, expert_parallel_forward, take_counts
+from ..parallel.experts import EXPERTS_ATTR, is_fused_experts
+from ..parallel.layout import Layout, set_layout
 from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
 from .sequence import MEGATRON, SP_MODES, SequenceStream
+
+log = logging.getLogger("shardlib")
 
 
 def moe_blocks(r) -> list[str]:
@@ -51,6 +63,7 @@ class MixtureOfExperts:
                     problems.append(f"{path}: its router drops tokens past each expert's capacity counted along the "
                                     f"whole sequence, which sequence_parallel={mode!r} splits over ranks; use "
                                     "sequence_parallel=True (Megatron, on the TP group), which routes whole sequences")
+        problems += _expert_parallel_problems(r)
         if mode in SP_MODES and r.plan.moe and getattr(r.model.config, "output_router_logits", False):
             problems.append(f"{r.name}: config.output_router_logits=True adds a load-balancing loss over the whole "
                             f"batch, which sequence_parallel={mode!r} cannot split over positions; set it False")
@@ -67,6 +80,10 @@ class MixtureOfExperts:
             r.modules[path].__dict__[WHOLE_SEQUENCE_ATTR] = True
 
     def install(self, r) -> None:
+        if getattr(r.mesh, "ep", 1) > 1:
+            for path in moe_blocks(r):
+                site = next(s for pattern, s in r.plan.moe.items() if path in r.match(pattern))
+                _split_experts(r.modules[path].get_submodule(site.experts), r.mesh, r.options.get("expert_capacity"))
         if getattr(r.mesh, "pp", 1) > 1:
             r.model.register_forward_pre_hook(_refuse_router_losses, with_kwargs=True)
         for path in self._whole_sequence_blocks(r):
@@ -77,6 +94,68 @@ class MixtureOfExperts:
         if r.options.get("sequence_mode") != MEGATRON or r.sequence is None:
             return []
         return [path for path in moe_blocks(r) if r.stack_of(path) is not None]
+
+
+def _expert_parallel_problems(r) -> list[str]:
+    ep, capacity = getattr(r.mesh, "ep", 1), r.options.get("expert_capacity")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
+                                 or capacity <= 0):
+        return [f"expert_capacity={capacity!r}: expected None (dropless) or a capacity factor > 0"]
+    if ep == 1:
+        return [] if capacity is None else [f"expert_capacity={capacity} sets the static capacity of expert "
+                                            "parallelism: it needs a mesh with ep > 1 (init_mesh(ep=N))"]
+    if not r.plan.moe:
+        return [f"{r.name} has no mixture-of-experts layer for ep={ep} to split"]
+    problems = [f"expert parallelism at ep={ep} with {name}={value} is not supported yet (ep with tp, pp or "
+                "sequence parallelism over sp): use ep with dp only, or those without ep"
+                for name, value in (("tp", r.mesh.tp), ("pp", r.mesh.pp), ("sp", r.mesh.sp)) if value > 1]
+    for pattern, site in r.plan.moe.items():
+        for path in r.match(pattern, "moe"):
+            experts = _child(r.modules[path], site.experts)
+            if experts is None:
+                continue
+            if not is_fused_experts(experts):
+                problems.append(f"{path}.{site.experts}: expert parallelism splits transformers' fused experts "
+                                f"(3-D weights: Mixtral, Qwen-MoE); {type(experts).__name__} holds one module per "
+                                "expert, which it does not split yet: use tp (expert tensor parallelism) and dp")
+            elif experts.num_experts % ep:
+                problems.append(f"{path}.{site.experts}: {experts.num_experts} experts are not divisible by ep={ep}: "
+                                "each rank holds whole experts")
+    return problems
+
+
+def _split_experts(experts: nn.Module, mesh, capacity: float | None) -> None:
+    """Keep this rank's E/ep experts (the 3-D weights along dim 0, layout over ``ep``) and route through the ep group
+    (:func:`shardlib.parallel.expert_parallel.expert_parallel_forward`)."""
+    total, group = experts.num_experts, mesh.ep_group
+    for name, param in list(experts.named_parameters(recurse=False)):
+        if param.dim() >= 1 and param.shape[0] == total:
+            layout = Layout(tuple(param.shape), shard_dim=0, mesh_dim="ep", num_shards=mesh.ep)
+            setattr(experts, name, nn.Parameter(layout.shard(param.detach(), mesh.ep_rank),
+                                                requires_grad=param.requires_grad))
+            set_layout(experts, name, layout)
+    experts.num_experts = total // mesh.ep
+    local_forward = type(experts).forward.__get__(experts)
+    experts.forward = functools.partial(expert_parallel_forward, experts, local_forward, group, total, capacity)
+
+
+def expert_load(model: nn.Module) -> dict[str, tuple[float, float]]:
+    """Experts module path -> (token-expert pairs it routed, pairs the static capacity dropped) on this rank since the
+    last call (expert parallelism; reading synchronises with the device); empty when no module counts."""
+    return {path: take_counts(m) for path, m in model.named_modules() if ROUTED_ATTR in m.__dict__}
+
+
+def report_dropped_pairs(model: nn.Module) -> None:
+    """Log what the static expert capacity dropped on this rank since the last call (a warning naming the layers):
+    a capacity-limited exchange never drops silently (:mod:`shardlib.parallel.expert_parallel`)."""
+    load = expert_load(model)
+    dropped = {path: (routed, lost) for path, (routed, lost) in load.items() if lost}
+    if dropped:
+        routed, lost = sum(r for r, _ in dropped.values()), sum(d for _, d in dropped.values())
+        log.warning("expert parallelism: the static capacity dropped %d of %d token-expert pairs on this rank (%s); "
+                    "raise shard(expert_capacity=...) or use the dropless exchange (expert_capacity=None)",
+                    lost, routed, ", ".join(f"{p}: {int(d)}" for p, (_, d) in list(dropped.items())[:4])
+                    + (", ..." if len(dropped) > 4 else ""))
 
 
 def _child(module: nn.Module, path: str):
@@ -125,4 +204,4 @@ def router_losses(model: nn.Module, out) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["MixtureOfExperts", "moe_blocks", "router_losses"]
+__all__ = ["MixtureOfExperts", "moe_blocks", "router_losses", "expert_load", "report_dropped_pairs"]

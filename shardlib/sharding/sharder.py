@@ -50,6 +50,7 @@ def shard(
     ulysses: int = 1,
     kernels: Kernels | None = None,
     verify_plan: bool = True,
+    expert_capacity: float | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh``'s tensor-parallel dim and return it.
 
@@ -76,6 +77,11 @@ def shard(
 
     ``kernels``: which fused kernels to use (:class:`shardlib.kernels.Kernels`; default: the fastest measured).
 
+    Mixture-of-experts layers (:mod:`shardlib.sharding.experts`): under tp their experts split like MLPs; with a mesh
+    of ``ep > 1`` each rank holds E/ep whole experts and tokens travel to them, dropless by default, or with
+    ``expert_capacity=c`` (a capacity factor) in equal splits of ``ceil(c * tokens * top_k / experts)`` rows per
+    expert (no host synchronisation; what overflows is dropped and counted).
+
     Pipeline (``mesh.pp > 1``): the model is cut into ``mesh.pp * stages_per_rank`` stages from the policy's trunk
     (:mod:`shardlib.pipeline`; balanced by a cost model unless ``layers_per_stage`` gives the layer counts), this
     rank keeps its stages (``shard_state(model).pipeline``) and frees the rest; run it with
@@ -89,7 +95,8 @@ def shard(
         return _shard(model, mesh, policy, verify_plan, dict(
             gather_logits=gather_logits, check_replicated_inputs=check_replicated_inputs,
             stages_per_rank=stages_per_rank, layers_per_stage=layers_per_stage, kernels=kernels,
-            sequence_parallel=sequence_parallel, ulysses=ulysses, rng_tracker=rng_tracker))
+            sequence_parallel=sequence_parallel, ulysses=ulysses, rng_tracker=rng_tracker,
+            expert_capacity=expert_capacity))
 
 
 def _shard(wrapper: nn.Module, mesh: Mesh, policy, verify_plan: bool, options: dict) -> nn.Module:

@@ -24,6 +24,11 @@ def tp_group_of(model: nn.Module):
     return state.mesh.tp_group if state is not None and state.mesh.tp > 1 else None
 
 
+def _ep_group_of(model: nn.Module):
+    state = shard_state(model, required=False)
+    return state.mesh.ep_group if state is not None and getattr(state.mesh, "ep", 1) > 1 else None
+
+
 def _pipeline(model: nn.Module):
     state = shard_state(model, required=False)
     return state.pipeline if state is not None else None
@@ -48,7 +53,7 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     Tied parameters appear under their first name only, like ``named_parameters()``. Parameters without a
     gradient are left out when ``grads=True``. A pipelined model gives the parameters of this rank's stages.
     """
-    group = tp_group_of(model)
+    groups = {"tp": tp_group_of(model), "ep": _ep_group_of(model)}
     split = _pipeline(model)
     local = {id(p) for p in split.local_parameters()} if split is not None else None
     out = {}
@@ -56,7 +61,8 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
         tensor = p.grad if grads else p
         if tensor is None or (local is not None and id(p) not in local):
             continue
-        out[name] = gather_full(dp_shards.whole(tensor), layout_of(model, name), group)
+        layout = layout_of(model, name)
+        out[name] = gather_full(dp_shards.whole(tensor), layout, groups[layout.mesh_dim])
     return out
 
 
@@ -111,7 +117,9 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     if any(t.device.type == "meta" for t, _ in _unique_tensors(model)):
         materialize(model)
     state = shard_state(model, required=False)
-    rank = state.mesh.tp_rank if state is not None else 0  # the mesh's: an OfflineMesh has no group to ask
+    # the mesh's: an OfflineMesh has no group to ask
+    ranks = {"tp": state.mesh.tp_rank if state is not None else 0,
+             "ep": state.mesh.ep_rank if state is not None and getattr(state.mesh, "ep", 1) > 1 else 0}
     targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     problems = []
     if strict:
@@ -124,5 +132,6 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         raise ValueError("cannot load state dict:\n  " + "\n  ".join(problems))
     for name, full in state_dict.items():
         if name in targets:
-            target, piece = targets[name], layout_of(model, name).shard(full, rank)
+            layout = layout_of(model, name)
+            target, piece = targets[name], layout.shard(full, ranks[layout.mesh_dim])
             dp_shards.local(target).copy_(dp_shards.local(dp_shards.like(piece, target)))

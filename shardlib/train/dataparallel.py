@@ -76,7 +76,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.collectives import all_reduce_flat
+from ..parallel.experts import expert_module_params
 from ..parallel.gradsync import sequence_bucketed
+from ..parallel.layout import named_layouts
 from .fsdp import reshard
 from .zero import FlatZero
 
@@ -150,7 +152,8 @@ class Replicated(DataParallel):
     """zero=0 over dp > 1: torch's DDP where it composes (``ddp``, built before the second step unless
     ``find_unused`` is given: module docstring), the post-backward flat sum elsewhere."""
 
-    def __init__(self, model: nn.Module, group, params: list, use_ddp: bool, find_unused: bool | None = None):
+    def __init__(self, model: nn.Module, group, params: list, use_ddp: bool, find_unused: bool | None = None,
+                 expert_group=None):
         super().__init__(model)
         self.group, self.params = group, params
         self.ddp = None
@@ -159,8 +162,11 @@ class Replicated(DataParallel):
         self.in_ddp: list[nn.Parameter] = []  # what DDP sums (once built)
         self.find_unused = find_unused  # None: not decided yet (the first step decides)
         self.decided = False  # find_unused was decided by the first step (not given)
+        #: expert weights split over ep: summed over the ranks holding the same experts (mesh.group("edp"))
+        self.expert_group = expert_group
+        self.split_experts = {id(p) for _, p, layout in named_layouts(model) if layout.mesh_dim == "ep"}
         if use_ddp:
-            late = sequence_bucketed(model)
+            late = sequence_bucketed(model) | self.split_experts | expert_module_params(model)
             trained = [p for p in model.parameters() if p.requires_grad]
             self.left_out_of_ddp = [p for p in trained if id(p) in late]
             self.in_ddp = [p for p in trained if id(p) not in late]
@@ -200,7 +206,9 @@ class Replicated(DataParallel):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        all_reduce_flat([p.grad for p in params], self.group)
+        all_reduce_flat([p.grad for p in params if id(p) not in self.split_experts], self.group)
+        if self.expert_group is not None:
+            all_reduce_flat([p.grad for p in params if id(p) in self.split_experts], self.expert_group)
 
     def _decide(self, ranks_used: dict[int, int]) -> None:
         """How to build DDP, from the first step's count of ranks that gave each parameter a gradient."""
@@ -273,4 +281,6 @@ def data_parallel(model: nn.Module, mesh, split, zero: int, optimizer, params: l
         return Partitioned(model, optimizer)
     if mesh.dp == 1:
         return DataParallel(model)
-    return Replicated(model, mesh.group("dp"), params, ddp_composes(mesh, split, zero, custom_forward), find_unused)
+    ep = getattr(mesh, "ep", 1)
+    return Replicated(model, mesh.group("dp"), params, ddp_composes(mesh, split, zero, custom_forward), find_unused,
+                      expert_group=mesh.group("edp") if 1 < ep < mesh.dp else None)

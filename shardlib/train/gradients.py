@@ -62,15 +62,25 @@ class StepGradients:
     def norm(self) -> torch.Tensor:
         """The global L2 norm of the gradient of the whole (unsharded) model (a float64 scalar tensor on the
         parameters' device): tensor-parallel shards summed, replicated and tied parameters counted once. The local
-        part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp."""
-        grads = [local(t.grad) for t in self._norm_tensors() if t.grad is not None]
+        part is torch's fused ``get_total_norm`` (what ``clip_grad_norm_`` uses); squares are summed over tp and pp,
+        and those of experts split over ep (expert parallelism) over ep too."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        mine = get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device)
-        total = mine.double().square().reshape(1)
+        split = self._split_over_ep()
+        parts = [[local(t.grad) for t in self._norm_tensors() if t.grad is not None and (id(t) in split) == over_ep]
+                 for over_ep in (False, True)]
+        squares = torch.stack([(get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=device))
+                               .double().square() for grads in parts])
         for dim in ("tp", "pp") + (("dp",) if self.zero else ()):  # under zero each dp rank holds its own share
             if self.mesh.size(dim) > 1:
-                dist.all_reduce(total, group=self.mesh.group(dim))
-        return total.sqrt()[0]
+                dist.all_reduce(squares, group=self.mesh.group(dim))
+        if split and getattr(self.mesh, "ep", 1) > 1:
+            dist.all_reduce(squares[1:], group=self.mesh.group("ep"))
+        return squares.sum().sqrt()
+
+    def _split_over_ep(self) -> set[int]:
+        """Ids of the stepped tensors whose parameter is split over ep (each ep rank holds other experts)."""
+        layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
+        return {id(t) for p, t in self.pairs() if id(p) in layouts and layouts[id(p)].mesh_dim == "ep"}
 
     def clip(self, max_norm: float, *, raise_non_finite: bool = True) -> float:
         """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``

@@ -35,6 +35,7 @@ from ..parallel.random import generator_disagreement
 from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
 from ..sharding.documents import accept_documents
+from ..sharding.experts import report_dropped_pairs
 from ..sharding.recompute import rng_safe_checkpointing
 from ..sharding.sharded import shard_state
 from .batches import check_batch, first_tensor, microbatch_count, split_batch
@@ -206,7 +207,9 @@ class Trainer:
             self.zero_grad()
         else:
             self.optimizer_step()
-        return float(loss)  # read once, after the step's work is issued (a device sync)
+        value = float(loss)  # read once, after the step's work is issued (a device sync)
+        report_dropped_pairs(self.model)
+        return value
 
     def _weighted(self, batches: int) -> bool:
         """Whether microbatch losses need weights: with one batch, one microbatch and one dp rank the step's loss

@@ -1,0 +1,141 @@
+"""Expert parallelism: a mixture-of-experts layer's experts split over the ``ep`` group, each rank holding E/ep whole
+experts, and the tokens sent to the ranks of their experts and back.
+
+An experts module is called as ``experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])`` after the
+block's router chose each token's K experts (the router is replicated and routes this rank's own tokens: the ranks
+of an ep group are data-parallel ranks, with different tokens). Under expert parallelism that call becomes:
+
+1. **dispatch**: the T*K (token, expert) pairs sorted by expert (stable: in token order within an expert); each
+   pair's hidden state goes to the rank holding its expert by one all-to-all over the ep group, with its local
+   expert index;
+2. the rank's own experts run on what they received, through the module's own implementation (transformers'
+   ``eager``, ``batched_mm`` or ``grouped_mm``, on the module's E/ep local experts, weight 1 per row);
+3. **combine**: the outputs go back by the inverse all-to-all and are added into each token's output, weighted by
+   its routing weight, in the order the unsharded eager loop adds them (ascending expert).
+
+Backward is the same exchange reversed (:class:`_AllToAllRows`), so a rank's expert gradients hold the contributions
+of every token of the ep group that reached them. Two modes:
+
+* **dropless** (``capacity_factor=None``, the default): variable splits, exactly the unsharded model's computation;
+  the split sizes are exchanged first (a host synchronisation per layer);
+* **static capacity** (``capacity_factor=c``): every rank sends each expert exactly ``C = ceil(c * T * K / E)`` rows
+  (padding with zeros; pairs past C in an expert's token order are dropped: their contribution is 0), so every
+  exchange has equal splits fixed by the shapes: no host synchronisation, one graph for torch.compile and CUDA
+  graphs. What is dropped is counted on the module (:data:`DROPPED_ATTR`, a tensor: reading it synchronises) and
+  reported by :func:`shardlib.sharding.experts.expert_load`.
+
+A rank whose experts receive no token still takes part in every exchange (empty splits), so nothing waits for it,
+and its experts get a zero gradient (their parameters took part through the zero-row computation).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .collectives import Group, group_rank, group_size
+
+#: set on an experts module running under expert parallelism: pairs dropped by the static capacity (a tensor)
+DROPPED_ATTR = "_shardlib_dropped_pairs"
+#: the (token, expert) pairs it was asked to route (a tensor), beside the dropped ones
+ROUTED_ATTR = "_shardlib_routed_pairs"
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """forward: all-to-all of rows over ``group``, ``send[i]`` rows to rank i and ``recv[i]`` rows from it;
+    backward: the inverse exchange of the gradient (``recv[i]`` rows to rank i, ``send[i]`` from it)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group: Group) -> torch.Tensor:
+    """Rows of ``x`` to the ranks of ``group`` (``send[i]`` to rank i, ``recv[i]`` from it), with autograd."""
+    return _AllToAllRows.apply(x, send, recv, group)
+
+
+def expert_parallel_forward(module, local_forward, group: Group, num_experts: int,
+                            capacity_factor: float | None, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward under expert parallelism (module docstring). ``local_forward(rows, index,
+    weights)``: the module's own forward over its local experts; ``num_experts``: the global count."""
+    ep, rank = group_size(group), group_rank(group)
+    local = num_experts // ep
+    k = top_k_index.shape[-1]
+    expert = top_k_index.reshape(-1)
+    order = torch.argsort(expert, stable=True)
+    expert = expert[order]
+    token = order // k
+    weight = top_k_weights.reshape(-1)[order]
+    rows = hidden[token]
+    routed = torch.tensor(float(expert.numel()))
+    if capacity_factor is None:
+        send = torch.bincount(expert // local, minlength=ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send, recv = send.tolist(), recv.tolist()
+        index = exchange_rows((expert % local).unsqueeze(1), send, recv, group)
+        out = local_forward(exchange_rows(rows, send, recv, group), index, _ones(index, hidden))
+        back = exchange_rows(out, recv, send, group)
+        dropped = torch.zeros(())
+    else:
+        back, kept = _static_capacity(local_forward, rows, expert, num_experts, local, ep, capacity_factor, group,
+                                      hidden)
+        weight = weight * kept
+        dropped = (~kept).sum().float()
+    _count(module, routed, dropped)
+    combined = torch.zeros_like(hidden)
+    return combined.index_add(0, token, (back * weight.unsqueeze(1)).to(hidden.dtype))
+
+
+def _ones(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.ones(index.shape, dtype=like.dtype, device=like.device)
+
+
+def _static_capacity(local_forward, rows, expert, num_experts, local, ep, factor, group, hidden):
+    """Equal splits: ``C`` rows per expert from every rank (module docstring). Returns each pair's output row (zeros
+    where dropped) and which pairs were kept."""
+    pairs, width = expert.numel(), rows.shape[1]
+    capacity = max(1, math.ceil(factor * pairs / num_experts))
+    starts = torch.searchsorted(expert, torch.arange(num_experts, device=expert.device))
+    position = torch.arange(pairs, device=expert.device) - starts[expert]  # the pair's place in its expert's queue
+    kept = position < capacity
+    slot = expert * capacity + position.clamp(max=capacity - 1)
+    slots = torch.zeros(num_experts * capacity, width, dtype=rows.dtype, device=rows.device)
+    slots = slots.index_add(0, slot[kept], rows[kept])  # [E * C, H] in expert order: rank i's experts in block i
+    split = [local * capacity] * ep
+    received = exchange_rows(slots, split, split, group)  # [ep * local * C, H]: from rank j, its rows for my experts
+    index = (torch.arange(local * capacity, device=rows.device) // capacity).repeat(ep).unsqueeze(1)
+    out = exchange_rows(local_forward(received, index, _ones(index, hidden)), split, split, group)
+    return out[slot] * kept.unsqueeze(1).to(out.dtype), kept
+
+
+def _count(module, routed: torch.Tensor, dropped: torch.Tensor) -> None:
+    """Accumulate what the module routed and dropped since the last read (:func:`take_counts`)."""
+    d = module.__dict__
+    d[ROUTED_ATTR] = d.get(ROUTED_ATTR, 0) + routed.detach()
+    d[DROPPED_ATTR] = d.get(DROPPED_ATTR, 0) + dropped.detach()
+
+
+def take_counts(module) -> tuple[float, float]:
+    """(pairs routed, pairs dropped) by ``module`` since the last call; resets them."""
+    d = module.__dict__
+    routed, dropped = d.pop(ROUTED_ATTR, 0), d.pop(DROPPED_ATTR, 0)
+    return float(routed), float(dropped)
+
+
+__all__ = ["exchange_rows", "expert_parallel_forward", "take_counts", "DROPPED_ATTR", "ROUTED_ATTR"]
