@@ -119,13 +119,17 @@ def static_capacity_drops(ep: int, factor: float) -> dict:
             "routed": int(sum(r for r, _ in load.values())), "layers": len(load)}
 
 
-def full_state_round_trip_at_ep(ep: int) -> dict:
-    """Mixtral's full state dict loaded into ep shards (``load_full_state_dict``: each rank keeps its experts) and
-    gathered back (``full_state_dict``): bitwise the same, with E/ep experts per rank."""
-    ref = build_model("mixtral", experts=4)
-    model = shardlib.shard(build_model("mixtral", experts=4, seed=5), pool_mesh(ep=ep))
+def full_state_round_trip_at_ep(family: str, ep: int) -> dict:
+    """A full state dict loaded into ep shards (``load_full_state_dict``: each rank keeps its experts) and gathered
+    back (``full_state_dict``): bitwise the same, with E/ep experts per rank (Mixtral's 3-D weights split, Switch's
+    expert modules kept under their own names)."""
+    ref = build_model(family, experts=4)
+    model = shardlib.shard(build_model(family, experts=4, seed=5), pool_mesh(ep=ep))
     shardlib.load_full_state_dict(model, ref.state_dict())
-    local = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
+    if family == "switch":
+        local = len(model.encoder.block[1].layer[1].mlp.experts._modules)
+    else:
+        local = model.model.layers[0].mlp.experts.gate_up_proj.shape[0]
     full, expected = shardlib.full_state_dict(model), ref.state_dict()
     differing = [name for name, tensor in full.items() if not torch.equal(tensor, expected[name])]
     return {"local_experts": local, "differing": differing, "compared": len(full)}

@@ -11,7 +11,7 @@ from ..parallel.layout import Layout, layout_of
 from ..parallel.optim_state import param_state
 from ..safetensors_io import CheckpointError
 from ..sharding.sharded import settle_parameters, shard_state
-from ..sharding.state import _pipeline
+from ..sharding.state import _pipeline, experts_held_elsewhere
 from .format import OPTIMIZER_PREFIX
 
 
@@ -63,7 +63,7 @@ def local_tensors(model: nn.Module):
 def model_tensor_names(model: nn.Module) -> set[str]:
     """Every name of every tensor the whole model holds, other ranks' pipeline stages included (their layers are
     released here, but the split remembers their names)."""
-    names = {n for _, names in tensors_to_load(model) for n in names}
+    names = {n for _, names in tensors_to_load(model) for n in names} | experts_held_elsewhere(model)
     split = _pipeline(model)
     return names | set(split.owners) if split is not None else names
 

@@ -41,6 +41,9 @@ from .collectives import Group, group_rank, group_size
 DROPPED_ATTR = "_shardlib_dropped_pairs"
 #: the (token, expert) pairs it was asked to route (a tensor), beside the dropped ones
 ROUTED_ATTR = "_shardlib_routed_pairs"
+#: on a ModuleDict of expert modules split over ep: (every expert's key, in order; ep). Rank r of the ep group holds
+#: the r-th E/ep of them under their own keys
+EP_KEYS_ATTR = "_shardlib_ep_keys"
 
 
 class _AllToAllRows(torch.autograd.Function):
@@ -70,9 +73,10 @@ def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group: Grou
 
 def expert_parallel_forward(module, local_forward, group: Group, num_experts: int,
                             capacity_factor: float | None, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
+                            top_k_weights: torch.Tensor, pairs: int | None = None) -> torch.Tensor:
     """The experts module's forward under expert parallelism (module docstring). ``local_forward(rows, index,
-    weights)``: the module's own forward over its local experts; ``num_experts``: the global count."""
+    weights)``: the module's own forward over its local experts; ``num_experts``: the global count; ``pairs``: the
+    (token, expert) pairs the static capacity is sized for (default: every entry of ``top_k_index``)."""
     ep, rank = group_size(group), group_rank(group)
     local = num_experts // ep
     k = top_k_index.shape[-1]
@@ -93,8 +97,9 @@ def expert_parallel_forward(module, local_forward, group: Group, num_experts: in
         back = exchange_rows(out, recv, send, group)
         dropped = torch.zeros(())
     else:
-        back, kept = _static_capacity(local_forward, rows, expert, num_experts, local, ep, capacity_factor, group,
-                                      hidden)
+        capacity = max(1, math.ceil(capacity_factor * (pairs or expert.numel()) / num_experts))
+        _check_same_capacity(module, capacity, group)
+        back, kept = _static_capacity(local_forward, rows, expert, num_experts, local, ep, capacity, group, hidden)
         weight = weight * kept
         dropped = (~kept).sum().float()
     _count(module, routed, dropped)
@@ -102,15 +107,53 @@ def expert_parallel_forward(module, local_forward, group: Group, num_experts: in
     return combined.index_add(0, token, (back * weight.unsqueeze(1)).to(hidden.dtype))
 
 
+def modules_expert_parallel_forward(experts, group: Group, num_experts: int, capacity_factor: float | None,
+                                    hidden: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor):
+    """The forward of a ModuleDict of experts under expert parallelism, called as Switch Transformers calls its
+    experts: ``hidden`` [T, H], ``selected`` [T, 1, E] (one-hot, all zero for a token the router's capacity
+    dropped), ``weights`` [T, 1]. The routed tokens go through :func:`expert_parallel_forward`; dropped ones get
+    zeros, as in the model."""
+    routed = selected.reshape(selected.shape[0], -1).any(-1).nonzero().squeeze(1)
+    index = selected.reshape(selected.shape[0], -1)[routed].argmax(-1, keepdim=True)
+    local = list(experts.children())
+
+    def local_forward(rows, local_index, ones):
+        out = rows.new_zeros(rows.shape)
+        for j, expert in enumerate(local):
+            at = (local_index[:, 0] == j).nonzero().squeeze(1)
+            if at.numel():
+                out = out.index_add(0, at, expert(rows[at]).to(out.dtype))
+        return out
+
+    part = expert_parallel_forward(experts, local_forward, group, num_experts, capacity_factor, hidden[routed],
+                                   index, weights.reshape(weights.shape[0], -1)[routed], pairs=hidden.shape[0])
+    return torch.zeros_like(hidden).index_add(0, routed, part)
+
+
 def _ones(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(index.shape, dtype=like.dtype, device=like.device)
 
 
-def _static_capacity(local_forward, rows, expert, num_experts, local, ep, factor, group, hidden):
-    """Equal splits: ``C`` rows per expert from every rank (module docstring). Returns each pair's output row (zeros
-    where dropped) and which pairs were kept."""
+def _check_same_capacity(module, capacity: int, group: Group) -> None:
+    """The static capacity follows from the batch's shape, which must be the same on every rank of the ep group
+    (equal splits): checked once per capacity, in eager mode (one small all-reduce), so a rank with another batch
+    shape is an error naming both rather than a collective that fails."""
+    seen = module.__dict__.setdefault("_shardlib_capacities_checked", set())
+    if capacity in seen or torch.compiler.is_compiling():
+        return
+    both = torch.tensor([capacity, -capacity], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[0] != -both[1]:
+        raise ValueError(f"expert parallelism with a static capacity needs the same tokens per batch on every rank of "
+                         f"the ep group: capacities {int(-both[1])} to {int(both[0])} rows per expert; give every "
+                         "rank batches of one shape, or use the dropless exchange (expert_capacity=None)")
+    seen.add(capacity)
+
+
+def _static_capacity(local_forward, rows, expert, num_experts, local, ep, capacity, group, hidden):
+    """Equal splits: ``capacity`` rows per expert from every rank (module docstring). Returns each pair's output row
+    (zeros where dropped) and which pairs were kept."""
     pairs, width = expert.numel(), rows.shape[1]
-    capacity = max(1, math.ceil(factor * pairs / num_experts))
     starts = torch.searchsorted(expert, torch.arange(num_experts, device=expert.device))
     position = torch.arange(pairs, device=expert.device) - starts[expert]  # the pair's place in its expert's queue
     kept = position < capacity
@@ -138,4 +181,5 @@ def take_counts(module) -> tuple[float, float]:
     return float(routed), float(dropped)
 
 
-__all__ = ["exchange_rows", "expert_parallel_forward", "take_counts", "DROPPED_ATTR", "ROUTED_ATTR"]
+__all__ = ["exchange_rows", "expert_parallel_forward", "modules_expert_parallel_forward", "take_counts",
+           "DROPPED_ATTR", "ROUTED_ATTR", "EP_KEYS_ATTR"]

@@ -22,8 +22,9 @@ the same tokens, the same experts, the same capacity drops, in the dtype the mod
 * **Expert parallelism** (``mesh.ep > 1``): each experts module keeps the E/ep experts of its rank of the ep group
   (its 3-D weights split along the expert dim, the layout recorded over ``ep``) and exchanges tokens with the others
   (:mod:`shardlib.parallel.expert_parallel`); ``shard(expert_capacity=c)`` picks the static-capacity exchange.
-  Built for transformers' fused experts at tp = pp = 1 without sequence parallelism over sp; the other
-  combinations are refused before anything changes.
+  Built for transformers' fused experts and for ModuleDicts of expert modules (Switch, whose own capacity decides
+  which tokens are routed before any exchange, so the same tokens drop at every ep), at tp = pp = 1 without
+  sequence parallelism over sp; the other combinations are refused before anything changes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import logging
 import torch
 from torch import nn
 
-from ..parallel.expert_parallel import ROUTED_ATTR, expert_parallel_forward, take_counts
+from ..parallel.expert_parallel import (
+    EP_KEYS_ATTR, ROUTED_ATTR, expert_parallel_forward, modules_expert_parallel_forward, take_counts,
+)
 from ..parallel.experts import EXPERTS_ATTR, is_fused_experts
 from ..parallel.layout import Layout, set_layout
 from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
@@ -114,29 +117,42 @@ def _expert_parallel_problems(r) -> list[str]:
             experts = _child(r.modules[path], site.experts)
             if experts is None:
                 continue
-            if not is_fused_experts(experts):
-                problems.append(f"{path}.{site.experts}: expert parallelism splits transformers' fused experts "
-                                f"(3-D weights: Mixtral, Qwen-MoE); {type(experts).__name__} holds one module per "
-                                "expert, which it does not split yet: use tp (expert tensor parallelism) and dp")
-            elif experts.num_experts % ep:
-                problems.append(f"{path}.{site.experts}: {experts.num_experts} experts are not divisible by ep={ep}: "
-                                "each rank holds whole experts")
+            count = experts.num_experts if is_fused_experts(experts) else len(experts._modules)
+            if count % ep:
+                problems.append(f"{path}.{site.experts}: {count} experts are not divisible by ep={ep}: each rank "
+                                "holds whole experts")
     return problems
 
 
 def _split_experts(experts: nn.Module, mesh, capacity: float | None) -> None:
-    """Keep this rank's E/ep experts (the 3-D weights along dim 0, layout over ``ep``) and route through the ep group
-    (:func:`shardlib.parallel.expert_parallel.expert_parallel_forward`)."""
-    total, group = experts.num_experts, mesh.ep_group
-    for name, param in list(experts.named_parameters(recurse=False)):
-        if param.dim() >= 1 and param.shape[0] == total:
-            layout = Layout(tuple(param.shape), shard_dim=0, mesh_dim="ep", num_shards=mesh.ep)
-            setattr(experts, name, nn.Parameter(layout.shard(param.detach(), mesh.ep_rank),
-                                                requires_grad=param.requires_grad))
-            set_layout(experts, name, layout)
-    experts.num_experts = total // mesh.ep
-    local_forward = type(experts).forward.__get__(experts)
-    experts.forward = functools.partial(expert_parallel_forward, experts, local_forward, group, total, capacity)
+    """Keep this rank's E/ep experts and route through the ep group
+    (:func:`shardlib.parallel.expert_parallel.expert_parallel_forward`): a fused module's 3-D weights split along
+    dim 0 (layout over ``ep``); a ModuleDict of expert modules keeps its own (their parameters' layouts say "ep":
+    each ep rank holds others, :data:`~shardlib.parallel.expert_parallel.EP_KEYS_ATTR` the whole list)."""
+    group = mesh.ep_group
+    if is_fused_experts(experts):
+        total = experts.num_experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.dim() >= 1 and param.shape[0] == total:
+                layout = Layout(tuple(param.shape), shard_dim=0, mesh_dim="ep", num_shards=mesh.ep)
+                setattr(experts, name, nn.Parameter(layout.shard(param.detach(), mesh.ep_rank),
+                                                    requires_grad=param.requires_grad))
+                set_layout(experts, name, layout)
+        experts.num_experts = total // mesh.ep
+        local_forward = type(experts).forward.__get__(experts)
+        experts.forward = functools.partial(expert_parallel_forward, experts, local_forward, group, total, capacity)
+        return
+    keys = list(experts._modules)
+    local = len(keys) // mesh.ep
+    mine = keys[mesh.ep_rank * local:(mesh.ep_rank + 1) * local]
+    for key in keys:
+        if key not in mine:
+            del experts[key]
+    for name, param in experts.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        set_layout(experts.get_submodule(owner), attr, Layout(tuple(param.shape), mesh_dim="ep"))
+    experts.__dict__[EP_KEYS_ATTR] = (keys, mesh.ep)
+    experts.forward = functools.partial(modules_expert_parallel_forward, experts, group, len(keys), capacity)
 
 
 def expert_load(model: nn.Module) -> dict[str, tuple[float, float]]:

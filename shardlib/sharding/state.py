@@ -56,14 +56,52 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     groups = {"tp": tp_group_of(model), "ep": _ep_group_of(model)}
     split = _pipeline(model)
     local = {id(p) for p in split.local_parameters()} if split is not None else None
+    elsewhere = _expert_keys_elsewhere(model)
     out = {}
     for name, p in model.named_parameters():
+        if name in elsewhere:  # an expert module of an ep-split ModuleDict: every ep rank's, gathered over ep
+            pieces = _gather_experts(p.grad if grads else p, p, groups["ep"])
+            out |= {other: piece for other, piece in zip(elsewhere[name], pieces) if piece is not None}
+            continue
         tensor = p.grad if grads else p
         if tensor is None or (local is not None and id(p) not in local):
             continue
         layout = layout_of(model, name)
         out[name] = gather_full(dp_shards.whole(tensor), layout, groups[layout.mesh_dim])
     return out
+
+
+def _expert_keys_elsewhere(model: nn.Module) -> dict[str, list[str]]:
+    """For each parameter of an expert module that expert parallelism keeps on this rank (a ModuleDict split over
+    ep: :data:`shardlib.parallel.expert_parallel.EP_KEYS_ATTR`), the names of the same parameter of the expert at the
+    same place on every ep rank, in ep-rank order."""
+    from ..parallel.expert_parallel import EP_KEYS_ATTR
+
+    names = {}
+    for path, module in model.named_modules():
+        if EP_KEYS_ATTR not in module.__dict__:
+            continue
+        keys, ep = module.__dict__[EP_KEYS_ATTR]
+        local = len(keys) // ep
+        for j, key in enumerate(module._modules):
+            for name, _ in module._modules[key].named_parameters():
+                names[f"{path}.{key}.{name}"] = [f"{path}.{keys[q * local + j]}.{name}" for q in range(ep)]
+    return names
+
+
+def experts_held_elsewhere(model: nn.Module) -> set[str]:
+    """Parameter names of the expert modules other ep ranks hold (in no tensor of this rank)."""
+    return {other for names in _expert_keys_elsewhere(model).values() for other in names} - \
+        {name for name, _ in model.named_parameters()}
+
+
+def _gather_experts(tensor, like: torch.Tensor, group) -> list:
+    """Every ep rank's ``tensor`` (shaped like ``like``), None where that rank's is None (an expert without a
+    gradient)."""
+    flags = all_gather(torch.tensor([float(tensor is not None)]), 0, group).tolist()
+    value = (tensor if tensor is not None else torch.zeros_like(like)).detach().unsqueeze(0)
+    pieces = all_gather(value, 0, group).unbind(0)
+    return [piece.clone() if flag else None for piece, flag in zip(pieces, flags)]
 
 
 def _unique_tensors(model: nn.Module):
@@ -122,8 +160,9 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
              "ep": state.mesh.ep_rank if state is not None and getattr(state.mesh, "ep", 1) > 1 else 0}
     targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     problems = []
+    elsewhere = experts_held_elsewhere(model)
     if strict:
-        problems += [f"unexpected key {k!r}" for k in state_dict if k not in targets]
+        problems += [f"unexpected key {k!r}" for k in state_dict if k not in targets and k not in elsewhere]
         problems += [f"missing parameter {k!r}" for k, _ in model.named_parameters() if k not in state_dict]
     for name, full in state_dict.items():
         if name in targets and tuple(full.shape) != layout_of(model, name).global_shape:
