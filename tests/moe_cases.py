@@ -29,7 +29,7 @@ FAMILIES = {
 
 def build_model(family: str, *, experts: int = 4, top_k: int = 2, capacity: int = 3, dtype=torch.float64,
                implementation: str = "eager", router_losses: bool = False, router_dtype: str = "float64",
-               seed: int = 0, **overrides) -> torch.nn.Module:
+               seed: int = 0, starve: bool = False, **overrides) -> torch.nn.Module:
     """``family``'s model with ``experts`` experts; Switch routes top-1 with ``capacity`` tokens per expert and
     sequence, the decoders top-``top_k``, dropless; ``router_losses``: the decoders' ``output_router_logits``."""
     cls, config_cls, kwargs, count = FAMILIES[family]
@@ -42,6 +42,10 @@ def build_model(family: str, *, experts: int = 4, top_k: int = 2, capacity: int 
     model = getattr(transformers, cls)(getattr(transformers, config_cls)(**kwargs)).to(dtype)
     for router in (m for m in model.modules() if type(m).__name__ == "SwitchTransformersTop1Router"):
         router.dtype = getattr(torch, router_dtype)  # the config admits 16/32-bit routers only: set on the modules
+        if starve:  # logits x.w0 and -x.w0 for experts 0 and 1, 0 for the rest: no token reaches experts 2, 3, ...
+            with torch.no_grad():
+                router.classifier.weight[1] = -router.classifier.weight[0]
+                router.classifier.weight[2:] = 0
     if model.config._experts_implementation != implementation:
         model.set_experts_implementation(implementation)
     return model

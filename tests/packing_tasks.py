@@ -15,6 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 import bert_cases
 import inference_cases
+import moe_cases
 import shardlib
 import t5_cases
 from harness import mesh as pool_mesh
@@ -27,7 +28,9 @@ CLASSES = {"bert_mlm": "BertForMaskedLM", "bert_cls": "BertForSequenceClassifica
 INFERRED = {"roberta_mlm": ("roberta", "RobertaForMaskedLM"), "gpt2": ("gpt2", "GPT2LMHeadModel")}
 #: BERT's other token heads, at a world of one
 MORE_BERT = {"bert_tokens": "BertForTokenClassification", "bert_lm": "BertLMHeadModel"}
-CAUSAL = ("llama", "gpt2", "bert_lm")
+#: mixtures of experts: Mixtral (top-2 of 4 experts, by its inferred plan), routing each token alone
+MOE = {"mixtral": "MixtralForCausalLM"}
+CAUSAL = ("llama", "gpt2", "bert_lm", "mixtral")
 BERT = dict(vocab=41, heads=4, head_dim=4, layers=2, intermediate=24, num_labels=3)
 T5 = dict(vocab=37, d_model=16, d_kv=4, d_ff=20, layers=2, heads=4)
 
@@ -41,6 +44,8 @@ def make_model(spec: dict) -> torch.nn.Module:
         model = t5_cases.make_model({"cls": CLASSES[kind], "seed": seed, "dtype": "float64", "config": T5})
     elif kind == "llama":
         model = inference_cases.make_model(CLASSES[kind], "llama", torch.float64, seed, initializer_range=0.5)
+    elif kind in MOE:
+        model = moe_cases.build_model(kind, experts=4, seed=seed, vocab_size=41, initializer_range=0.5)
     else:
         model = inference_cases.make_model(INFERRED[kind][1], INFERRED[kind][0], torch.float64, seed)
     set_attention(model, spec.get("attention", "sdpa"))
@@ -117,7 +122,8 @@ class _Stream(torch.utils.data.IterableDataset):
 def _mesh(layout: dict):
     if not layout:
         return shardlib.init_mesh() if not dist.is_initialized() else pool_mesh(dp=1)
-    return pool_mesh(dp=layout.get("dp"), pp=layout.get("pp", 1), tp=layout.get("tp", 1), sp=layout.get("sp", 1))
+    return pool_mesh(dp=layout.get("dp"), pp=layout.get("pp", 1), tp=layout.get("tp", 1), sp=layout.get("sp", 1),
+                     ep=layout.get("ep", 1))
 
 
 def packed_fit(spec: dict) -> dict:

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moe_tasks
+import packing_tasks
 import pipeline_tasks
 from profiles import examples
 
@@ -127,6 +128,17 @@ def test_expert_parallel_training_equals_unsharded(pool, family, ep, capacity, c
         assert result["weights"] >= 20, result
 
 
+@pytest.mark.parametrize("capacity", [None, 4.0])
+def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_gradients(pool, capacity):
+    """Switch at ep=2 whose routers send every token to experts 0 and 1: ep rank 1 (experts 2 and 3) receives no row
+    in any layer, yet takes part in every exchange of forward and backward, and the steps equal the unsharded
+    model's (its idle experts keep no gradient, as there)."""
+    results = pool.run(moe_tasks.trainer_equivalence, "switch", ep=2, expert_capacity=capacity, experts=4,
+                       capacity=3, router_dtype="float64", starve=True)
+    assert all(r["weights"] >= 100 for r in results), results
+    assert [bool(r["idle_expert_params"]) for r in results] == [False, True, False, True], results
+
+
 @pytest.mark.parametrize("ep,factor", [(2, 0.5), (4, 0.75)])
 def test_static_capacity_counts_every_pair_it_drops(pool, ep, factor):
     for result in pool.run(moe_tasks.static_capacity_drops, ep, factor):
@@ -147,3 +159,32 @@ def test_expert_parallel_refusals_name_the_problem(pool):
     assert "ep=2 with tp=2 is not supported yet" in with_tp, with_tp
     capacity = pool.run(moe_tasks.shard_refusal, "mixtral", expert_capacity=1.0)[0]
     assert "needs a mesh with ep > 1" in capacity, capacity
+
+
+# -------------------------------------------------------------------------------- checkpoints, generate, packing
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, tmp_path, tp, ep):
+    """Switch's HF checkpoint (per-expert tensors under the model's own names) read straight into tp shards or
+    into each ep rank's own experts: bitwise the checkpoint's; at tp written back by save_pretrained, bitwise."""
+    for result in pool.run(moe_tasks.hf_checkpoint_into_shards, str(tmp_path), tp, ep):
+        assert not result["differing"] and result["compared"] >= 100 and not result["written_differing"], result
+
+
+@pytest.mark.parametrize("family,tp,ep", [("switch", 2, 1), ("mixtral", 2, 1), ("qwen2moe", 1, 2)])
+def test_generate_gives_the_unsharded_tokens(pool, family, tp, ep):
+    results = pool.run(moe_tasks.generation_matches, family, tp, ep)
+    assert all(r == results[0] for r in results)
+
+
+def test_packing_a_capacity_limited_router_is_refused(pool):
+    message = pool.run(moe_tasks.packed_refusal)[0]
+    assert "capacity counted along the whole row" in message and "train it padded" in message, message
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 4, "ep": 2}])
+def test_packed_rows_train_as_the_padded_batches(pool, layout):
+    """Mixtral routes each token alone, so packed documents are routed as in the padded batch: fit(packing=16)
+    at tp=2 and at ep=2 == the unsharded model on the padded batches (float32 tolerances: the router's softmax)."""
+    spec = dict(seed=3, samples=24, budget=16, batch_size=8, steps=3, microbatches=2, model="mixtral", layout=layout)
+    for result in pool.run(packing_tasks.packed_fit, spec):
+        assert result["loss_error"] < 1e-6 and result["weight_error"] < 1e-6, result

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Group, group_rank, group_size
+from .experts import with_zero_gradients
 
 #: set on an experts module running under expert parallelism: pairs dropped by the static capacity (a tensor)
 DROPPED_ATTR = "_shardlib_dropped_pairs"
@@ -93,8 +94,9 @@ def expert_parallel_forward(module, local_forward, group: Group, num_experts: in
         dist.all_to_all_single(recv, send, group=group)
         send, recv = send.tolist(), recv.tolist()
         index = exchange_rows((expert % local).unsqueeze(1), send, recv, group)
-        out = local_forward(exchange_rows(rows, send, recv, group), index, _ones(index, hidden))
-        back = exchange_rows(out, recv, send, group)
+        received = exchange_rows(rows, send, recv, group)
+        back = exchange_rows(_connected(local_forward(received, index, _ones(index, hidden)), received), recv, send,
+                             group)
         dropped = torch.zeros(())
     else:
         capacity = max(1, math.ceil(capacity_factor * (pairs or expert.numel()) / num_experts))
@@ -130,6 +132,15 @@ def modules_expert_parallel_forward(experts, group: Group, num_experts: int, cap
     return torch.zeros_like(hidden).index_add(0, routed, part)
 
 
+def _connected(out: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+    """``out``, with a backward path to ``received`` even where the local experts computed nothing from it (a rank
+    that received no row returns constant zeros): every rank of the ep group then runs both reverse exchanges in its
+    backward, or its peers would wait in theirs."""
+    if received.requires_grad and not out.requires_grad:
+        return with_zero_gradients(out, received)
+    return out
+
+
 def _ones(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(index.shape, dtype=like.dtype, device=like.device)
 
@@ -163,7 +174,7 @@ def _static_capacity(local_forward, rows, expert, num_experts, local, ep, capaci
     split = [local * capacity] * ep
     received = exchange_rows(slots, split, split, group)  # [ep * local * C, H]: from rank j, its rows for my experts
     index = (torch.arange(local * capacity, device=rows.device) // capacity).repeat(ep).unsqueeze(1)
-    out = exchange_rows(local_forward(received, index, _ones(index, hidden)), split, split, group)
+    out = exchange_rows(_connected(local_forward(received, index, _ones(index, hidden)), received), split, split, group)
     return out[slot] * kept.unsqueeze(1).to(out.dtype), kept
 
 

@@ -176,6 +176,12 @@ def expert_module_params(model: nn.Module) -> set[int]:
 USED_ATTR = "_shardlib_used_experts"
 
 
+def with_zero_gradients(out: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """``out`` unchanged, with a backward that also gives each of ``tensors`` a zero gradient: keeps them in the
+    autograd graph where the computation did not reach them (experts that got no token)."""
+    return _ZeroGradients.apply(out, *tensors)
+
+
 def every_expert_gets_a_gradient(experts: nn.Module) -> None:
     """Give the experts of a ModuleDict that received no token in a forward a zero gradient in its backward (the
     model runs only the experts some token was routed to, so the others get none). What ZeRO-3 needs: FSDP2
@@ -198,7 +204,7 @@ def every_expert_gets_a_gradient(experts: nn.Module) -> None:
     def touch(mod, args, out):
         idle = [p for expert in mod.children() if id(expert) not in ran
                 for p in expert.parameters() if p.requires_grad]
-        return _ZeroGradients.apply(out, *idle) if idle and torch.is_grad_enabled() else out
+        return with_zero_gradients(out, *idle) if idle and torch.is_grad_enabled() else out
 
     experts.register_forward_pre_hook(reset)
     for expert in experts.children():
@@ -224,4 +230,4 @@ def release_idle_experts(model: nn.Module, group) -> None:
 
 
 __all__ = ["ExpertsTensorParallel", "is_fused_experts", "every_expert_gets_a_gradient", "release_idle_experts",
-           "expert_module_params", "EXPERTS_ATTR"]
+           "expert_module_params", "with_zero_gradients", "EXPERTS_ATTR"]

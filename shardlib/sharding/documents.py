@@ -56,6 +56,11 @@ def packing_problems(model: nn.Module) -> list[str]:
     if config._attn_implementation not in _mask_functions():
         return [f"{name}: attention implementation {config._attn_implementation!r} has no 4-D mask in transformers' "
                 "AttentionMaskInterface to keep documents apart (use sdpa, eager or flex_attention)"]
+    capacity = [pattern for pattern, site in plan.moe.items() if site.capacity]
+    if capacity:
+        return [f"{name}'s routers drop tokens past each expert's capacity counted along the whole row "
+                f"({capacity[0]}): packed documents would compete for one row's capacity, and other tokens would "
+                "drop than in the padded batch; train it padded"]
     if plan.document_pool is not None or plan.loss_items.key is not None or getattr(model, "base_model", None) is model:
         return []
     return [f"{name}'s loss reads whole sequences (one label per row), and its policy names no module that pools "

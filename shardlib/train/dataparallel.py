@@ -195,10 +195,16 @@ class Replicated(DataParallel):
         if self.synced and not self.ddp.find_unused_parameters:
             self._check_all_used()  # before any collective that could pair with DDP's pending all-reduce
         candidates = self.left_out_of_ddp if self.synced else self.params
+        # experts split over ep: counted over the ranks holding the same experts (other dp ranks hold others)
+        candidates = ([p for p in candidates if id(p) not in self.split_experts]
+                      + [p for p in candidates if id(p) in self.split_experts])
         ranks_used = torch.tensor([p.grad is not None for p in candidates], dtype=torch.int32,
                                   device=candidates[0].device if candidates else "cpu")
-        if candidates:
-            dist.all_reduce(ranks_used, group=self.group)
+        experts_from = len(candidates) - len(self.split_experts & set(map(id, candidates)))
+        if experts_from:
+            dist.all_reduce(ranks_used[:experts_from], group=self.group)
+        if experts_from < len(candidates) and self.expert_group is not None:
+            dist.all_reduce(ranks_used[experts_from:], group=self.expert_group)
         ranks_used = ranks_used.tolist()
         if self.find_unused is None and self.in_ddp:
             self._decide(dict(zip(map(id, candidates), ranks_used)))
