@@ -79,6 +79,10 @@ FAMILIES = {
     "phi": ("PhiConfig", dict(DECODER, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0), (
         "PhiForCausalLM", "PhiForSequenceClassification")),
     "stablelm": ("StableLmConfig", dict(DECODER, num_key_value_heads=2, use_cache=False), ("StableLmForCausalLM",)),
+    "qwen3": ("Qwen3Config", dict(DECODER, num_key_value_heads=2, head_dim=4, pad_token_id=0, use_cache=False), (
+        "Qwen3ForCausalLM", "Qwen3ForSequenceClassification")),
+    "olmo2": ("Olmo2Config", dict(DECODER, num_key_value_heads=2, pad_token_id=0, eos_token_id=0, use_cache=False), (
+        "Olmo2ForCausalLM",)),
     "llama": ("LlamaConfig", dict(DECODER, num_key_value_heads=2, pad_token_id=0, use_cache=False), ("LlamaModel", "LlamaForCausalLM",
                                                                    "LlamaForSequenceClassification")),
 }
@@ -114,8 +118,9 @@ def causal_lm(model: torch.nn.Module) -> bool:
 
 CASES = [(family, cls) for family, (_, _, classes) in FAMILIES.items() for cls in classes]
 
-#: families that compute in float32 inside a float64 model (Gemma's RMSNorm upcasts): compared at float32 tolerances
-FLOAT32_INSIDE = {"gemma", "gemma2"}
+#: families that compute in float32 inside a float64 model (Gemma's RMSNorm upcasts; OLMo-2's q/k norms sum their
+#: float32 squares in another order under tp): compared at float32 tolerances
+FLOAT32_INSIDE = {"gemma", "gemma2", "olmo2"}
 #: families whose inferred plan the proof refuses under Megatron sequence parallelism (docs/inferred-plans.md)
 NO_SEQUENCE_PARALLEL = {"opt", "albert", "gemma2"}
 

@@ -132,10 +132,10 @@ def auto_on_a_hand_policy_class() -> dict:
     return {**compared, "policy": shardlib.report(model).policy, "verified": shardlib.report(model).verified_s}
 
 
-def checkpoint_round_trip(family: str, cls: str, workdir: str) -> int:
+def checkpoint_round_trip(family: str, cls: str, workdir: str, **config) -> int:
     """HF checkpoint -> sharded at tp=2 by the inferred plan (read straight into shards) -> sharded save -> load at
     tp=4 -> HF export and the live model's save_pretrained: weights bitwise equal to the original at every step
-    (GPT-2: the fused c_attn's blocked shards, docs/checkpoint-format.md)."""
+    (GPT-2: the fused c_attn's blocked shards, docs/checkpoint-format.md). ``config``: overrides of the family's."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -143,7 +143,7 @@ def checkpoint_round_trip(family: str, cls: str, workdir: str) -> int:
 
     from shardlib import checkpoint as ckpt
 
-    work, original = Path(workdir), make_model(cls, family)
+    work, original = Path(workdir), make_model(cls, family, **config)
     expected = original.state_dict()
     if dist.get_rank() == 0:
         original.save_pretrained(work / "hf")

@@ -12,7 +12,7 @@ import transformers
 
 import shardlib
 from harness import mesh as pool_mesh
-from inference_cases import FAMILIES
+from inference_cases import FAMILIES, FLOAT32_INSIDE
 from rank_tasks import compare_training_step
 
 LENGTH = 7  # neither sp=2 nor sp=4 divides it: the stack entry pads, the attention sees the true length
@@ -46,12 +46,14 @@ def padded_batch(model: torch.nn.Module, padded: bool = True, seed: int = 1) -> 
 
 def sp_equivalence(family: str, cls: str, mode: str, tp: int, sp: int, padded: bool = True, **config) -> dict:
     """Outputs, every gradient and the weights after AdamW: sharded by the inferred plan with ``mode`` ("ring" or
-    "all_to_all") at tp x sp == unsharded, in float64; the plan was proven over the tp x sp groups first."""
+    "all_to_all"; or True: Megatron's) at tp x sp == unsharded, in float64 (at float32 tolerances for a family that
+    computes in float32 inside); the plan was proven over the tp x sp groups first."""
     ref = make_model(family, cls, **config)
     model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=tp, sp=sp), gather_logits=True, sequence_parallel=mode)
     report = shardlib.report(model)
     assert report.policy == "inferred" and report.verified_s is not None, report
-    compared = compare_training_step(ref, model, padded_batch(ref, padded), torch.float64)
+    dtype = torch.float32 if family in FLOAT32_INSIDE else torch.float64
+    compared = compare_training_step(ref, model, padded_batch(ref, padded), dtype)
     compared["verified_s"] = report.verified_s
     return compared
 

@@ -4,6 +4,8 @@ shardlib.
 * :mod:`.mesh`: the validated dp x pp x sp x tp device mesh and its process groups;
 * :mod:`.collectives`: one autograd Function per collective (Megatron's copy / reduce / scatter / gather);
 * :mod:`.layers` and :mod:`.styles`: column / row / vocab-parallel modules and the small style objects plans name;
+* :mod:`.norms`: norms on tensor-parallel heads (per head: gradient summed over tp; whole width: split, statistic
+  all-reduced);
 * :mod:`.layout`: how a parameter is split (recorded once, read by everything downstream);
 * :mod:`.random`: per-rank and replicated dropout streams;
 * :mod:`.overlap`, :mod:`.gradsync`: communication overlapped with backward, replicated-gradient buckets;
@@ -14,10 +16,11 @@ shardlib.
 
 from .layout import Layout, layout_of, named_layouts
 from .mesh import Mesh, MeshError, fake_world, init_mesh
+from .norms import ColwiseNorm, PartialGrads
 from .random import RNGStatesTracker, manual_seed
 from .styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
 from .timeouts import CollectiveFailure
 
 __all__ = ["Mesh", "MeshError", "init_mesh", "fake_world", "Layout", "layout_of", "named_layouts",
            "RNGStatesTracker", "manual_seed", "ColwiseParallel", "RowwiseParallel", "VocabParallel", "CopyInputs",
-           "LocalRNG", "CollectiveFailure"]
+           "LocalRNG", "PartialGrads", "ColwiseNorm", "CollectiveFailure"]

@@ -40,6 +40,7 @@ from .assemble import (
 from .attention_sites import attention_sites, observe_blocks
 from .experts import moe_facts, moe_plan_entries, taken_by_moe
 from .graph import ExportError, export_twin, out_features
+from .norms import qk_norms
 from .sites import Unplaced, attention_facts, mlp_facts, relative_tables, vocab_sites
 from .twin import ROLES, analysis_twin
 
@@ -146,6 +147,8 @@ def _infer(model: nn.Module) -> Inferred:
     tables, head = vocab_sites(g, twin, sizes, unplaced)
     facts = Facts(attention=attention, mlps=mlps, tables=tables, head=head, relative=relative_tables(g, sizes, blocks),
                   stacks=stacks, unplaced=unplaced, moe_blocks=[f.block for f in moe])
+    norms = qk_norms(g, attention, unplaced)
+    facts.norms = {n.path: n.style for n in norms}
     facts.entries = entry_arguments(twin, inputs, _entry_groups(g, attention, mlps))
     facts.carries = layer_carries(twin, inputs, stacks)
     facts.divide = divided_attributes(twin, blocks, sizes, attributes_read(twin, inputs, blocks))
@@ -155,6 +158,7 @@ def _infer(model: nn.Module) -> Inferred:
     plan = dataclasses.replace(plan, attention=sites, styles={**plan.styles, **moe_styles}, moe=moe_sites)
     evidence = {f"attention {f.block}": f.evidence for f in attention}
     evidence |= {f"mlp {f.down}": f.evidence for f in mlps}
+    evidence |= {f"norm {n.path}": [n.evidence] for n in norms}
     if tables:
         evidence["vocabulary"] = [f"{', '.join(tables)}: {sizes.vocab} rows (the twin's vocabulary)"]
     evidence |= {f"experts {f.block}.{f.experts}": [f"fused experts; router {f.block}.{f.router}"] for f in moe}

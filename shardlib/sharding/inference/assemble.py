@@ -37,6 +37,7 @@ class Facts:
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
     carries: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # stack -> Stack.carry
     moe_blocks: list[str] = field(default_factory=list)  # mixture-of-experts blocks (.experts)
+    norms: dict[str, object] = field(default_factory=dict)  # q/k norm -> its style (:mod:`.norms`)
 
 
 def entry_arguments(model: nn.Module, inputs: dict, groups: dict[str, list[str]]) -> dict[str, dict[str, str]]:
@@ -248,6 +249,8 @@ def build_plan(facts: Facts, g: Graph, model: nn.Module, task: str, forward_para
         concrete[path] = (VocabParallel(),)
     for path in facts.relative:
         concrete[path] = (ColwiseParallel(),)
+    for path, style in facts.norms.items():
+        concrete[path] = (style,)
     unplaced = []
     styles: dict[str, tuple] = {}
     seen: dict[str, list[str]] = {}

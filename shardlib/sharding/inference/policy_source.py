@@ -5,8 +5,13 @@ inferring."""
 
 from __future__ import annotations
 
+from ...parallel.norms import ColwiseNorm, PartialGrads
 from ...parallel.styles import as_tuple
 from . import Inferred
+
+
+#: the styles of :mod:`shardlib.parallel.norms` a written policy imports from there
+NORM_STYLES = (PartialGrads, ColwiseNorm)
 
 
 def _style_source(style) -> str:
@@ -35,12 +40,14 @@ def policy_source(inferred: Inferred, model_class: type) -> str:
     evidence = "\n".join(f"#   {site}: {item}" for site, items in inferred.evidence.items() for item in items)
     unplaced = "\n".join(f"#   {u.module}: {u.why}" for u in inferred.unplaced) or "#   (none)"
     name = model_class.__name__
+    norms = sorted({type(x).__name__ for s in plan.styles.values() for x in as_tuple(s) if isinstance(x, NORM_STYLES)})
+    norms = f"from shardlib.parallel.norms import {', '.join(norms)}\n" if norms else ""
     return f'''"""Tensor-parallel policy for {name}, written by `shardlib plan --auto` from the model's exported graph.
 Review it, then import this module before shard() to use it instead of inference (docs/inferred-plans.md)."""
 
 from transformers import {name}
 
-from shardlib.parallel.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
+{norms}from shardlib.parallel.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
 from shardlib.policies import Policy, register_policy
 from shardlib.sharding.plan import AttentionSite, HeadsOf, LossItems, LossSpec, Plan, Stack
 
