@@ -15,14 +15,17 @@ from hypothesis import strategies as st
 import moe_tasks
 import packing_tasks
 import pipeline_tasks
-from profiles import examples
+from profiles import ci_only, examples
+
+#: a case the dev profile leaves to CI (each a few seconds; the dev profile keeps one case of each kind)
+CI = ci_only("a few seconds each: the dev profile runs another case of the same kind")
 
 
 def _equal(compared: dict, grads: int) -> None:
     assert compared["outputs"] and compared["grads"] >= grads and compared["weights"] >= grads, compared
 
 
-@pytest.mark.parametrize("tp,sequence,sp", [(2, "none", 1), (2, "megatron", 1), (4, "none", 1)])
+@pytest.mark.parametrize("tp,sequence,sp", [(2, "none", 1), (2, "megatron", 1), pytest.param(4, "none", 1, marks=CI)])
 def test_switch_with_dropped_tokens_and_router_losses_equals_unsharded(pool, tp, sequence, sp):
     for compared in pool.run(moe_tasks.moe_equivalence, "switch", tp, sequence, sp, capacity=2):
         _equal(compared, 100)
@@ -30,16 +33,18 @@ def test_switch_with_dropped_tokens_and_router_losses_equals_unsharded(pool, tp,
         assert compared["policy"] == "switch_transformers" and compared["local_fraction"] < 0.6, compared
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])
-@pytest.mark.parametrize("tp,sequence,sp", [(2, "none", 1), (2, "megatron", 1), (1, "all_to_all", 2),
-                                            (2, "ring", 2)])
+@pytest.mark.parametrize("family,tp,sequence,sp", [
+    ("qwen2moe", 2, "none", 1), ("qwen2moe", 2, "megatron", 1), ("mixtral", 1, "all_to_all", 2),
+    ("mixtral", 2, "ring", 2), pytest.param("mixtral", 2, "none", 1, marks=CI),
+    pytest.param("mixtral", 2, "megatron", 1, marks=CI), pytest.param("qwen2moe", 1, "all_to_all", 2, marks=CI),
+    pytest.param("qwen2moe", 2, "ring", 2, marks=CI)])
 def test_decoder_moe_equals_unsharded(pool, family, tp, sequence, sp):
     for compared in pool.run(moe_tasks.moe_equivalence, family, tp, sequence, sp, seq=10):
         _equal(compared, 20)
         assert compared["policy"] == "inferred", compared
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2moe"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2moe", marks=CI)])
 def test_decoder_router_losses_enter_the_loss(pool, family):
     """The load-balancing loss (output_router_logits) added to the vocab-parallel loss as transformers adds it."""
     for compared in pool.run(moe_tasks.moe_equivalence, family, 2, labels=True, router_losses=True):
@@ -47,7 +52,7 @@ def test_decoder_router_losses_enter_the_loss(pool, family):
         assert compared["outputs"] == 3, compared  # loss, logits, aux_loss
 
 
-@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("implementation", [pytest.param("batched_mm", marks=CI), "grouped_mm"])
 def test_every_experts_implementation_runs_sharded(pool, implementation):
     """transformers' batched and grouped GEMM experts on the local expert shards (float32: grouped_mm has no
     float64)."""
@@ -56,7 +61,7 @@ def test_every_experts_implementation_runs_sharded(pool, implementation):
         _equal(compared, 20)
 
 
-@settings(max_examples=examples(dev=6, ci=40))
+@settings(max_examples=examples(dev=3, ci=40))
 @given(family=st.sampled_from(["switch", "mixtral", "qwen2moe"]), experts=st.integers(1, 6), top_k=st.integers(1, 3),
        capacity=st.integers(1, 6), layout=st.sampled_from([(1, "none", 1), (2, "none", 1), (4, "none", 1),
                                                            (2, "megatron", 1), (2, "ring", 2)]),
@@ -83,7 +88,8 @@ def test_refusals_name_the_module_and_the_fix(pool):
 
 
 @pytest.mark.parametrize("family,tp,zero,checkpointing", [
-    ("switch", 1, 3, False), ("switch", 2, 1, True), ("mixtral", 2, 3, True), ("qwen2moe", 1, 2, False)])
+    pytest.param("switch", 1, 3, False, marks=CI), ("switch", 2, 1, True), ("mixtral", 2, 3, True),
+    pytest.param("qwen2moe", 1, 2, False, marks=CI)])
 def test_training_steps_at_dp_with_zero_and_checkpointing_equal_unsharded(pool, family, tp, zero, checkpointing):
     """Two Trainer steps at dp x tp (the pool's 4 ranks) with ZeRO and activation checkpointing == two AdamW
     steps of the unsharded model on the whole batch."""
@@ -102,8 +108,8 @@ def test_a_rank_whose_experts_get_no_tokens_neither_hangs_nor_computes_wrong_gra
 
 
 @pytest.mark.parametrize("family,cls,tp", [("switch", "SwitchTransformersForConditionalGeneration", 1),
-                                           ("mixtral", "MixtralForCausalLM", 2),
-                                           ("qwen2moe", "Qwen2MoeForCausalLM", 1)])
+                                           pytest.param("mixtral", "MixtralForCausalLM", 2, marks=CI),
+                                           pytest.param("qwen2moe", "Qwen2MoeForCausalLM", 1, marks=CI)])
 def test_pipelined_moe_equals_unsharded(pool, family, cls, tp):
     """pp=2 (encoder / decoder stages for Switch) x tp, 1F1B over 2 microbatches: the loss, every gradient of
     each rank's stage and the weights after AdamW."""
@@ -115,8 +121,9 @@ def test_pipelined_moe_equals_unsharded(pool, family, cls, tp):
 
 # ------------------------------------------------------------------------------------------ expert parallelism
 @pytest.mark.parametrize("family,ep,capacity,clip", [
-    ("mixtral", 2, None, 1.0), ("qwen2moe", 4, None, None), ("mixtral", 2, 8.0, None), ("qwen2moe", 2, 4.0, 0.5),
-    ("switch", 2, None, 0.5), ("switch", 4, None, None), ("switch", 2, 4.0, None)])
+    ("mixtral", 2, None, 1.0), pytest.param("qwen2moe", 4, None, None, marks=CI),
+    pytest.param("mixtral", 2, 8.0, None, marks=CI), ("qwen2moe", 2, 4.0, 0.5), pytest.param("switch", 2, None, 0.5, marks=CI),
+    ("switch", 4, None, None), pytest.param("switch", 2, 4.0, None, marks=CI)])
 def test_expert_parallel_training_equals_unsharded(pool, family, ep, capacity, clip):
     """Two Trainer steps at dp=4 with each MoE layer's experts split over ep ranks (ep=2: two expert-data-parallel
     replicas), dropless or with a static capacity large enough to drop nothing beyond the model's own rule, gradient
@@ -139,14 +146,14 @@ def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_
     assert [bool(r["idle_expert_params"]) for r in results] == [False, True, False, True], results
 
 
-@pytest.mark.parametrize("ep,factor", [(2, 0.5), (4, 0.75)])
+@pytest.mark.parametrize("ep,factor", [(2, 0.5), pytest.param(4, 0.75, marks=CI)])
 def test_static_capacity_counts_every_pair_it_drops(pool, ep, factor):
     for result in pool.run(moe_tasks.static_capacity_drops, ep, factor):
         assert result["layers"] == 2 and result["routed"] == 2 * 18 * 2, result
         assert result["counted"] == result["expected"] > 0, result
 
 
-@pytest.mark.parametrize("family", ["mixtral", "switch"])
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=CI), "switch"])
 def test_full_state_loads_into_expert_shards_and_gathers_back_bitwise(pool, family):
     for result in pool.run(moe_tasks.full_state_round_trip_at_ep, family, 4):
         assert result["local_experts"] == 1 and not result["differing"] and result["compared"] >= 20, result
@@ -162,7 +169,7 @@ def test_expert_parallel_refusals_name_the_problem(pool):
 
 
 # -------------------------------------------------------------------------------- checkpoints, generate, packing
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,ep", [(2, 1), pytest.param(1, 2, marks=CI)])
 def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, tmp_path, tp, ep):
     """Switch's HF checkpoint (per-expert tensors under the model's own names) read straight into tp shards or
     into each ep rank's own experts: bitwise the checkpoint's; at tp written back by save_pretrained, bitwise."""
@@ -170,7 +177,8 @@ def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, t
         assert not result["differing"] and result["compared"] >= 100 and not result["written_differing"], result
 
 
-@pytest.mark.parametrize("family,tp,ep", [("switch", 2, 1), ("mixtral", 2, 1), ("qwen2moe", 1, 2)])
+@pytest.mark.parametrize("family,tp,ep", [pytest.param("switch", 2, 1, marks=CI), pytest.param("mixtral", 2, 1, marks=CI),
+                                          ("qwen2moe", 1, 2)])
 def test_generate_gives_the_unsharded_tokens(pool, family, tp, ep):
     results = pool.run(moe_tasks.generation_matches, family, tp, ep)
     assert all(r == results[0] for r in results)
@@ -181,10 +189,29 @@ def test_packing_a_capacity_limited_router_is_refused(pool):
     assert "capacity counted along the whole row" in message and "train it padded" in message, message
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 4, "ep": 2}])
+@pytest.mark.parametrize("layout", [pytest.param({"tp": 2}, marks=CI), {"dp": 4, "ep": 2}])
 def test_packed_rows_train_as_the_padded_batches(pool, layout):
     """Mixtral routes each token alone, so packed documents are routed as in the padded batch: fit(packing=16)
     at tp=2 and at ep=2 == the unsharded model on the padded batches (float32 tolerances: the router's softmax)."""
     spec = dict(seed=3, samples=24, budget=16, batch_size=8, steps=3, microbatches=2, model="mixtral", layout=layout)
     for result in pool.run(packing_tasks.packed_fit, spec):
         assert result["loss_error"] < 1e-6 and result["weight_error"] < 1e-6, result
+
+
+def test_a_written_policy_keeps_the_experts(tmp_path):
+    """``shardlib plan --auto --write-policy``'s module for Qwen2-MoE gives back the inferred plan, experts and MoE
+    blocks included."""
+    import importlib.util
+
+    from moe_cases import build_model
+    from shardlib.sharding.inference import infer
+    from shardlib.sharding.inference.policy_source import policy_source
+
+    model = build_model("qwen2moe")
+    path = tmp_path / "qwen2moe_policy.py"
+    path.write_text(policy_source(infer(model), type(model)))
+    spec = importlib.util.spec_from_file_location("qwen2moe_policy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plan, inferred = module.make_plan(model, 2), infer(model).plan
+    assert plan.moe == inferred.moe and plan.styles == inferred.styles and plan.moe

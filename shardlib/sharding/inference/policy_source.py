@@ -5,6 +5,7 @@ inferring."""
 
 from __future__ import annotations
 
+from ...parallel.experts import ExpertsTensorParallel
 from ...parallel.norms import ColwiseNorm, PartialGrads
 from ...parallel.styles import as_tuple
 from . import Inferred
@@ -42,6 +43,9 @@ def policy_source(inferred: Inferred, model_class: type) -> str:
     name = model_class.__name__
     norms = sorted({type(x).__name__ for s in plan.styles.values() for x in as_tuple(s) if isinstance(x, NORM_STYLES)})
     norms = f"from shardlib.parallel.norms import {', '.join(norms)}\n" if norms else ""
+    if any(isinstance(x, ExpertsTensorParallel) for s in plan.styles.values() for x in as_tuple(s)):
+        norms += "from shardlib.parallel.experts import ExpertsTensorParallel\n"
+    moe = "\n".join(f"            {pattern!r}: {site!r}," for pattern, site in plan.moe.items())
     return f'''"""Tensor-parallel policy for {name}, written by `shardlib plan --auto` from the model's exported graph.
 Review it, then import this module before shard() to use it instead of inference (docs/inferred-plans.md)."""
 
@@ -49,7 +53,7 @@ from transformers import {name}
 
 {norms}from shardlib.parallel.styles import ColwiseParallel, CopyInputs, LocalRNG, RowwiseParallel, VocabParallel
 from shardlib.policies import Policy, register_policy
-from shardlib.sharding.plan import AttentionSite, HeadsOf, LossItems, LossSpec, Plan, Stack
+from shardlib.sharding.plan import AttentionSite, HeadsOf, LossItems, LossSpec, MoESite, Plan, Stack
 
 # Evidence (graph nodes of a 2-layer twin):
 {evidence}
@@ -74,6 +78,9 @@ def make_plan(model, tp: int) -> Plan:
 {attention}
         }},
         loss_items={plan.loss_items!r},
+        moe={{
+{moe}
+        }},
     )
 
 
