@@ -205,6 +205,7 @@ def test_a_written_policy_keeps_the_experts(tmp_path):
 
     from moe_cases import build_model
     from shardlib.sharding.inference import infer
+    from shardlib.policies import _REGISTRY
     from shardlib.sharding.inference.policy_source import policy_source
 
     model = build_model("qwen2moe")
@@ -212,6 +213,9 @@ def test_a_written_policy_keeps_the_experts(tmp_path):
     path.write_text(policy_source(infer(model), type(model)))
     spec = importlib.util.spec_from_file_location("qwen2moe_policy", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    plan, inferred = module.make_plan(model, 2), infer(model).plan
+    try:
+        spec.loader.exec_module(module)  # registers the policy: taken out again below
+        plan, inferred = module.make_plan(model, 2), infer(model).plan
+    finally:
+        _REGISTRY.pop(type(model), None)
     assert plan.moe == inferred.moe and plan.styles == inferred.styles and plan.moe
