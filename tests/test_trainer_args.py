@@ -6,6 +6,8 @@ StopIteration", a NaN gradient norm did not say where.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,11 +138,24 @@ def test_fit_names_the_step_whose_gradient_norm_is_not_finite(model):
     ("num_workers", -1, "--num-workers must be >= 0, got -1"),
     ("zero", 4, "--zero must be one of 0, 1, 2, 3, got 4"),
     ("bucket_mb", 0.0, "--bucket-mb must be positive, got 0.0"),
+    ("ep", 0, "--ep must be >= 1, got 0"),
+    ("expert_capacity", 1.0, "--expert-capacity sets expert parallelism's static capacity: give --ep N too"),
 ])
 def test_training_arguments_refuse_invalid_values(field, value, message):
     with pytest.raises(ValueError) as err:
         TrainingArguments(**{field: value})
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ep=2, zero=1), "--ep 2 does not combine with --zero 1 yet"),
+    (dict(ep=2, tp=2, save_dir="out"), "--ep 2 does not combine with --tp 2, --save-dir (checkpoints of an ep model)"),
+    (dict(ep=2, expert_capacity=0.0), "--expert-capacity must be a positive capacity factor, got 0.0"),
+])
+def test_expert_parallel_arguments_refuse_what_ep_does_not_combine_with(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainingArguments(**options)
+    assert TrainingArguments(ep=2, expert_capacity=1.5).shard_options() == {"expert_capacity": 1.5}
 
 
 def test_training_arguments_defaults_are_valid():

@@ -42,6 +42,11 @@ class TrainingArguments:
                     metadata={"help": "sequence-parallel ranks per sequence (all-to-all or ring)"})
     dp: Optional[int] = field(default_factory=_env_int("SHARDLIB_DP", None),
                               metadata={"help": "data-parallel replicas (default: inferred from the world size)"})
+    ep: int = field(default=1, metadata={
+        "help": "expert-parallel ranks: each mixture-of-experts layer's experts split over that many data-parallel "
+                "ranks (it must divide dp; docs/moe.md)"})
+    expert_capacity: Optional[float] = field(default=None, metadata={
+        "help": "with --ep: the static-capacity exchange with this capacity factor (default: dropless)"})
     sequence_parallel: Optional[Literal["megatron", "all_to_all", "ring"]] = field(
         default=None, metadata={"help": "Megatron SP on the tp group; all-to-all (Ulysses) or ring attention over "
                                         "--sp ranks (default with --sp > 1: all_to_all)"})
@@ -113,7 +118,7 @@ class TrainingArguments:
     def __post_init__(self):
         if not self.bucket_mb > 0:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
-        for name in ("tp", "pp", "sp", "microbatches", "batch_size", "log_interval", "keep_last"):
+        for name in ("tp", "pp", "sp", "ep", "microbatches", "batch_size", "log_interval", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("dp", "nproc", "eval_batch_size", "epochs", "max_steps", "save_interval", "microbatch_size",
@@ -137,11 +142,27 @@ class TrainingArguments:
         check_auto(self)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be one of 0, 1, 2, 3, got {self.zero}")
+        self._check_experts()
         if self.sp > 1 and self.sequence_parallel is None:
             self.sequence_parallel = "all_to_all"
         if self.eval_interval is not None and self.eval_interval != "epoch":
             if not self.eval_interval.isdigit() or int(self.eval_interval) < 1:
                 raise ValueError(f"--eval-interval must be a positive integer or 'epoch', got {self.eval_interval!r}")
+
+    def _check_experts(self) -> None:
+        if self.expert_capacity is not None and not (math.isfinite(self.expert_capacity) and self.expert_capacity > 0):
+            raise ValueError(f"--expert-capacity must be a positive capacity factor, got {self.expert_capacity}")
+        if self.ep == 1:
+            if self.expert_capacity is not None:
+                raise ValueError("--expert-capacity sets expert parallelism's static capacity: give --ep N too")
+            return
+        unsupported = [f"{_flag(name)} {getattr(self, name)}" for name, alone in (("zero", 0), ("tp", 1), ("pp", 1),
+                                                                               ("sp", 1)) if getattr(self, name) != alone]
+        if self.save_dir is not None:
+            unsupported.append("--save-dir (checkpoints of an ep model)")
+        if unsupported:
+            raise ValueError(f"--ep {self.ep} does not combine with {', '.join(unsupported)} yet: train with --ep and "
+                             "data parallelism only, or without --ep (docs/moe.md)")
 
     def mesh_sizes(self) -> dict:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp}
@@ -189,7 +210,8 @@ class TrainingArguments:
                 "lr_scheduler": warmup_cosine(self.warmup_ratio) if self.warmup_ratio else None}
 
     def shard_options(self) -> dict:
-        return {"sequence_parallel": self.sequence_parallel} if self.sequence_parallel else {}
+        options = {"sequence_parallel": self.sequence_parallel} if self.sequence_parallel else {}
+        return options | ({"expert_capacity": self.expert_capacity} if self.expert_capacity is not None else {})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -305,4 +327,4 @@ def _choose_layout(args: TrainingArguments, model, seq: int, argv: list[str]) ->
 
 def mesh_from_args(args: TrainingArguments, **options):
     """:func:`shardlib.init_mesh` with the argument's sizes (a world of one without a launcher)."""
-    return init_mesh(args.dp, args.pp, args.tp, sp=args.sp, transport=args.transport, **options)
+    return init_mesh(args.dp, args.pp, args.tp, sp=args.sp, ep=args.ep, transport=args.transport, **options)
