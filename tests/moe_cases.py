@@ -1,4 +1,4 @@
-"""Mixture-of-experts models for the tests (issue 52): Switch Transformers (the hand policy), Mixtral and Qwen2-MoE
+"""Mixture-of-experts models for the tests (issue 52): Switch Transformers (the hand policy), Mixtral, Qwen2-MoE and Qwen3-MoE
 (inferred plans), at small configs built from their config classes, and a batch of each one's task.
 
 ``router_dtype``: Switch routes in float32 whatever the model's dtype (as HF computes it); the float64 proofs set
@@ -24,6 +24,8 @@ FAMILIES = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", DECODER, "num_local_experts"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(DECODER, moe_intermediate_size=8,
                                                                shared_expert_intermediate_size=12), "num_experts"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(DECODER, moe_intermediate_size=8, head_dim=4),
+                 "num_experts"),
 }
 
 

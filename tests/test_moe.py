@@ -37,7 +37,8 @@ def test_switch_with_dropped_tokens_and_router_losses_equals_unsharded(pool, tp,
     ("qwen2moe", 2, "none", 1), ("qwen2moe", 2, "megatron", 1), ("mixtral", 1, "all_to_all", 2),
     ("mixtral", 2, "ring", 2), pytest.param("mixtral", 2, "none", 1, marks=CI),
     pytest.param("mixtral", 2, "megatron", 1, marks=CI), pytest.param("qwen2moe", 1, "all_to_all", 2, marks=CI),
-    pytest.param("qwen2moe", 2, "ring", 2, marks=CI)])
+    pytest.param("qwen2moe", 2, "ring", 2, marks=CI), ("qwen3moe", 2, "ring", 2),
+    pytest.param("qwen3moe", 2, "megatron", 1, marks=CI)])
 def test_decoder_moe_equals_unsharded(pool, family, tp, sequence, sp):
     for compared in pool.run(moe_tasks.moe_equivalence, family, tp, sequence, sp, seq=10):
         _equal(compared, 20)
@@ -123,7 +124,8 @@ def test_pipelined_moe_equals_unsharded(pool, family, cls, tp):
 @pytest.mark.parametrize("family,ep,capacity,clip", [
     ("mixtral", 2, None, 1.0), pytest.param("qwen2moe", 4, None, None, marks=CI),
     pytest.param("mixtral", 2, 8.0, None, marks=CI), ("qwen2moe", 2, 4.0, 0.5), pytest.param("switch", 2, None, 0.5, marks=CI),
-    ("switch", 4, None, None), pytest.param("switch", 2, 4.0, None, marks=CI)])
+    ("switch", 4, None, None), pytest.param("switch", 2, 4.0, None, marks=CI),
+    pytest.param("qwen3moe", 2, None, None, marks=CI)])
 def test_expert_parallel_training_equals_unsharded(pool, family, ep, capacity, clip):
     """Two Trainer steps at dp=4 with each MoE layer's experts split over ep ranks (ep=2: two expert-data-parallel
     replicas), dropless or with a static capacity large enough to drop nothing beyond the model's own rule, gradient
