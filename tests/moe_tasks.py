@@ -184,3 +184,31 @@ def packed_refusal() -> str:
         return "no error"
     except ValueError as exc:
         return str(exc)
+
+
+def runtime_refusals(workdir: str) -> dict:
+    """The refusals that need ranks: an ep that does not divide dp, a checkpoint of an ep model, the static capacity
+    with batches of different shapes across the ep group, router losses asked of a pipelined model."""
+    import torch.distributed as dist
+
+    messages = {}
+    try:
+        shardlib.init_mesh(ep=3)
+    except shardlib.MeshError as exc:
+        messages["mesh"] = str(exc)
+    model = shardlib.shard(build_model("mixtral", experts=4), pool_mesh(ep=2), expert_capacity=1.0)
+    try:
+        shardlib.checkpoint.save(model, f"{workdir}/ep")
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        messages["save"] = str(exc)
+    batch = build_batch("mixtral", batch=1 + dist.get_rank() % 2, labels=False)
+    try:
+        model(**batch)
+    except ValueError as exc:
+        messages["shapes"] = str(exc)
+    piped = shardlib.shard(build_model("mixtral", experts=4), pool_mesh(pp=2))
+    try:
+        piped(**build_batch("mixtral"), output_router_logits=True)
+    except ValueError as exc:
+        messages["pipeline"] = str(exc)
+    return messages

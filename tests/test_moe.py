@@ -221,3 +221,11 @@ def test_a_written_policy_keeps_the_experts(tmp_path):
     finally:
         _REGISTRY.pop(type(model), None)
     assert plan.moe == inferred.moe and plan.styles == inferred.styles and plan.moe
+
+
+def test_runtime_refusals_of_expert_parallelism_and_router_losses(pool, tmp_path):
+    for messages in pool.run(moe_tasks.runtime_refusals, str(tmp_path)):
+        assert "ep=3 must be a positive integer dividing dp=4" in messages["mesh"], messages
+        assert "checkpoint of an expert-parallel model (ep=2) is not supported yet" in messages["save"], messages
+        assert "the same tokens per batch on every rank of the ep group" in messages["shapes"], messages
+        assert "a pipeline stage holds only some of them" in messages["pipeline"], messages
