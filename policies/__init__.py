@@ -145,7 +145,13 @@ def _transformers_renames(class_name: str) -> bool:
         return False
     with torch.device("meta"):
         model = cls(cls.config_class())
-    return bool(get_model_conversion_mapping(model, add_legacy=False))
+    mapping = get_model_conversion_mapping(model, add_legacy=False)
+    # per-expert tensors stacked into fused experts (Mixtral, Qwen-MoE), with renamings beside them: shardlib's
+    # reader applies those (shardlib.checkpoint.experts), and transformers loads the in-memory names it writes
+    stacking = [c for c in mapping
+                if [type(op).__name__ for op in getattr(c, "operations", [])][:1] == ["MergeModulelist"]]
+    renaming = [c for c in mapping if type(c).__name__ == "WeightRenaming"]
+    return bool(mapping) and not (stacking and len(stacking) + len(renaming) == len(mapping))
 
 
 def registered_classes() -> list[type]:

@@ -212,3 +212,28 @@ def runtime_refusals(workdir: str) -> dict:
     except ValueError as exc:
         messages["pipeline"] = str(exc)
     return messages
+
+
+def fused_hf_checkpoint(workdir: str, family: str, tp: int = 1, ep: int = 1) -> dict:
+    """A decoder's HF checkpoint as transformers writes it (one tensor per expert, Mixtral's under
+    ``block_sparse_moe``) read straight into tp or ep shards through transformers' conversion mapping: the gathered
+    weights are the model's, bitwise; at tp written back by ``shardlib.save_pretrained`` (fused tensors), which
+    transformers' ``from_pretrained`` loads to the same weights."""
+    import torch.distributed as dist
+    import transformers
+
+    ref = build_model(family, experts=4, dtype=torch.float32, implementation="grouped_mm")
+    source, back = f"{workdir}/{family}", f"{workdir}/{family}-back"
+    if dist.get_rank() == 0:
+        ref.save_pretrained(source)
+    dist.barrier()
+    cls = getattr(transformers, type(ref).__name__)
+    model = shardlib.from_pretrained(cls, source, pool_mesh(tp=tp, ep=ep))
+    full, expected = shardlib.full_state_dict(model), ref.state_dict()
+    differing = [name for name, tensor in full.items() if not torch.equal(tensor, expected[name])]
+    reloaded = []
+    if ep == 1:
+        shardlib.save_pretrained(model, back)
+        again = cls.from_pretrained(back).state_dict()
+        reloaded = [name for name, tensor in expected.items() if not torch.equal(again[name], tensor)]
+    return {"differing": differing, "compared": len(full), "reloaded_differing": reloaded}

@@ -179,6 +179,16 @@ def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, t
         assert not result["differing"] and result["compared"] >= 100 and not result["written_differing"], result
 
 
+@pytest.mark.parametrize("family,tp,ep", [("mixtral", 2, 1), ("qwen2moe", 1, 4), pytest.param("mixtral", 1, 2, marks=CI),
+                                          pytest.param("qwen2moe", 2, 1, marks=CI)])
+def test_per_expert_hf_checkpoints_read_into_fused_shards_and_written_back(pool, tmp_path, family, tp, ep):
+    """Mixtral's and Qwen2-MoE's HF checkpoints (one tensor per expert, as transformers writes them) read straight
+    into the 3-D experts' tp or ep shards (transformers' conversion mapping applied by shardlib's reader): the
+    model's weights, bitwise; written back at tp, transformers loads the same weights."""
+    for result in pool.run(moe_tasks.fused_hf_checkpoint, str(tmp_path), family, tp, ep):
+        assert not result["differing"] and result["compared"] >= 20 and not result["reloaded_differing"], result
+
+
 @pytest.mark.parametrize("family,tp,ep", [pytest.param("switch", 2, 1, marks=CI), pytest.param("mixtral", 2, 1, marks=CI),
                                           ("qwen2moe", 1, 2)])
 def test_generate_gives_the_unsharded_tokens(pool, family, tp, ep):

@@ -24,6 +24,7 @@ from ..sharding.state import materialize
 from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .outcome import all_ranks, timeout_of
 from .reader import ShardedCheckpoint
+from .experts import check_shapes, expert_keys, merged_experts, read_merged, renamed_keys
 from .tensors import fill_local, local_tensors, model_tensor_names, rank_along, tp_rank
 
 log = logging.getLogger("shardlib.checkpoint")
@@ -93,12 +94,27 @@ def _mesh_of(model: nn.Module):
 
 
 def _read_hf_weights(model: nn.Module, files: SafetensorsFiles, strict: bool) -> tuple[list[str], list]:
-    """:func:`load_hf_weights` on this rank: the names loaded, and the tensors the checkpoint lacks."""
+    """:func:`load_hf_weights` on this rank: the names loaded, and the tensors the checkpoint lacks. A class whose
+    Hub checkpoints transformers renames or merges on load (Mixtral's per-expert tensors) is read through that
+    mapping (:mod:`.experts`)."""
     model_names = model_tensor_names(model)
-    to_hub = _hub_keys(model, files, model_names)
-    found, missing, initialized = [], [], []
-    for tensor, names in local_tensors(model):
+    hub = _hub_keys(model, files, model_names)
+    renamed = renamed_keys(model)
+
+    def to_hub(name: str) -> str:
+        key = hub(name)
+        return key if key in files or renamed(key) not in files else renamed(key)
+
+    local = local_tensors(model)
+    merged = merged_experts(model, [names[0] for _, names in local], files)
+    found, missing, initialized, merged_found = [], [], [], []
+    for tensor, names in local:
         key = next((to_hub(n) for n in names if to_hub(n) in files), None)
+        if key is None and names[0] in merged:
+            layout = layout_of(model, names[0])
+            check_shapes(files, names[0], merged[names[0]], layout)
+            merged_found.append((tensor, names[0], layout))
+            continue
         if key is None:
             missing.append(" = ".join(to_hub(n) for n in names))
             initialized.append((tensor, layout_of(model, names[0])))
@@ -109,12 +125,15 @@ def _read_hf_weights(model: nn.Module, files: SafetensorsFiles, strict: bool) ->
             raise CheckpointError(f"tensor {key!r} in {files.weight_map[key].name} has shape {shape}, "
                                   f"the model expects {layout.global_shape} ({names[0]})")
         found.append((tensor, names[0], key, layout))
-    known = {to_hub(n) for n in model_names}
-    _unmatched(model, str(files.directory), missing, sorted(set(files.weight_map) - known), strict)
+    known, per_expert = {to_hub(n) for n in model_names}, expert_keys(model)
+    _unmatched(model, str(files.directory), missing,
+               sorted(k for k in set(files.weight_map) - known if not per_expert(k)), strict)
     for tensor, name, key, layout in found:  # each rank reads only its slice (its experts' rows under ep)
         fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank_along(model, layout),
                    tensor, key)
-    return [name for _, name, _, _ in found], initialized
+    for tensor, name, layout in merged_found:
+        read_merged(files, merged[name], layout, rank_along(model, layout), tensor)
+    return [name for _, name, _, _ in found] + [name for _, name, _ in merged_found], initialized
 
 
 def _agree_across_replicas(model: nn.Module, tensors: list[tuple[torch.Tensor, Layout]]) -> None:

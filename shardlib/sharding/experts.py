@@ -139,6 +139,7 @@ def _split_experts(experts: nn.Module, mesh, capacity: float | None) -> None:
                                                     requires_grad=param.requires_grad))
                 set_layout(experts, name, layout)
         experts.num_experts = total // mesh.ep
+        experts._shardlib_global_experts = total  # what a checkpoint holding every expert is read against
         local_forward = type(experts).forward.__get__(experts)
         experts.forward = functools.partial(expert_parallel_forward, experts, local_forward, group, total, capacity)
         return
