@@ -237,3 +237,25 @@ def fused_hf_checkpoint(workdir: str, family: str, tp: int = 1, ep: int = 1) -> 
         again = cls.from_pretrained(back).state_dict()
         reloaded = [name for name, tensor in expected.items() if not torch.equal(again[name], tensor)]
     return {"differing": differing, "compared": len(full), "reloaded_differing": reloaded}
+
+
+def static_capacity_compiles(ep: int = 2) -> dict:
+    """Mixtral (batched_mm experts) at ep with the static capacity under torch.compile: one graph, no break
+    (``torch._dynamo.explain``), and a compiled forward + backward (aot_eager) gives the eager loss and gradients."""
+    import torch.distributed as dist
+
+    ref = build_model("mixtral", experts=4, dtype=torch.float32, implementation="batched_mm")
+    model = shardlib.shard(copy.deepcopy(ref), pool_mesh(ep=ep), expert_capacity=2.0)
+    batch = build_batch("mixtral", batch=2, seed=4 + dist.get_rank())
+    explained = torch._dynamo.explain(model)(**batch)
+    torch._dynamo.reset()
+    eager = model(**batch).loss
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager")(**batch).loss
+    compiled.backward()
+    worst = max(float((p.grad - grads[n]).abs().max()) for n, p in model.named_parameters())
+    torch._dynamo.reset()
+    return {"graphs": explained.graph_count, "breaks": len(explained.break_reasons),
+            "loss": abs(float(compiled) - float(eager)), "grads": worst}

@@ -239,3 +239,9 @@ def test_runtime_refusals_of_expert_parallelism_and_router_losses(pool, tmp_path
         assert "checkpoint of an expert-parallel model (ep=2) is not supported yet" in messages["save"], messages
         assert "the same tokens per batch on every rank of the ep group" in messages["shapes"], messages
         assert "a pipeline stage holds only some of them" in messages["pipeline"], messages
+
+
+def test_the_static_capacity_compiles_to_one_graph_equal_to_eager(pool):
+    for result in pool.run(moe_tasks.static_capacity_compiles, 2):
+        assert result["graphs"] == 1 and result["breaks"] == 0, result
+        assert result["loss"] < 1e-6 and result["grads"] < 1e-6, result

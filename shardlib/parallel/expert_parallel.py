@@ -35,7 +35,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .collectives import Group, group_rank, group_size
+import torch.distributed._functional_collectives as funcol
+
+from .collectives import Group, _traced, _waited, group_rank, group_size
 from .experts import with_zero_gradients
 
 #: set on an experts module running under expert parallelism: pairs dropped by the static capacity (a tensor)
@@ -62,6 +64,8 @@ class _AllToAllRows(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Group) -> torch.Tensor:
+    if _traced():  # torch.compile / export: the functional collective (split sizes fixed by the shapes: static mode)
+        return _waited(funcol.all_to_all_single(x.contiguous(), recv, send, group))
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
@@ -168,18 +172,21 @@ def _static_capacity(local_forward, rows, expert, num_experts, local, ep, capaci
     starts = torch.searchsorted(expert, torch.arange(num_experts, device=expert.device))
     position = torch.arange(pairs, device=expert.device) - starts[expert]  # the pair's place in its expert's queue
     kept = position < capacity
-    slot = expert * capacity + position.clamp(max=capacity - 1)
-    slots = torch.zeros(num_experts * capacity, width, dtype=rows.dtype, device=rows.device)
-    slots = slots.index_add(0, slot[kept], rows[kept])  # [E * C, H] in expert order: rank i's experts in block i
+    # a dropped pair goes to a spare last row that is never sent: no data-dependent shape anywhere (compile)
+    slot = torch.where(kept, expert * capacity + position, num_experts * capacity)
+    slots = rows.new_zeros(num_experts * capacity + 1, width).index_add(0, slot, rows)[:-1]  # rank i's experts: block i
     split = [local * capacity] * ep
     received = exchange_rows(slots, split, split, group)  # [ep * local * C, H]: from rank j, its rows for my experts
     index = (torch.arange(local * capacity, device=rows.device) // capacity).repeat(ep).unsqueeze(1)
     out = exchange_rows(_connected(local_forward(received, index, _ones(index, hidden)), received), split, split, group)
-    return out[slot] * kept.unsqueeze(1).to(out.dtype), kept
+    return out[slot.clamp(max=num_experts * capacity - 1)] * kept.unsqueeze(1).to(out.dtype), kept
 
 
 def _count(module, routed: torch.Tensor, dropped: torch.Tensor) -> None:
-    """Accumulate what the module routed and dropped since the last read (:func:`take_counts`)."""
+    """Accumulate what the module routed and dropped since the last read (:func:`take_counts`): eager forwards
+    only (a compiled graph keeps no Python state)."""
+    if torch.compiler.is_compiling():
+        return
     d = module.__dict__
     d[ROUTED_ATTR] = d.get(ROUTED_ATTR, 0) + routed.detach()
     d[DROPPED_ATTR] = d.get(DROPPED_ATTR, 0) + dropped.detach()
