@@ -259,3 +259,23 @@ def static_capacity_compiles(ep: int = 2) -> dict:
     torch._dynamo.reset()
     return {"graphs": explained.graph_count, "breaks": len(explained.break_reasons),
             "loss": abs(float(compiled) - float(eager)), "grads": worst}
+
+
+def fit_logs_expert_load(workdir: str) -> list[dict]:
+    """``fit`` of Switch at dp=4 with a JSONL log: each record carries every MoE layer's tokens per expert and the
+    share its capacity dropped, summed over the data-parallel ranks."""
+    import json
+
+    from shardlib.train import Trainer
+
+    from rank_tasks import _adamw
+
+    model = shardlib.shard(build_model("switch", experts=4, capacity=2), pool_mesh())
+    samples = [{k: v[0] for k, v in build_batch("switch", batch=1, seed=i).items()} for i in range(16)]
+    Trainer(model, _adamw).fit(samples, batch_size=8, max_steps=2, log_interval=1, save_dir=workdir, progress=False,
+                               shuffle=False)
+    import torch.distributed as dist
+
+    dist.barrier()
+    lines = open(f"{workdir}/log.jsonl").read().splitlines()
+    return [json.loads(line) for line in lines if '"experts"' in line]

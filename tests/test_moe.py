@@ -245,3 +245,15 @@ def test_the_static_capacity_compiles_to_one_graph_equal_to_eager(pool):
     for result in pool.run(moe_tasks.static_capacity_compiles, 2):
         assert result["graphs"] == 1 and result["breaks"] == 0, result
         assert result["loss"] < 1e-6 and result["grads"] < 1e-6, result
+
+
+def test_fit_logs_each_moe_layers_load(pool, tmp_path):
+    records = pool.run(moe_tasks.fit_logs_expert_load, str(tmp_path))[0]
+    assert len(records) == 2, records
+    for record in records:
+        layers = record["experts"]
+        assert len(layers) == 4 and all(len(layer["tokens_per_expert"]) == 4 for layer in layers.values()), record
+        encoder = next(v for k, v in layers.items() if k.startswith("encoder."))
+        # 8 sequences of 9 tokens a step over dp=4; a capacity of 2 per expert and sequence keeps at most 8 of 9
+        assert sum(encoder["tokens_per_expert"]) <= 8 * 8 and encoder["dropped_share"] > 0, record
+        assert sum(encoder["tokens_per_expert"]) + round(encoder["dropped_share"] * 72) == 72, record

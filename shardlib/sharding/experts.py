@@ -38,6 +38,7 @@ from torch import nn
 from ..parallel.expert_parallel import (
     EP_KEYS_ATTR, ROUTED_ATTR, expert_parallel_forward, modules_expert_parallel_forward, take_counts,
 )
+from ..parallel.collectives import all_reduce
 from ..parallel.experts import EXPERTS_ATTR, is_fused_experts
 from ..parallel.layout import Layout, set_layout
 from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
@@ -83,6 +84,9 @@ class MixtureOfExperts:
             r.modules[path].__dict__[WHOLE_SEQUENCE_ATTR] = True
 
     def install(self, r) -> None:
+        for path in moe_blocks(r):
+            site = next(s for pattern, s in r.plan.moe.items() if path in r.match(pattern))
+            _count_routes(r.modules[path], r.modules[path].get_submodule(site.router))
         if getattr(r.mesh, "ep", 1) > 1:
             for path in moe_blocks(r):
                 site = next(s for pattern, s in r.plan.moe.items() if path in r.match(pattern))
@@ -156,6 +160,61 @@ def _split_experts(experts: nn.Module, mesh, capacity: float | None) -> None:
     experts.forward = functools.partial(modules_expert_parallel_forward, experts, group, len(keys), capacity)
 
 
+#: on an MoE block: [tokens routed to each expert, tokens its router's capacity dropped] since the last read
+LOAD_ATTR = "_shardlib_router_load"
+
+
+def _count_routes(block: nn.Module, router: nn.Module) -> None:
+    """Count, in eager forwards, the tokens the block's router sends to each expert and those it drops (a capacity
+    router's all-zero rows): top-k routers return the chosen indices, Switch's a masked one-hot (shapes read off the
+    output, whatever its position)."""
+
+    def count(mod, args, out):
+        if torch.compiler.is_compiling():
+            return
+        chosen = next((t for t in out if torch.is_tensor(t) and not t.is_floating_point()), None)
+        if chosen is None:
+            return
+        with torch.no_grad():
+            experts = _experts_count(block, mod, chosen)
+            if chosen.dim() >= 2 and chosen.shape[-1] == experts and chosen.max() <= 1:  # one-hot, masked
+                rows = chosen.reshape(-1, experts)
+                tokens, dropped = rows.sum(0), (rows.sum(1) == 0).sum()
+            else:
+                tokens, dropped = torch.bincount(chosen.reshape(-1), minlength=experts)[:experts], chosen.new_zeros(())
+        held = block.__dict__.get(LOAD_ATTR)
+        block.__dict__[LOAD_ATTR] = (tokens, dropped) if held is None else (held[0] + tokens, held[1] + dropped)
+
+    router.register_forward_hook(count)
+
+
+def _experts_count(block: nn.Module, router: nn.Module, chosen: torch.Tensor) -> int:
+    for owner in (router, block):
+        for name in ("num_experts", "num_local_experts"):
+            if isinstance(getattr(owner, name, None), int):
+                return getattr(owner, name)
+    return int(chosen.max()) + 1
+
+
+def router_load(model: nn.Module, groups=()) -> dict[str, dict]:
+    """MoE block path -> ``{"tokens_per_expert": [...], "dropped_share": x}``: what its router routed since the last
+    call (eager forwards; summed over each of ``groups``, a collective there: every rank of them calls), then
+    reset. The share counts tokens a capacity router (Switch) dropped."""
+    loads = {path: m.__dict__.pop(LOAD_ATTR) for path, m in model.named_modules() if LOAD_ATTR in m.__dict__}
+    if groups and loads:
+        flat = torch.cat([torch.cat([t.double(), d.double().reshape(1)]) for t, d in loads.values()])
+        for group in groups:
+            flat = all_reduce(flat, group)
+        sizes = [t.numel() + 1 for t, _ in loads.values()]
+        loads = {path: (part[:-1], part[-1]) for path, part in zip(loads, flat.split(sizes))}
+    result = {}
+    for path, (tokens, dropped) in loads.items():
+        total = float(tokens.sum() + dropped)
+        result[path] = {"tokens_per_expert": [int(t) for t in tokens.tolist()],
+                        "dropped_share": float(dropped) / total if total else 0.0}
+    return result
+
+
 def expert_load(model: nn.Module) -> dict[str, tuple[float, float]]:
     """Experts module path -> (token-expert pairs it routed, pairs the static capacity dropped) on this rank since the
     last call (expert parallelism; reading synchronises with the device); empty when no module counts."""
@@ -221,4 +280,4 @@ def router_losses(model: nn.Module, out) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["MixtureOfExperts", "moe_blocks", "router_losses", "expert_load", "report_dropped_pairs"]
+__all__ = ["MixtureOfExperts", "moe_blocks", "router_losses", "expert_load", "report_dropped_pairs", "router_load"]

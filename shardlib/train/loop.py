@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..sharding.experts import router_load
 from ..sharding.sharded import shard_state
 from .batches import first_tensor, split_batch
 from .checkpoints import TrainCheckpoints
@@ -339,8 +340,16 @@ class FitLoop:
                          "lr": self.trainer.optimizer.param_groups[0]["lr"], "grad_norm": self.trainer.last_grad_norm,
                          **self._scaler_record(),
                          "samples_per_s": len(window) * self.batch_size / elapsed,
-                         "tokens_per_s": tokens / elapsed if tokens else None})
+                         "tokens_per_s": tokens / elapsed if tokens else None, **self._experts_record()})
         self._window, self._window_start, self._window_tokens = [], time.perf_counter(), 0
+
+    def _experts_record(self) -> dict:
+        """A mixture of experts' load since the last record: tokens per expert and the dropped share of each MoE
+        layer, summed over the data-parallel ranks and the ranks sharing each sequence over sp
+        (:func:`shardlib.sharding.experts.router_load`)."""
+        mesh = self.trainer.mesh
+        load = router_load(self.trainer.model, [mesh.group(d) for d in ("dp", "sp") if mesh.size(d) > 1])
+        return {"experts": load} if load else {}
 
     def _scaler_record(self) -> dict:
         """fp16: the loss scale; fp16 or ``skip_nonfinite``: the steps skipped so far (inf/nan gradients, each
