@@ -40,16 +40,22 @@ from ..parallel.expert_parallel import (
 )
 from ..parallel.collectives import all_reduce
 from ..parallel.experts import EXPERTS_ATTR, is_fused_experts
-from ..parallel.layout import Layout, set_layout
 from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
+from ..parallel.layout import Layout, set_layout
 from .sequence import MEGATRON, SP_MODES, SequenceStream
 
 log = logging.getLogger("shardlib")
 
 
+def moe_sites(r) -> list[tuple[str, object]]:
+    """(module path, :class:`~shardlib.sharding.plan.MoESite`) of ``r``'s mixture-of-experts blocks (a
+    :class:`shardlib.sharding.passes.Resolved`)."""
+    return [(path, site) for pattern, site in r.plan.moe.items() for path in r.match(pattern, "moe")]
+
+
 def moe_blocks(r) -> list[str]:
-    """The module paths of ``r``'s mixture-of-experts blocks (a :class:`shardlib.sharding.passes.Resolved`)."""
-    return [path for pattern in r.plan.moe for path in r.match(pattern, "moe")]
+    """The module paths of ``r``'s mixture-of-experts blocks."""
+    return [path for path, _ in moe_sites(r)]
 
 
 class MixtureOfExperts:
@@ -57,16 +63,14 @@ class MixtureOfExperts:
 
     def problems(self, r) -> list[str]:
         problems, mode = [], r.options.get("sequence_mode")
-        for pattern, site in r.plan.moe.items():
-            for path in r.match(pattern, "moe"):
-                block = r.modules[path]
-                for role, child in (("router", site.router), ("experts", site.experts)):
-                    if not isinstance(_child(block, child), nn.Module):
-                        problems.append(f"{path}: the MoE block has no {role} module {child!r}")
-                if mode in SP_MODES and site.capacity:
-                    problems.append(f"{path}: its router drops tokens past each expert's capacity counted along the "
-                                    f"whole sequence, which sequence_parallel={mode!r} splits over ranks; use "
-                                    "sequence_parallel=True (Megatron, on the TP group), which routes whole sequences")
+        for path, site in moe_sites(r):
+            for role, child in (("router", site.router), ("experts", site.experts)):
+                if not isinstance(_child(r.modules[path], child), nn.Module):
+                    problems.append(f"{path}: the MoE block has no {role} module {child!r}")
+            if mode in SP_MODES and site.capacity:
+                problems.append(f"{path}: its router drops tokens past each expert's capacity counted along the "
+                                f"whole sequence, which sequence_parallel={mode!r} splits over ranks; use "
+                                "sequence_parallel=True (Megatron, on the TP group), which routes whole sequences")
         problems += _expert_parallel_problems(r)
         if mode in SP_MODES and r.plan.moe and getattr(r.model.config, "output_router_logits", False):
             problems.append(f"{r.name}: config.output_router_logits=True adds a load-balancing loss over the whole "
@@ -77,20 +81,17 @@ class MixtureOfExperts:
         """Mark each experts module (what ZeRO-3 looks for: :func:`~shardlib.parallel.experts.
         every_expert_gets_a_gradient`) and, before the sequence-parallel pass hooks the layers' replicated
         parameters, the blocks that run on the whole sequence."""
-        for pattern, site in r.plan.moe.items():
-            for path in r.match(pattern, "moe"):
-                r.modules[path].get_submodule(site.experts).__dict__[EXPERTS_ATTR] = True
+        for path, site in moe_sites(r):
+            r.modules[path].get_submodule(site.experts).__dict__[EXPERTS_ATTR] = True
         for path in self._whole_sequence_blocks(r):
             r.modules[path].__dict__[WHOLE_SEQUENCE_ATTR] = True
 
     def install(self, r) -> None:
-        for path in moe_blocks(r):
-            site = next(s for pattern, s in r.plan.moe.items() if path in r.match(pattern))
-            _count_routes(r.modules[path], r.modules[path].get_submodule(site.router))
-        if getattr(r.mesh, "ep", 1) > 1:
-            for path in moe_blocks(r):
-                site = next(s for pattern, s in r.plan.moe.items() if path in r.match(pattern))
-                _split_experts(r.modules[path].get_submodule(site.experts), r.mesh, r.options.get("expert_capacity"))
+        for path, site in moe_sites(r):
+            block = r.modules[path]
+            _count_routes(block, block.get_submodule(site.router))
+            if getattr(r.mesh, "ep", 1) > 1:
+                _split_experts(block.get_submodule(site.experts), r.mesh, r.options.get("expert_capacity"))
         if getattr(r.mesh, "pp", 1) > 1:
             r.model.register_forward_pre_hook(_refuse_router_losses, with_kwargs=True)
         for path in self._whole_sequence_blocks(r):
@@ -116,15 +117,14 @@ def _expert_parallel_problems(r) -> list[str]:
     problems = [f"expert parallelism at ep={ep} with {name}={value} is not supported yet (ep with tp, pp or "
                 "sequence parallelism over sp): use ep with dp only, or those without ep"
                 for name, value in (("tp", r.mesh.tp), ("pp", r.mesh.pp), ("sp", r.mesh.sp)) if value > 1]
-    for pattern, site in r.plan.moe.items():
-        for path in r.match(pattern, "moe"):
-            experts = _child(r.modules[path], site.experts)
-            if experts is None:
-                continue
-            count = experts.num_experts if is_fused_experts(experts) else len(experts._modules)
-            if count % ep:
-                problems.append(f"{path}.{site.experts}: {count} experts are not divisible by ep={ep}: each rank "
-                                "holds whole experts")
+    for path, site in moe_sites(r):
+        experts = _child(r.modules[path], site.experts)
+        if experts is None:
+            continue
+        count = experts.num_experts if is_fused_experts(experts) else len(experts._modules)
+        if count % ep:
+            problems.append(f"{path}.{site.experts}: {count} experts are not divisible by ep={ep}: each rank holds "
+                            "whole experts")
     return problems
 
 
@@ -280,4 +280,4 @@ def router_losses(model: nn.Module, out) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["MixtureOfExperts", "moe_blocks", "router_losses", "expert_load", "report_dropped_pairs", "router_load"]
+__all__ = ["MixtureOfExperts", "moe_blocks", "moe_sites", "router_losses", "expert_load", "report_dropped_pairs", "router_load"]
