@@ -342,9 +342,11 @@ def test_every_registered_class_has_a_plan_that_matches():
                                       num_attention_heads=2, intermediate_size=8, encoder_stride=4),
         "UMT5": transformers.UMT5Config(**t5_like), "MT5": transformers.MT5Config(**t5_like),
         "T5": transformers.T5Config(**t5_like),
+        "Switch": transformers.SwitchTransformersConfig(**{**t5_like, "num_layers": 2}, num_decoder_layers=2,
+                                                        num_experts=2, encoder_sparse_step=2, decoder_sparse_step=2),
     }
     classes = registered_classes()
-    assert len(classes) == 9 + 3 + 18
+    assert len(classes) == 9 + 3 + 18 + 3
     for cls in classes:
         family = next(f for f in configs if cls.__name__.startswith(f))
         model = cls(configs[family])
