@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/train_throughput.py --quick
 	$(VPY) benchmarks/plot_train_throughput.py --out benchmarks/results/train_throughput_quick --img-dir benchmarks/results/img
 	$(VPY) benchmarks/zero_memory.py --quick --dps-bytes 2 --dps 2 --rss-stages 0,3
+	$(VPY) benchmarks/experts.py --quick
 	$(VENV)/bin/shardlib run --nproc 2 benchmarks/pipeline.py --quick --wait-idle 0
 	$(VPY) benchmarks/plan_accuracy.py --quick
 	$(VPY) benchmarks/checkpoint_io.py --quick --wait-idle 0
