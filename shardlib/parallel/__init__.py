@@ -1,11 +1,13 @@
 """The primitives a rank runs, the lowest layer (docs/architecture.md): it imports torch and nothing else of
 shardlib.
 
-* :mod:`.mesh`: the validated dp x pp x sp x tp device mesh and its process groups;
+* :mod:`.mesh`: the validated dp x pp x sp x tp device mesh (and ep, drawn from dp) and its process groups;
 * :mod:`.collectives`: one autograd Function per collective (Megatron's copy / reduce / scatter / gather);
 * :mod:`.layers` and :mod:`.styles`: column / row / vocab-parallel modules and the small style objects plans name;
 * :mod:`.norms`: norms on tensor-parallel heads (per head: gradient summed over tp; whole width: split, statistic
   all-reduced);
+* :mod:`.experts`, :mod:`.expert_parallel`: a mixture of experts' experts split like MLPs over tp, and over ep with
+  their tokens exchanged (dropless or at a static capacity);
 * :mod:`.layout`: how a parameter is split (recorded once, read by everything downstream);
 * :mod:`.random`: per-rank and replicated dropout streams;
 * :mod:`.overlap`, :mod:`.gradsync`: communication overlapped with backward, replicated-gradient buckets;
