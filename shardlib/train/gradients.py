@@ -27,6 +27,7 @@ class StepGradients:
         self.model, self.mesh, self.split, self.params = model, mesh, split, params
         self.optimizer, self.zero = optimizer, zero
         self._counted: list | None = None
+        self._over_ep: set[int] | None = None
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model parameter, the tensor whose gradient the optimizer step reads) for what this rank steps."""
@@ -78,9 +79,12 @@ class StepGradients:
         return squares.sum().sqrt()
 
     def _split_over_ep(self) -> set[int]:
-        """Ids of the stepped tensors whose parameter is split over ep (each ep rank holds other experts)."""
-        layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
-        return {id(t) for p, t in self.pairs() if id(p) in layouts and layouts[id(p)].mesh_dim == "ep"}
+        """Ids of the stepped tensors whose parameter is split over ep (each ep rank holds other experts): fixed by
+        the layouts, computed once, as :meth:`_norm_tensors`."""
+        if self._over_ep is None:
+            layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
+            self._over_ep = {id(t) for p, t in self.pairs() if id(p) in layouts and layouts[id(p)].mesh_dim == "ep"}
+        return self._over_ep
 
     def clip(self, max_norm: float, *, raise_non_finite: bool = True) -> float:
         """Scale every gradient so that the global norm is at most ``max_norm`` (torch's ``clip_grads_with_norm_``
