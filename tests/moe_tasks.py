@@ -52,7 +52,7 @@ def shard_refusal(family: str, tp: int = 1, sequence: str = "none", sp: int = 1,
 def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0, checkpointing: bool = False,
                         microbatches: int = 2, steps: int = 2, per_rank: int = 4, seq: int = 9, ep: int = 1,
                         expert_capacity: float | None = None, max_grad_norm: float | None = None,
-                        **model_options) -> dict:
+                        sequence: str = "none", sp: int = 1, **model_options) -> dict:
     """``steps`` Trainer steps (AdamW) of ``family`` at dp x pp x tp (dp: the rest of the pool) with ZeRO ``zero``
     and activation checkpointing, each dp rank training on its share of the global batch, against the unsharded
     model's steps on the whole batch: every weight afterwards, and the losses (float32 tolerances where the model
@@ -61,9 +61,10 @@ def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0,
 
     from rank_tasks import TOL, _adamw
 
-    mesh = pool_mesh(tp=tp, pp=pp, ep=ep)
+    mesh = pool_mesh(tp=tp, pp=pp, sp=sp, ep=ep)
     ref = build_model(family, **model_options)
-    model = shardlib.shard(copy.deepcopy(ref), mesh, expert_capacity=expert_capacity)
+    model = shardlib.shard(copy.deepcopy(ref), mesh, expert_capacity=expert_capacity,
+                           sequence_parallel=SEQUENCE[sequence])
     trainer = Trainer(model, _adamw, microbatches=microbatches, zero=zero, activation_checkpointing=checkpointing,
                       max_grad_norm=max_grad_norm)
     ref_optimizer = _adamw(ref.parameters())

@@ -138,6 +138,20 @@ def test_expert_parallel_training_equals_unsharded(pool, family, ep, capacity, c
         assert result["weights"] >= 20, result
 
 
+@pytest.mark.parametrize("family,layout", [
+    ("mixtral", {"tp": 2}), pytest.param("switch", {"tp": 2}, marks=CI),
+    ("switch", {"pp": 2}), pytest.param("mixtral", {"pp": 2}, marks=CI),
+    ("mixtral", {"sp": 2, "sequence": "ring"}), pytest.param("qwen2moe", {"sp": 2, "sequence": "all_to_all"}, marks=CI),
+    pytest.param("qwen3moe", {"tp": 2, "sequence": "megatron"}, marks=CI)])
+def test_expert_parallelism_composes_with_tp_pp_and_sp(pool, family, layout):
+    """ep=2 of dp=2 beside tp=2 (expert tensor parallelism within each ep rank's experts, Megatron SP too), pp=2
+    (each stage's layers exchange within the stage) or sp=2 (each rank exchanges its own positions): two Trainer
+    steps == the unsharded model's on the whole batch, every weight gathered back over ep and tp."""
+    options = {"router_dtype": "float64", "capacity": 2} if family == "switch" else {}
+    for result in pool.run(moe_tasks.trainer_equivalence, family, ep=2, experts=4, **layout, **options):
+        assert result["weights"] >= 10, result
+
+
 def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_gradients(pool):
     """Switch at ep=2 whose routers send every token to experts 0 and 1: ep rank 1 (experts 2 and 3) receives no row
     in any layer, yet takes part in every exchange of forward and backward, and the steps equal the unsharded
@@ -165,8 +179,6 @@ def test_full_state_loads_into_expert_shards_and_gathers_back_bitwise(pool, fami
 def test_expert_parallel_refusals_name_the_problem(pool):
     odd = pool.run(moe_tasks.shard_refusal, "mixtral", ep=4, experts=6)[0]
     assert "6 experts are not divisible by ep=4" in odd, odd
-    with_tp = pool.run(moe_tasks.shard_refusal, "mixtral", tp=2, ep=2)[0]
-    assert "ep=2 with tp=2 is not supported yet" in with_tp, with_tp
     capacity = pool.run(moe_tasks.shard_refusal, "mixtral", expert_capacity=1.0)[0]
     assert "needs a mesh with ep > 1" in capacity, capacity
 

@@ -118,14 +118,14 @@ def _experts_of(model: nn.Module, name: str) -> int:
     return int(getattr(owner, "_shardlib_global_experts", getattr(owner, "num_experts", 0)))
 
 
-def read_merged(files, merged: MergedExperts, layout: Layout, rank: int, out: torch.Tensor) -> None:
+def read_merged(files, merged: MergedExperts, layout: Layout, rank: int, ep_rank: int, out: torch.Tensor) -> None:
     """Fill ``out`` (this rank's piece of the 3-D parameter laid out by ``layout``) from the per-expert tensors:
-    only its experts (a layout over ep splits dim 0), only its rows of dim 1 (split in blocks: gate and up) or its
-    columns of dim 2 (a layout over tp)."""
-    experts = range(*layout.valid_range(rank)) if layout.shard_dim == 0 and layout.is_sharded \
-        else range(layout.global_shape[0])
-    rows = layout.ranges(rank) if layout.shard_dim == 1 and layout.is_sharded else [(0, layout.global_shape[1])]
-    columns = layout.ranges(rank)[0] if layout.shard_dim == 2 and layout.is_sharded else None
+    only its experts (those of ep rank ``ep_rank``), only its rows of dim 1 (split in blocks: gate and up) or its
+    columns of dim 2 (tp rank ``rank``'s)."""
+    experts = range(*layout.ep_range(ep_rank))
+    within = layout.within_ep()
+    rows = within.ranges(rank) if within.shard_dim == 1 and within.is_sharded else [(0, layout.global_shape[1])]
+    columns = within.ranges(rank)[0] if within.shard_dim == 2 and within.is_sharded else None
     for i, e in enumerate(experts):
         filled = 0
         for a, b in rows:

@@ -25,7 +25,7 @@ from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .outcome import all_ranks, timeout_of
 from .reader import ShardedCheckpoint
 from .experts import check_shapes, expert_keys, merged_experts, read_merged, renamed_keys
-from .tensors import fill_local, local_tensors, model_tensor_names, rank_along, tp_rank
+from .tensors import fill_local, ep_rank, local_tensors, model_tensor_names, tp_rank
 
 log = logging.getLogger("shardlib.checkpoint")
 
@@ -129,10 +129,10 @@ def _read_hf_weights(model: nn.Module, files: SafetensorsFiles, strict: bool) ->
     _unmatched(model, str(files.directory), missing,
                sorted(k for k in set(files.weight_map) - known if not per_expert(k)), strict)
     for tensor, name, key, layout in found:  # each rank reads only its slice (its experts' rows under ep)
-        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, rank_along(model, layout),
-                   tensor, key)
+        fill_local(lambda d, a, b, view: files.read_into(key, view, d, a, b), layout, tp_rank(model), tensor, key,
+                   ep_rank(model))
     for tensor, name, layout in merged_found:
-        read_merged(files, merged[name], layout, rank_along(model, layout), tensor)
+        read_merged(files, merged[name], layout, tp_rank(model), ep_rank(model), tensor)
     return [name for _, name, _, _ in found] + [name for _, name, _ in merged_found], initialized
 
 

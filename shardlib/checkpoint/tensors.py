@@ -15,13 +15,25 @@ from ..sharding.state import _pipeline, experts_held_elsewhere
 from .format import OPTIMIZER_PREFIX
 
 
-def fill_local(read_into, layout: Layout, rank: int, out: torch.Tensor, what: str) -> torch.Tensor:
-    """Fill ``out``, this rank's local tensor for ``layout``, in place: ``read_into(dim, start, stop, view)`` reads
-    global rows straight into ``view`` (a narrow of ``out``), one call per range of :meth:`Layout.ranges` (several
-    for a blocked layout, each into its part of ``out``); padding rows are zeroed in place. No temporary."""
+def fill_local(read_into, layout: Layout, rank: int, out: torch.Tensor, what: str, ep_rank: int = 0) -> torch.Tensor:
+    """Fill ``out``, this rank's local tensor for ``layout`` (tp rank ``rank``, ep rank ``ep_rank``), in place:
+    ``read_into(dim, start, stop, view)`` reads global rows straight into ``view`` (a narrow of ``out``), one call per
+    range of :meth:`Layout.ranges` (several for a blocked layout, each into its part of ``out``); padding rows are
+    zeroed in place. No temporary, except for experts split over both ep and tp: this ep rank's experts are read
+    whole, then cut."""
     if tuple(out.shape) != tuple(layout.local_shape):
         raise CheckpointError(f"{what}: the local tensor has shape {tuple(out.shape)}, its layout says "
                               f"{tuple(layout.local_shape)}")
+    if layout.is_expert_split:
+        start, stop = layout.ep_range(ep_rank)
+        within = layout.within_ep()
+        if not within.is_sharded:
+            read_into(layout.ep_dim, start, stop, out)
+        else:
+            part = out.new_empty(within.global_shape)
+            read_into(layout.ep_dim, start, stop, part)
+            out.copy_(within.shard(part, rank))
+        return out
     if not layout.is_sharded:
         read_into(None, 0, None, out)
         return out
@@ -73,13 +85,10 @@ def tp_rank(model: nn.Module) -> int:
     return state.mesh.tp_rank if state is not None else 0
 
 
-def rank_along(model: nn.Module, layout) -> int:
-    """This rank's index along the mesh dimension that splits ``layout`` (tp, or ep for experts split by expert
-    parallelism)."""
+def ep_rank(model: nn.Module) -> int:
+    """This rank's index in its expert-parallel group (0 without expert parallelism)."""
     state = shard_state(model, required=False)
-    if layout.mesh_dim == "ep" and state is not None:
-        return state.mesh.ep_rank
-    return tp_rank(model)
+    return state.mesh.ep_rank if state is not None and getattr(state.mesh, "ep", 1) > 1 else 0
 
 
 def saved_tensors(model: nn.Module, optimizer=None):

@@ -12,11 +12,18 @@ Blocks: a fused projection's output (GPT-2's ``c_attn``: q, k and v side by side
 dim, each split ``n`` ways, so that every rank holds the same heads of q, of k and of v: rank ``r`` holds rows
 ``[b * G/blocks + r * G/(blocks n), b * G/blocks + (r+1) * G/(blocks n))`` of each block ``b``, concatenated in
 block order (:meth:`Layout.ranges`). Blocked dims are never padded.
+
+Experts: under expert parallelism a tensor of a mixture-of-experts layer also lies over the ``ep`` ranks of the
+expert-parallel group (``ep > 1``). A fused experts tensor ([E, ...]) is split along ``ep_dim`` (its expert dim) into
+``ep`` equal parts, ep rank ``q`` holding experts ``[q E/ep, (q+1) E/ep)``; the tensor-parallel split then applies
+within that part (:meth:`Layout.within_ep`). A tensor of one expert's own module (``ep_dim=None``) is held whole by
+the ep rank that holds that expert (which one is the module's business:
+:data:`shardlib.parallel.expert_parallel.EP_KEYS_ATTR`), split over tp as any other.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -28,7 +35,8 @@ LAYOUTS_ATTR = "_shardlib_layouts"
 class Layout:
     """How one global tensor maps onto the ranks of one mesh dimension.
 
-    ``shard_dim=None`` means replicated on every rank of ``mesh_dim``.
+    ``shard_dim=None`` means replicated on every rank of ``mesh_dim``. ``ep`` / ``ep_dim``: the tensor's place
+    over the expert-parallel ranks (module docstring).
     """
 
     global_shape: tuple[int, ...]
@@ -36,6 +44,8 @@ class Layout:
     mesh_dim: str = "tp"
     num_shards: int = 1
     blocks: int = 1
+    ep: int = 1
+    ep_dim: int | None = None
 
     def __post_init__(self):
         if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.global_shape):
@@ -48,6 +58,9 @@ class Layout:
                                                                                                  self.num_shards)):
             raise ValueError(f"a dim of {self.blocks} blocks must divide into {self.blocks} x {self.num_shards} "
                              f"equal parts, got shape {self.global_shape} split on dim {self.shard_dim}")
+        if self.ep_dim is not None and (self.ep_dim == self.shard_dim or self.global_shape[self.ep_dim] % self.ep):
+            raise ValueError(f"dim {self.ep_dim} of shape {self.global_shape} cannot split into {self.ep} equal "
+                             f"expert-parallel parts (tp splits dim {self.shard_dim})")
 
     @classmethod
     def replicated(cls, shape) -> Layout:
@@ -55,7 +68,30 @@ class Layout:
 
     @property
     def is_sharded(self) -> bool:
+        """Whether tensor parallelism splits the tensor (expert parallelism aside: :attr:`is_expert_split`)."""
         return self.shard_dim is not None and self.num_shards > 1
+
+    @property
+    def is_expert_split(self) -> bool:
+        """Whether the tensor is split over the ep ranks along its expert dim."""
+        return self.ep > 1 and self.ep_dim is not None
+
+    def within_ep(self) -> Layout:
+        """The layout of one ep rank's part (its global shape that part's; the tp split as before)."""
+        if self.ep == 1:
+            return self
+        shape = list(self.global_shape)
+        if self.ep_dim is not None:
+            shape[self.ep_dim] //= self.ep
+        return replace(self, global_shape=tuple(shape), ep=1, ep_dim=None)
+
+    def ep_range(self, ep_rank: int) -> tuple[int, int]:
+        """The ``[start, stop)`` of dim :attr:`ep_dim` that ep rank ``ep_rank`` holds (the whole dim 0 when the
+        tensor is not split over ep)."""
+        if not self.is_expert_split:
+            return 0, self.global_shape[0] if self.global_shape else 0
+        part = self.global_shape[self.ep_dim] // self.ep
+        return ep_rank * part, (ep_rank + 1) * part
 
     @property
     def padded_size(self) -> int:
@@ -71,6 +107,8 @@ class Layout:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
+        if self.ep > 1:
+            return self.within_ep().local_shape
         if self.shard_dim is None:
             return self.global_shape
         shape = list(self.global_shape)
@@ -98,10 +136,15 @@ class Layout:
         part = block // self.num_shards
         return [(b * block + rank * part, b * block + (rank + 1) * part) for b in range(self.blocks)]
 
-    def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """This rank's local piece of ``full`` (a new tensor; zero padding appended where needed)."""
+    def shard(self, full: torch.Tensor, rank: int, ep_rank: int = 0) -> torch.Tensor:
+        """This rank's local piece of ``full`` (a new tensor; zero padding appended where needed): tp rank ``rank``'s
+        piece of ep rank ``ep_rank``'s part."""
         if tuple(full.shape) != self.global_shape:
             raise ValueError(f"tensor of shape {tuple(full.shape)} does not match layout {self.global_shape}")
+        if self.ep > 1:
+            start, stop = self.ep_range(ep_rank)
+            part = full.narrow(self.ep_dim, start, stop - start) if self.is_expert_split else full
+            return self.within_ep().shard(part, rank)
         if self.shard_dim is None:
             return full.clone()
         if self.blocks > 1:
@@ -135,11 +178,18 @@ class Layout:
         d = asdict(self)
         if self.blocks == 1:  # as every checkpoint before blocked layouts wrote it
             del d["blocks"]
+        if self.ep == 1:  # as every checkpoint before expert parallelism wrote it
+            del d["ep"], d["ep_dim"]
         d["global_shape"] = list(self.global_shape)
         d["padded_size"] = self.padded_size
         return d
 
     def describe(self) -> str:
+        if self.ep > 1:
+            experts = (f"dim {self.ep_dim} split {self.ep}-way over ep" if self.is_expert_split
+                       else f"one expert's, held by 1 of {self.ep} ep ranks")
+            within = self.within_ep().describe()
+            return experts if within == "replicated" else f"{experts}; {within}"
         if not self.is_sharded:
             return "replicated"
         pad = f", padded {self.global_shape[self.shard_dim]}->{self.padded_size}" if self.padding else ""

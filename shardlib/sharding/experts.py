@@ -29,6 +29,7 @@ the same tokens, the same experts, the same capacity drops, in the dtype the mod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -41,7 +42,7 @@ from ..parallel.expert_parallel import (
 from ..parallel.collectives import all_reduce
 from ..parallel.experts import EXPERTS_ATTR, is_fused_experts
 from ..parallel.gradsync import WHOLE_SEQUENCE_ATTR
-from ..parallel.layout import Layout, set_layout
+from ..parallel.layout import layout_of, set_layout
 from .sequence import MEGATRON, SP_MODES, SequenceStream
 
 log = logging.getLogger("shardlib")
@@ -114,9 +115,7 @@ def _expert_parallel_problems(r) -> list[str]:
                                             "parallelism: it needs a mesh with ep > 1 (init_mesh(ep=N))"]
     if not r.plan.moe:
         return [f"{r.name} has no mixture-of-experts layer for ep={ep} to split"]
-    problems = [f"expert parallelism at ep={ep} with {name}={value} is not supported yet (ep with tp, pp or "
-                "sequence parallelism over sp): use ep with dp only, or those without ep"
-                for name, value in (("tp", r.mesh.tp), ("pp", r.mesh.pp), ("sp", r.mesh.sp)) if value > 1]
+    problems = []
     for path, site in moe_sites(r):
         experts = _child(r.modules[path], site.experts)
         if experts is None:
@@ -138,8 +137,9 @@ def _split_experts(experts: nn.Module, mesh, capacity: float | None) -> None:
         total = experts.num_experts
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.dim() >= 1 and param.shape[0] == total:
-                layout = Layout(tuple(param.shape), shard_dim=0, mesh_dim="ep", num_shards=mesh.ep)
-                setattr(experts, name, nn.Parameter(layout.shard(param.detach(), mesh.ep_rank),
+                layout = dataclasses.replace(layout_of(experts, name), ep=mesh.ep, ep_dim=0)
+                start, stop = layout.ep_range(mesh.ep_rank)
+                setattr(experts, name, nn.Parameter(param.detach()[start:stop].clone(),
                                                     requires_grad=param.requires_grad))
                 set_layout(experts, name, layout)
         experts.num_experts = total // mesh.ep
@@ -155,7 +155,7 @@ def _split_experts(experts: nn.Module, mesh, capacity: float | None) -> None:
             del experts[key]
     for name, param in experts.named_parameters():
         owner, _, attr = name.rpartition(".")
-        set_layout(experts.get_submodule(owner), attr, Layout(tuple(param.shape), mesh_dim="ep"))
+        set_layout(experts.get_submodule(owner), attr, dataclasses.replace(layout_of(experts, name), ep=mesh.ep))
     experts.__dict__[EP_KEYS_ATTR] = (keys, mesh.ep)
     experts.forward = functools.partial(modules_expert_parallel_forward, experts, group, len(keys), capacity)
 

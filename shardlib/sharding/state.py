@@ -34,9 +34,12 @@ def _pipeline(model: nn.Module):
     return state.pipeline if state is not None else None
 
 
-def gather_full(tensor: torch.Tensor, layout, group) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor, layout, group, ep_group=None) -> torch.Tensor:
     """The full tensor of this rank's shard ``tensor`` (a detached copy; padding dropped): collective over ``group``
-    when ``layout`` is sharded."""
+    (tp) when ``layout`` is sharded, then over ``ep_group`` when it splits experts over ep."""
+    if layout.is_expert_split:
+        part = gather_full(tensor, layout.within_ep(), group)
+        return all_gather(part, layout.ep_dim, ep_group).clone()
     if not layout.is_sharded:
         return tensor.detach().clone()
     full = all_gather(tensor.detach(), layout.shard_dim, group)
@@ -60,14 +63,15 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     out = {}
     for name, p in model.named_parameters():
         if name in elsewhere:  # an expert module of an ep-split ModuleDict: every ep rank's, gathered over ep
-            pieces = _gather_experts(p.grad if grads else p, p, groups["ep"])
+            tensor, layout = p.grad if grads else p, layout_of(model, name)
+            whole_tensor = None if tensor is None else gather_full(tensor, layout, groups["tp"])
+            pieces = _gather_experts(whole_tensor, p.new_zeros(layout.global_shape), groups["ep"])
             out |= {other: piece for other, piece in zip(elsewhere[name], pieces) if piece is not None}
             continue
         tensor = p.grad if grads else p
         if tensor is None or (local is not None and id(p) not in local):
             continue
-        layout = layout_of(model, name)
-        out[name] = gather_full(dp_shards.whole(tensor), layout, groups[layout.mesh_dim])
+        out[name] = gather_full(dp_shards.whole(tensor), layout_of(model, name), groups["tp"], groups["ep"])
     return out
 
 
@@ -95,11 +99,11 @@ def experts_held_elsewhere(model: nn.Module) -> set[str]:
         {name for name, _ in model.named_parameters()}
 
 
-def _gather_experts(tensor, like: torch.Tensor, group) -> list:
-    """Every ep rank's ``tensor`` (shaped like ``like``), None where that rank's is None (an expert without a
+def _gather_experts(tensor, zeros: torch.Tensor, group) -> list:
+    """Every ep rank's whole ``tensor`` (shaped like ``zeros``), None where that rank's is None (an expert without a
     gradient)."""
     flags = all_gather(torch.tensor([float(tensor is not None)]), 0, group).tolist()
-    value = (tensor if tensor is not None else torch.zeros_like(like)).detach().unsqueeze(0)
+    value = (tensor if tensor is not None else zeros).detach().unsqueeze(0)
     pieces = all_gather(value, 0, group).unbind(0)
     return [piece.clone() if flag else None for piece, flag in zip(pieces, flags)]
 
@@ -172,5 +176,5 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     for name, full in state_dict.items():
         if name in targets:
             layout = layout_of(model, name)
-            target, piece = targets[name], layout.shard(full, ranks[layout.mesh_dim])
+            target, piece = targets[name], layout.shard(full, ranks["tp"], ranks["ep"])
             dp_shards.local(target).copy_(dp_shards.local(dp_shards.like(piece, target)))

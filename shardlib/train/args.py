@@ -156,13 +156,12 @@ class TrainingArguments:
             if self.expert_capacity is not None:
                 raise ValueError("--expert-capacity sets expert parallelism's static capacity: give --ep N too")
             return
-        unsupported = [f"{_flag(name)} {getattr(self, name)}" for name, alone in (("zero", 0), ("tp", 1), ("pp", 1),
-                                                                               ("sp", 1)) if getattr(self, name) != alone]
+        unsupported = [f"--zero {self.zero}"] if self.zero else []
         if self.save_dir is not None:
             unsupported.append("--save-dir (checkpoints of an ep model)")
         if unsupported:
-            raise ValueError(f"--ep {self.ep} does not combine with {', '.join(unsupported)} yet: train with --ep and "
-                             "data parallelism only, or without --ep (docs/moe.md)")
+            raise ValueError(f"--ep {self.ep} does not combine with {', '.join(unsupported)} yet: train with --ep "
+                             "without it, or without --ep (docs/moe.md)")
 
     def mesh_sizes(self) -> dict:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp}

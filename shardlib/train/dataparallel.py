@@ -164,7 +164,7 @@ class Replicated(DataParallel):
         self.decided = False  # find_unused was decided by the first step (not given)
         #: expert weights split over ep: summed over the ranks holding the same experts (mesh.group("edp"))
         self.expert_group = expert_group
-        self.split_experts = {id(p) for _, p, layout in named_layouts(model) if layout.mesh_dim == "ep"}
+        self.split_experts = {id(p) for _, p, layout in named_layouts(model) if layout.ep > 1}
         if use_ddp:
             late = sequence_bucketed(model) | self.split_experts | expert_module_params(model)
             trained = [p for p in model.parameters() if p.requires_grad]

@@ -83,7 +83,7 @@ class StepGradients:
         the layouts, computed once, as :meth:`_norm_tensors`."""
         if self._over_ep is None:
             layouts = {id(t): layout for _, t, layout in named_layouts(self.model)}
-            self._over_ep = {id(t) for p, t in self.pairs() if id(p) in layouts and layouts[id(p)].mesh_dim == "ep"}
+            self._over_ep = {id(t) for p, t in self.pairs() if id(p) in layouts and layouts[id(p)].ep > 1}
         return self._over_ep
 
     def clip(self, max_norm: float, *, raise_non_finite: bool = True) -> float:
