@@ -14,6 +14,9 @@ predicted peak memory and step time; ``--world N --memory M``: the layout search
 the plan inferred from the model's graph, with its evidence. ``shardlib calibrate``: measure this machine's profile
 for the cost model (:mod:`shardlib.analysis.commands`, docs/planning.md).
 
+``shardlib plot RUN [-o OUT]``: the loss curve of a ``fit`` log and, for a mixture of experts, its auxiliary losses
+and each MoE layer's load beside it (:mod:`shardlib.train.plots`, matplotlib).
+
 ``shardlib --version``: the installed version.
 
 Building the parser imports neither torch nor transformers (``--help`` and ``--version`` answer at once); each
@@ -188,6 +191,18 @@ def verify(directory: str) -> int:
     return 1 if problems else 0
 
 
+def plot(run: str, out: str | None) -> int:
+    """Draw a fit log (:func:`shardlib.train.plots.plot_log`); one line on stderr and exit 1 when it cannot."""
+    from .train.plots import plot_log
+
+    try:
+        print(f"wrote {plot_log(run, out)}")
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"shardlib plot: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------- main
 RUN_HELP = """\
 Start N ranks of SCRIPT on this node through torch's elastic launcher (torchrun), which sets RANK, WORLD_SIZE,
@@ -206,6 +221,10 @@ or with --progress."""
 INSPECT_HELP = """\
 Print a sharded checkpoint's tensors (shape, dtype, layout, files), the bytes each rank stores (per tp rank, and
 per pipeline stage and dp rank where the checkpoint has them), and its files (size, tensor bytes, checksum)."""
+PLOT_HELP = """\
+Draw a fit log (save_dir/log.jsonl): the training loss (with the main loss and the eval loss where logged) and,
+beside it for a mixture-of-experts model, the auxiliary router losses and each MoE layer's imbalance (max / mean
+tokens per expert) and dropped share over the steps. Needs matplotlib (pip install "shardlib[plot]")."""
 VERIFY_HELP = """\
 Check that every file shardlib.json names exists with the recorded size and checksum. Prints "DIR: OK" (exit
 status 0) or one line per problem (exit status 1)."""
@@ -269,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "shardlib verify ./bert-tp4 && echo intact")
     p.add_argument("directory", help="a shardlib checkpoint directory (with shardlib.json)")
 
+    p = _subcommand(sub, "plot", "draw a fit log: the loss curve and each MoE layer's load", PLOT_HELP,
+                    "shardlib plot run/  # run/log.jsonl -> run/log.png", "shardlib plot run/log.jsonl -o loss.svg")
+    p.add_argument("run", help="a fit save_dir or its log.jsonl")
+    p.add_argument("-o", "--out", default=None, help="the picture (default: the log's path with .png; the format "
+                                                    "follows the suffix: png, svg, pdf)")
+
     from .analysis.commands import add_calibrate_parser, add_plan_parser
 
     add_plan_parser(sub)
@@ -298,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             message = " ".join(" ".join(lines).split())
             print(f"shardlib {args.command}: {message}", file=sys.stderr)
             return 1
+    if args.command == "plot":
+        return plot(args.run, args.out)
     if args.command in ("plan", "calibrate"):
         from .analysis.commands import calibrate_command, plan_command
 

@@ -56,7 +56,7 @@ def test_version_without_installed_metadata_is_the_package_version(monkeypatch):
 def test_every_option_has_help_and_every_subcommand_an_example():
     parser = cli.build_parser()
     commands = _subcommands(parser)
-    assert set(commands) == {"run", "convert", "inspect", "verify", "plan", "calibrate"}
+    assert set(commands) == {"run", "convert", "inspect", "verify", "plan", "calibrate", "plot"}
     for name, sub in commands.items():
         for action in sub._actions:
             assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)

@@ -264,20 +264,29 @@ def _refuse_router_losses(model, args, kwargs):
                          "them under pp > 1")
 
 
-def router_losses(model: nn.Module, out) -> torch.Tensor | None:
+def router_loss_terms(model: nn.Module, out) -> dict[str, torch.Tensor]:
     """The auxiliary router losses a transformers MoE model adds to its loss when it was asked for its router
-    logits, from the fields of its output, weighted as the model weighs them: Switch Transformers' z-loss and
-    load-balancing loss of the encoder and the decoder; the decoders' (Mixtral, Qwen-MoE) ``aux_loss``. None when
-    the output carries none."""
+    logits, by name, from the fields of its output, each weighted as the model weighs it: Switch Transformers'
+    ``router_z_loss`` (``router_z_loss_coef`` x the z-losses of encoder and decoder) and ``router_aux_loss``
+    (``router_aux_loss_coef`` x their load-balancing losses); the decoders' (Mixtral, Qwen-MoE) ``router_aux_loss``
+    (``router_aux_loss_coef`` x ``aux_loss``). Empty when the output carries none."""
     def total(*names):
         return sum(out.get(name) if out.get(name) is not None else 0 for name in names)
 
     if out.get("encoder_z_loss") is not None or out.get("decoder_z_loss") is not None:
-        return (model.router_z_loss_coef * total("encoder_z_loss", "decoder_z_loss")
-                + model.router_aux_loss_coef * total("encoder_aux_loss", "decoder_aux_loss"))
+        return {"router_z_loss": model.router_z_loss_coef * total("encoder_z_loss", "decoder_z_loss"),
+                "router_aux_loss": model.router_aux_loss_coef * total("encoder_aux_loss", "decoder_aux_loss")}
     if out.get("aux_loss") is not None and hasattr(model, "router_aux_loss_coef"):
-        return model.router_aux_loss_coef * out["aux_loss"]
-    return None
+        return {"router_aux_loss": model.router_aux_loss_coef * out["aux_loss"]}
+    return {}
 
 
-__all__ = ["MixtureOfExperts", "moe_blocks", "moe_sites", "router_losses", "expert_load", "report_dropped_pairs", "router_load"]
+def router_losses(model: nn.Module, out) -> torch.Tensor | None:
+    """The sum of :func:`router_loss_terms`, what the model adds to its training loss; None when the output
+    carries none."""
+    terms = list(router_loss_terms(model, out).values())
+    return functools.reduce(lambda a, b: a + b, terms) if terms else None
+
+
+__all__ = ["MixtureOfExperts", "moe_blocks", "moe_sites", "router_losses", "router_loss_terms", "expert_load",
+           "report_dropped_pairs", "router_load"]

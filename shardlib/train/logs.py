@@ -4,7 +4,10 @@
 
 A JSONL record: ``{"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"}`` (the loss is the
 mean of the global-batch losses since the previous record); evaluation records carry ``"eval": true`` and the eval
-loss and metrics. Under fp16 training records also carry ``"loss_scale"`` and ``"skipped_steps"``.
+loss and metrics. Under fp16 training records also carry ``"loss_scale"`` and ``"skipped_steps"``. A mixture of
+experts' records carry each MoE layer's load (``"experts"``) and, when its loss holds auxiliary router losses, the
+loss apart: ``"main_loss"`` and each term (``"router_z_loss"``, ``"router_aux_loss"``), averaged like the loss
+(:mod:`shardlib.train.loss_terms`). :mod:`shardlib.train.plots` draws a log (``shardlib plot``).
 """
 
 from __future__ import annotations

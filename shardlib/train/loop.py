@@ -23,6 +23,7 @@ from .batches import first_tensor, split_batch
 from .checkpoints import TrainCheckpoints
 from .data import EpochData
 from .logs import TrainLog
+from .loss_terms import mean_terms
 from .restarts import Progress, announce, default_resume
 from .termination import EXIT_STATUS, SigtermStop
 
@@ -257,6 +258,7 @@ class FitLoop:
         self.sigterm = SigtermStop(False)  # fit() installs the real one around run()
         self.progress = Progress(None, enabled=False)  # fit() sets rank 0's
         self._window: list[float] = []
+        self._window_terms: list[dict | None] = []  # each step's loss apart (Trainer.last_loss_terms)
         self._window_start, self._window_tokens = time.perf_counter(), 0
 
     def resume(self, directory: Path) -> None:
@@ -324,6 +326,7 @@ class FitLoop:
         self.result.losses.append(loss)
         self.progress.step(self.step)
         self._window.append(loss)
+        self._window_terms.append(self.trainer.last_loss_terms)
         self._window_tokens += (_tokens(self.trainer.model, batch) or 0) * self.data.mesh_dp
         self.log.step()
         if self.step % self.log_interval == 0:
@@ -337,11 +340,13 @@ class FitLoop:
         elapsed = time.perf_counter() - self._window_start
         window, tokens = self._window, self._window_tokens
         self.log.record({"step": self.step, "epoch": self.epoch, "loss": sum(window) / len(window),
+                         **mean_terms(self._window_terms),
                          "lr": self.trainer.optimizer.param_groups[0]["lr"], "grad_norm": self.trainer.last_grad_norm,
                          **self._scaler_record(),
                          "samples_per_s": len(window) * self.batch_size / elapsed,
                          "tokens_per_s": tokens / elapsed if tokens else None, **self._experts_record()})
         self._window, self._window_start, self._window_tokens = [], time.perf_counter(), 0
+        self._window_terms = []
 
     def _experts_record(self) -> dict:
         """A mixture of experts' load since the last record: tokens per expert and the dropped share of each MoE

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import Callable
 
 import torch
@@ -43,23 +42,12 @@ from ..parallel.gradsync import late_gradients
 from .dataparallel import data_parallel
 from .fsdp import apply_fsdp, complete_root_forward, local_shape
 from .gradients import StepGradients
+from .loss_terms import LossTerms
 from .nonfinite import check_skip_options, make_guard
 from .optim import base_optimizer, build_optimizer, check_zero, copy_grads
 from .precision import AUTOCAST_DTYPES, autocast, check_precision, make_scaler
+from .step_checks import as_loss, check_step_options
 from .zero import install_gather_waits
-
-
-def as_loss(result, where: str) -> torch.Tensor:
-    """The scalar loss in ``result`` (a tensor, or a mapping / model output with ``"loss"``); a clear error else."""
-    loss = result.get("loss") if hasattr(result, "get") and not torch.is_tensor(result) else result
-    if not torch.is_tensor(loss):
-        raise TypeError(f"{where} returned {type(result).__name__}"
-                        f"{' without a loss' if hasattr(result, 'get') else ''}; expected a scalar loss tensor "
-                        "or a dict with 'loss' (pass labels, or give forward_step=... / loss_fn=...)")
-    if loss.dim() != 0:
-        raise ValueError(f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar (a model without "
-                         "a loss needs forward_step=... or loss_fn=...)")
-    return loss
 
 
 class Trainer:
@@ -112,7 +100,7 @@ class Trainer:
         base = base_optimizer(optimizer, params) if optimizer is not None and zero != 3 else None
         check_zero(zero, offload, state.mesh, optimizer, master_weights, base, overlap=overlap_param_gather,
                    compiled=bool(compile))
-        _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
+        check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb)
         check_skip_options(skip_nonfinite, max_consecutive_skips)
         if find_unused_parameters is not None and not isinstance(find_unused_parameters, bool):
             raise TypeError(f"find_unused_parameters must be None, True or False, got {find_unused_parameters!r}")
@@ -160,6 +148,7 @@ class Trainer:
         self.track_grad_norm = False  # compute the norm on steps without clipping too (fit's logs)
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False  # the last step had an inf/nan gradient somewhere and was skipped
+        self.loss_terms = LossTerms(model, enabled=bool(state.plan.moe) and loss_fn is None)
         self._total = 1.0
 
     def _zero_options(self, model: nn.Module, bucket_mb: float, overlap_param_gather: bool) -> dict:
@@ -199,7 +188,7 @@ class Trainer:
             self._accept_packed(b)
         self.zero_grad()
         total = self._global_items(batches) if self._weighted(len(batches)) else None
-        loss = sum(self._forward_backward_tensor(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches))
+        losses = [self._forward_backward_tensor(b, total, sync=i == len(batches) - 1) for i, b in enumerate(batches)]
         self.reduce_gradients()
         copy_grads(self.optimizer)  # onto the master weights, where unscaling and clipping act
         self.last_step_skipped = self._check_and_clip()
@@ -207,9 +196,16 @@ class Trainer:
             self.zero_grad()
         else:
             self.optimizer_step()
-        value = float(loss)  # read once, after the step's work is issued (a device sync)
+        value = self.loss_terms.read(losses)  # read once, after the step's work is issued (a device sync)
         report_dropped_pairs(self.model)
         return value
+
+    @property
+    def last_loss_terms(self) -> dict[str, float] | None:
+        """The last step's loss apart (:mod:`shardlib.train.loss_terms`): ``main_loss`` and each auxiliary router
+        loss of a mixture of experts as the model added it (``router_z_loss``, ``router_aux_loss``), weighted and
+        summed over dp as the returned loss; None when the loss had no auxiliary term."""
+        return self.loss_terms.last
 
     def _weighted(self, batches: int) -> bool:
         """Whether microbatch losses need weights: with one batch, one microbatch and one dp rank the step's loss
@@ -267,14 +263,17 @@ class Trainer:
         :meth:`reduce_gradients`, after backward (:meth:`train_step` sums them during its last backward)."""
         check_batch(batch)
         self._accept_packed(batch)
-        return float(self._forward_backward_tensor(batch, total_items, sync=False))
+        return self.loss_terms.read([self._forward_backward_tensor(batch, total_items, sync=False)])
 
     def _forward_backward_tensor(self, batch: dict, total_items: float | None, *, sync: bool) -> torch.Tensor:
-        """``forward_backward``, its loss as a float64 tensor not read yet (reading it syncs a device); ``sync``:
+        """``forward_backward``, its loss as a float64 tensor not read yet (reading it syncs a device), followed by
+        its auxiliary loss terms where the model has some (:meth:`LossTerms.append_to
+        <shardlib.train.loss_terms.LossTerms.append_to>`); ``sync``:
         the last backward before the optimizer step, whose DDP sums the gradients over dp while it runs.
         ``total_items`` None (:meth:`_weighted` false): the batch's loss is the model's own, unweighted."""
         if not self.model.training:  # train() walks every module: only when eval_step (or the user) left eval mode
             self.model.train()
+        self.loss_terms.start_batch()
         weights = None
         if total_items is not None or self._weighted(1):
             self._total = total_items if total_items is not None else self._global_items([batch])
@@ -287,10 +286,11 @@ class Trainer:
         loss = loss.to(device=self.mesh.device_type).reshape(1)  # NCCL: CUDA tensors only
         if self.scaler is not None:
             loss = loss / self.scaler.scale  # what backward saw was scaled
+        loss = self.loss_terms.append_to(loss)
         for dim in ("dp", "pp"):
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(loss, group=self.mesh.group(dim))
-        return loss[0]
+        return loss
 
     def _global_items(self, batches: list[dict]) -> float:
         """The loss items of ``batches`` summed over data-parallel ranks (1 with a user ``loss_fn``: summed)."""
@@ -367,6 +367,7 @@ class Trainer:
                         loss = self.loss_fn(out[next(iter(out.keys()))])
                     else:
                         loss = as_loss(out, "forward_step" if self.custom_forward else type(self.model).__name__)
+                        self.loss_terms.add(out, self._share(w))
                     del out  # the other outputs (an LM's logits: batch x vocabulary) would live through backward
                 scaled = self._scale(loss, w)
                 scaled.backward()
@@ -386,12 +387,18 @@ class Trainer:
             loss = loss.float()  # an autocast loss times 2**16 would overflow fp16 (backward then starts in fp32)
         if self.loss_fn is not None or weights is None:
             return loss * factor if factor != 1.0 else loss
-        # a global batch with no loss items at all (masked image modeling with no masked patch): every microbatch
-        # loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0
-        share = float(weights.sum() / self._total) if self._total else 0.0
+        share = self._share(weights)
         if share == 0.0:  # no loss items here: HF's mean over none is NaN (its gradient is 0); it adds nothing
             return loss.nan_to_num(0.0) * 0.0
         return loss * (share * factor)
+
+    def _share(self, weights: torch.Tensor | None) -> float:
+        """A microbatch's share of the step's loss items (``weights`` None: the step's only microbatch, 1). A global
+        batch with no loss items at all (masked image modeling with no masked patch): 0 for every microbatch, whose
+        loss is 0 (HF divides by items + eps), and so is the weighted sum, not 0 / 0."""
+        if weights is None:
+            return 1.0
+        return float(weights.sum() / self._total) if self._total else 0.0
 
     def _pipeline_loss(self, output, weights):
         loss = output[0] if isinstance(output, (tuple, list)) else output
@@ -405,25 +412,3 @@ class Trainer:
         from .loop import fit
 
         return fit(self, train_data, **options)
-
-
-def _positive(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
-
-
-def _check_step_options(microbatches, max_grad_norm, optimizer, forward_step, loss_fn, bucket_mb) -> None:
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if max_grad_norm is not None and not _positive(max_grad_norm):
-        raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
-    if not _positive(bucket_mb):
-        raise ValueError(f"bucket_mb must be a positive finite number (MiB per gradient bucket), got {bucket_mb!r}")
-    for name, value in (("optimizer", optimizer), ("forward_step", forward_step), ("loss_fn", loss_fn)):
-        if value is not None and not callable(value):
-            what = {"optimizer": "a function from parameters to an optimizer (lambda params: torch.optim.AdamW("
-                                 "params, lr=...))",
-                    "forward_step": "a function (model, batch) -> loss or {'loss': ...}",
-                    "loss_fn": "a function from the model's first output to a loss"}[name]
-            raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
-    if forward_step is not None and loss_fn is not None:
-        raise ValueError("give forward_step or loss_fn, not both")
