@@ -187,9 +187,18 @@ def test_expert_parallel_refusals_name_the_problem(pool):
 @pytest.mark.parametrize("tp,ep", [(2, 1), pytest.param(1, 2, marks=CI)])
 def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, tmp_path, tp, ep):
     """Switch's HF checkpoint (per-expert tensors under the model's own names) read straight into tp shards or
-    into each ep rank's own experts: bitwise the checkpoint's; at tp written back by save_pretrained, bitwise."""
+    into each ep rank's own experts: bitwise the checkpoint's; written back by save_pretrained, bitwise."""
     for result in pool.run(moe_tasks.hf_checkpoint_into_shards, str(tmp_path), tp, ep):
         assert not result["differing"] and result["compared"] >= 100 and not result["written_differing"], result
+
+
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("switch", marks=CI)])
+def test_checkpoints_at_ep_reshard_to_another_ep_and_export_bitwise(pool, tmp_path, family):
+    """HF -> read at ep=2 x tp=2 -> saved sharded -> read at ep=4 -> saved -> exported to HF: bitwise the first
+    checkpoint (Mixtral's fused experts, Switch's expert modules); a step at ep=2 x tp=2, saved with its optimizer,
+    resumed at ep=4 for a second step == the unsharded model's two steps."""
+    for result in pool.run(moe_tasks.checkpoint_at_ep, str(tmp_path), family):
+        assert not result["differing"] and result["compared"] >= 20 and result["resumed"] >= 20, result
 
 
 @pytest.mark.parametrize("family,tp,ep", [("mixtral", 2, 1), pytest.param("qwen2moe", 1, 4, marks=CI),
@@ -198,7 +207,7 @@ def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, t
 def test_per_expert_hf_checkpoints_read_into_fused_shards_and_written_back(pool, tmp_path, family, tp, ep):
     """Mixtral's and Qwen2-MoE's HF checkpoints (one tensor per expert, as transformers writes them) read straight
     into the 3-D experts' tp or ep shards (transformers' conversion mapping applied by shardlib's reader): the
-    model's weights, bitwise; written back at tp, transformers loads the same weights."""
+    model's weights, bitwise; written back, transformers loads the same weights."""
     for result in pool.run(moe_tasks.fused_hf_checkpoint, str(tmp_path), family, tp, ep):
         assert not result["differing"] and result["compared"] >= 20 and not result["reloaded_differing"], result
 
@@ -250,7 +259,6 @@ def test_a_written_policy_keeps_the_experts(tmp_path):
 def test_runtime_refusals_of_expert_parallelism_and_router_losses(pool, tmp_path):
     for messages in pool.run(moe_tasks.runtime_refusals, str(tmp_path)):
         assert "ep=3 must be a positive integer dividing dp=4" in messages["mesh"], messages
-        assert "checkpoint of an expert-parallel model (ep=2) is not supported yet" in messages["save"], messages
         assert "the same tokens per batch on every rank of the ep group" in messages["shapes"], messages
         assert "a pipeline stage holds only some of them" in messages["pipeline"], messages
 

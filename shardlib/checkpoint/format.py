@@ -91,23 +91,44 @@ def piece_spans(piece: dict, shape) -> list[tuple[int, int, int]]:
     return [(piece["start"] + b * stride, piece["stop"] + b * stride, b * rows) for b in range(blocks)]
 
 
-def pieces(layout: Layout, stage: int | None = None, dp: int | None = None) -> list[Piece]:
+def expert_file(ep_rank: int, ep: int, stage: int | None = None, rank: int | None = None, tp: int = 1) -> str:
+    """The file of the experts ep rank ``ep_rank`` holds under expert parallelism: their experts-split tensors whole
+    over tp, their own modules' tensors (with ``rank``: tp rank ``rank``'s pieces of them)."""
+    prefix = "model" if stage is None else f"model-pp{stage:02d}"
+    within = "" if rank is None else f"-tp{rank:02d}-of-{tp:02d}"
+    return f"{prefix}-ep{ep_rank:02d}-of-{ep:02d}{within}.safetensors"
+
+
+def pieces(layout: Layout, stage: int | None = None, dp: int | None = None, ep_rank: int = 0) -> list[Piece]:
     """Where each rank's local rows of a ``layout`` tensor are stored: one piece per rank that holds real rows (a
-    blocked layout's piece: the rank's rows of the first block, and ``blocks``), or one whole piece."""
+    blocked layout's piece: the rank's rows of the first block, and ``blocks``), or one whole piece. A tensor split
+    over ep: one piece of experts per ep rank, whole over tp; one expert's tensor held by ep rank ``ep_rank``: its
+    pieces in that ep rank's files."""
+    if layout.is_expert_split:
+        part = layout.global_shape[layout.ep_dim] // layout.ep
+        return [Piece(expert_file(q, layout.ep, stage), layout.ep_dim, q * part, (q + 1) * part)
+                for q in range(layout.ep)]
+    if layout.ep > 1:
+        return _tp_pieces(layout, expert_file(ep_rank, layout.ep, stage),
+                          lambda r: expert_file(ep_rank, layout.ep, stage, r, layout.num_shards))
+    return _tp_pieces(layout, replicated_file(stage, dp), lambda r: rank_file(r, layout.num_shards, stage, dp))
+
+
+def _tp_pieces(layout: Layout, whole_file: str, file_of) -> list[Piece]:
     if not layout.is_sharded:
-        return [Piece(replicated_file(stage, dp), None, 0, 0)]
+        return [Piece(whole_file, None, 0, 0)]
     out = []
     for r in range(layout.num_shards):
         start, stop = layout.ranges(r)[0]
         if stop > start:
-            out.append(Piece(rank_file(r, layout.num_shards, stage, dp), layout.shard_dim, start, stop, layout.blocks))
+            out.append(Piece(file_of(r), layout.shard_dim, start, stop, layout.blocks))
     return out
 
 
 def tensor_entry(layout: Layout, dtype: torch.dtype, aliases: list[str], stage: int | None = None,
-                 dp: int | None = None) -> dict:
+                 dp: int | None = None, ep_rank: int = 0) -> dict:
     return {"shape": list(layout.global_shape), "dtype": dtype_name(dtype), "layout": layout.to_dict(),
-            "aliases": aliases, "pieces": [p.to_dict() for p in pieces(layout, stage, dp)]}
+            "aliases": aliases, "pieces": [p.to_dict() for p in pieces(layout, stage, dp, ep_rank)]}
 
 
 def parameter_names(names: list[str]) -> list[str]:
@@ -275,8 +296,9 @@ def document_problems(document: dict) -> list[str]:
         return out
     if not _is_int(document["tp"], 1):
         out.append(f"field 'tp' is {document['tp']!r}, expected an integer >= 1")
-    if "pp" in document and not _is_int(document["pp"], 1):
-        out.append(f"field 'pp' is {document['pp']!r}, expected an integer >= 1")
+    for key in ("pp", "ep"):
+        if key in document and not _is_int(document[key], 1):
+            out.append(f"field {key!r} is {document[key]!r}, expected an integer >= 1")
     groups = document.get("optimizer")
     if groups is not None and (not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups)):
         out.append(f"field 'optimizer' is {groups!r:.100}, expected a list of parameter groups (objects) or null")
@@ -285,7 +307,8 @@ def document_problems(document: dict) -> list[str]:
     for name, info in document["files"].items():
         out += [f"file {name!r}: {p}" for p in _file_problems(info)]
     for name, entry in document["tensors"].items():
-        out += [f"tensor {name!r}: {p}" for p in _tensor_problems(entry, document["tp"], document["files"])]
+        most = max(document["tp"], document.get("ep", 1) if _is_int(document.get("ep", 1), 1) else 1)
+        out += [f"tensor {name!r}: {p}" for p in _tensor_problems(entry, most, document["files"])]
     return out
 
 
@@ -341,15 +364,16 @@ def _layout_ok(layout, shape: list[int]) -> bool:
     """The layout the tensor was saved with (read by ``inspect``): consistent with its shape."""
     if not isinstance(layout, dict) or layout.get("global_shape") != shape:
         return False
-    dim = layout.get("shard_dim")
+    dim, ep_dim = layout.get("shard_dim"), layout.get("ep_dim")
     return (dim is None or _is_int(dim) and dim < len(shape)) and _is_int(layout.get("num_shards"), 1) and \
-        _is_int(layout.get("padded_size")) and _is_int(layout.get("blocks", 2), 2)
+        _is_int(layout.get("padded_size")) and _is_int(layout.get("blocks", 2), 2) and \
+        _is_int(layout.get("ep", 2), 2) and (ep_dim is None or _is_int(ep_dim) and ep_dim < len(shape))
 
 
 def _tiling_problems(shape: list[int], parts: list[dict], tp: int) -> list[str]:
     """The pieces must tile the tensor exactly: one whole piece, or pieces along one dim whose row ranges (every
     block's, for a blocked piece: :func:`piece_spans`) cover ``[0, shape[dim])`` with neither a gap nor an
-    overlap, at most one per tp rank."""
+    overlap, at most one per tp rank (``tp``: the most pieces a tensor may have, tp or ep)."""
     dims = {p["dim"] for p in parts}
     if None in dims:
         return [] if len(parts) == 1 else [f"{len(parts)} pieces, one of them whole (dim null)"]

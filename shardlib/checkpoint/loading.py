@@ -25,7 +25,7 @@ from .format import OPTIMIZER_PREFIX, hf_class_name, hf_config, read_hf_config
 from .outcome import all_ranks, timeout_of
 from .reader import ShardedCheckpoint
 from .experts import check_shapes, expert_keys, merged_experts, read_merged, renamed_keys
-from .tensors import fill_local, ep_rank, local_tensors, model_tensor_names, tp_rank
+from .tensors import ep_rank, fill_local, local_tensors, model_tensor_names, tp_rank
 
 log = logging.getLogger("shardlib.checkpoint")
 
@@ -236,11 +236,13 @@ def _check_stored_shape(ckpt: ShardedCheckpoint, name: str, layout: Layout) -> N
                               f"{layout.global_shape}")
 
 
-def _read_local(ckpt: ShardedCheckpoint, name: str, layout: Layout, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    """A new local tensor for ``layout`` read from ``ckpt`` (optimizer state: there is no tensor to fill yet)."""
+def _read_local(ckpt: ShardedCheckpoint, name: str, layout: Layout, rank: int, dtype: torch.dtype,
+                ep_rank: int = 0) -> torch.Tensor:
+    """A new local tensor for ``layout`` read from ``ckpt`` (optimizer state: there is no tensor to fill yet), as tp
+    rank ``rank`` and ep rank ``ep_rank`` hold it."""
     _check_stored_shape(ckpt, name, layout)
     out = torch.empty(layout.local_shape, dtype=dtype)
-    return fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, out, name)
+    return fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, out, name, ep_rank)
 
 
 @torch.no_grad()
@@ -270,7 +272,7 @@ def _load(model: nn.Module, directory: str | Path, optimizer, strict: bool) -> N
                        if n not in known and not n.startswith(OPTIMIZER_PREFIX) and not entry.get("carried"))
         missing = [names[0] for _, names in local_tensors(model) if not any(n in ckpt.tensors for n in names)]
         _unmatched(model, str(directory), missing, extra, strict)
-        rank = tp_rank(model)
+        ranks = tp_rank(model), ep_rank(model)
         for tensor, names in local_tensors(model):
             name = next((n for n in names if n in ckpt.tensors), None)
             if name is None:
@@ -278,14 +280,15 @@ def _load(model: nn.Module, directory: str | Path, optimizer, strict: bool) -> N
             layout = layout_of(model, names[0])
             _check_stored_shape(ckpt, name, layout)
             target = whole_buffer(tensor)
-            fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, rank, target, name)
+            fill_local(lambda d, a, b, view: ckpt.read_into(name, view, d, a, b), layout, ranks[0], target, name,
+                       ranks[1])
             if target is not tensor:
                 local(tensor).copy_(local(like(target, tensor)))
         if optimizer is not None:
-            _load_optimizer(model, ckpt, optimizer, rank)
+            _load_optimizer(model, ckpt, optimizer, ranks)
 
 
-def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: int) -> None:
+def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, ranks: tuple[int, int]) -> None:
     groups = ckpt.meta.get("optimizer")
     if groups is None:
         raise CheckpointError(f"{ckpt.directory} has no optimizer state (saved without optimizer=)")
@@ -308,7 +311,7 @@ def _load_optimizer(model: nn.Module, ckpt: ShardedCheckpoint, optimizer, rank: 
         for key, stored in stored_state.get(names[0], {}).items():
             shape = tuple(ckpt.tensors[stored]["shape"])
             layout = param_layout if shape == param_layout.global_shape else Layout.replicated(shape)
-            value = _read_local(ckpt, stored, layout, rank, ckpt.dtype(stored))
+            value = _read_local(ckpt, stored, layout, ranks[0], ckpt.dtype(stored), ranks[1])
             # on the parameter's device, as torch's Optimizer.load_state_dict places it (a step that is neither
             # capturable nor fused stays a CPU scalar)
             group = group_of.get(id(tensor), {})

@@ -16,10 +16,11 @@ from ..parallel.mesh import DEFAULT_TIMEOUT_S
 from ..parallel.timeouts import stalled_ranks_named
 from ..safetensors_io import CheckpointError, Writer
 from ..sharding.sharded import shard_state
-from ..sharding.state import _pipeline
+from ..sharding.state import _pipeline, gather_full, tp_group_of
 from .atomic import publish, recover, staging_dir
 from .format import (
-    FORMAT, hf_class_name, header_metadata, parameter_names, rank_file, replicated_file, tensor_entry, write_document,
+    FORMAT, expert_file, hf_class_name, header_metadata, parameter_names, rank_file, replicated_file, tensor_entry,
+    write_document,
 )
 from .tensors import saved_tensors
 
@@ -38,19 +39,23 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: 
     pipeline stage writes (all of them without a pipeline; a tensor used by several stages is written by the lowest
     pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
     its (pp, tp) position that writes (sp rank 0), else None; everything is written by dp rank 0 (a ZeRO
-    optimizer's state is gathered whole first, :func:`saved_tensors`)."""
+    optimizer's state is gathered whole first, :func:`saved_tensors`), experts under expert parallelism by the
+    first ep group (:func:`_expert_files`)."""
     split = _pipeline(model)
     stage = split.pp_rank if split is not None else None
+    experts = _ExpertWriter(model, rank, replica, stage)
     files: dict[str, dict[str, torch.Tensor]] = {}
     meta = {}
     for name, tensor, layout, aliases in saved_tensors(model, optimizer):
         names = [name, *aliases]
         if split is not None and not split.writer(parameter_names(names)):
             continue
-        meta[names[0]] = tensor_entry(layout, tensor.dtype, names[1:], stage)
-        if replica != 0:
+        meta[names[0]] = tensor_entry(layout, tensor.dtype, names[1:], stage, ep_rank=experts.ep_rank)
+        if layout.ep > 1:
+            experts.add(files, names[0], tensor, layout)
+        elif replica != 0:
             continue
-        if layout.is_sharded:
+        elif layout.is_sharded:
             rows = sum(max(stop - start, 0) for start, stop in layout.ranges(rank))  # one piece (every block's rows)
             if rows:
                 files.setdefault(rank_file(rank, layout.num_shards, stage), {})[names[0]] = \
@@ -58,6 +63,35 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: 
         elif rank == 0:
             files.setdefault(replicated_file(stage), {})[names[0]] = tensor.detach()
     return files, meta
+
+
+class _ExpertWriter:
+    """Where this rank's expert tensors go under expert parallelism (:func:`.format.pieces`): the ranks of the first
+    ep group write (one replica of each ep rank's experts, dp ranks ``[0, ep)``); a tensor split over ep is
+    gathered over tp first (a collective on the tp group: every rank of it walks the same tensors) and written whole
+    over tp by tp rank 0; an expert module's own tensor as its tp pieces."""
+
+    def __init__(self, model: nn.Module, rank: int, replica: int | None, stage: int | None):
+        state = shard_state(model, required=False)
+        self.ep = getattr(state.mesh, "ep", 1) if state is not None else 1
+        self.ep_rank = state.mesh.ep_rank if self.ep > 1 else 0
+        self.writes = replica is not None and replica < self.ep
+        self.rank, self.stage, self.tp_group = rank, stage, tp_group_of(model)
+
+    def add(self, files: dict, name: str, tensor: torch.Tensor, layout) -> None:
+        within = layout.within_ep()
+        if layout.is_expert_split:
+            if within.is_sharded:
+                tensor = gather_full(tensor, within, self.tp_group)
+            if self.writes and self.rank == 0:
+                files.setdefault(expert_file(self.ep_rank, self.ep, self.stage), {})[name] = tensor.detach()
+        elif self.writes and within.is_sharded:
+            rows = layout.ranges(self.rank)[0]
+            if rows[1] > rows[0]:
+                file = expert_file(self.ep_rank, self.ep, self.stage, self.rank, layout.num_shards)
+                files.setdefault(file, {})[name] = tensor.detach().narrow(layout.shard_dim, 0, rows[1] - rows[0])
+        elif self.writes and self.rank == 0:
+            files.setdefault(expert_file(self.ep_rank, self.ep, self.stage), {})[name] = tensor.detach()
 
 
 def _broadcast_str(value: str, group=None) -> str:
@@ -117,11 +151,6 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
     work, except where a ZeRO stage's state or FSDP2's parameters are gathered over dp (every dp rank calls it)."""
     state = shard_state(model)
     mesh = state.mesh
-    if getattr(mesh, "ep", 1) > 1:
-        raise CheckpointError(f"saving a checkpoint of an expert-parallel model (ep={mesh.ep}) is not supported yet "
-                              "(its experts are split over data-parallel ranks, which the sharded format does not "
-                              "describe): gather it with shardlib.full_state_dict(model) on every rank and save that "
-                              "from one, or train at ep=1 with tp")
     # one copy per tensor-parallel rank: the dp replicas and the all-to-all sequence-parallel peers hold the same
     # (a ZeRO optimizer's state too, once saved_tensors has gathered it)
     sp_writer = mesh.sp == 1 or mesh.local_rank("sp") == 0
@@ -134,6 +163,8 @@ def stage(model: nn.Module, *, optimizer=None, copy: bool = False, extra_files: 
             torch.cuda.synchronize()  # the asynchronous copies are complete before anything reads them
     document = {"model_class": hf_class_name(model), "config": model.config.to_dict(), "tp": mesh.tp,
                 "optimizer": _optimizer_hyperparameters(optimizer)}
+    if getattr(mesh, "ep", 1) > 1:
+        document["ep"] = mesh.ep
     if state.pipeline is not None:
         document["pp"] = mesh.pp
         document["stages"] = [list(layers) for layers in state.pipeline.plan.layers]

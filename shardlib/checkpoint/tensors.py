@@ -3,6 +3,8 @@ pipeline stage only, and reads into a rank's local shard."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -105,5 +107,8 @@ def saved_tensors(model: nn.Module, optimizer=None):
     for tensor, names in tensors_to_load(model):
         for key, value in param_state(optimizer, tensor).items():
             if torch.is_tensor(value):
-                layout = layout_of(model, names[0]) if value.shape == tensor.shape else Layout.replicated(value.shape)
+                layout = layout_of(model, names[0])
+                if value.shape != tensor.shape:  # a scalar (step): replicated, except with an expert held by one ep rank
+                    layout = Layout.replicated(value.shape) if layout.ep == 1 or layout.is_expert_split else \
+                        dataclasses.replace(Layout.replicated(value.shape), ep=layout.ep)
                 yield f"{OPTIMIZER_PREFIX}{key}.{names[0]}", whole(value), layout, []

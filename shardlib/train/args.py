@@ -156,12 +156,9 @@ class TrainingArguments:
             if self.expert_capacity is not None:
                 raise ValueError("--expert-capacity sets expert parallelism's static capacity: give --ep N too")
             return
-        unsupported = [f"--zero {self.zero}"] if self.zero else []
-        if self.save_dir is not None:
-            unsupported.append("--save-dir (checkpoints of an ep model)")
-        if unsupported:
-            raise ValueError(f"--ep {self.ep} does not combine with {', '.join(unsupported)} yet: train with --ep "
-                             "without it, or without --ep (docs/moe.md)")
+        if self.zero:
+            raise ValueError(f"--ep {self.ep} does not combine with --zero {self.zero} yet: train with --ep and "
+                             "--zero 0, or without --ep (docs/moe.md)")
 
     def mesh_sizes(self) -> dict:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp}

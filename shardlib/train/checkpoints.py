@@ -56,7 +56,8 @@ def _world() -> int:
 
 
 def layout_of_mesh(mesh) -> dict:
-    return {"dp": mesh.dp, "pp": mesh.pp, "sp": mesh.sp, "tp": mesh.tp, "world": _world()}
+    layout = {"dp": mesh.dp, "pp": mesh.pp, "sp": mesh.sp, "tp": mesh.tp, "world": _world()}
+    return layout | ({"ep": mesh.ep} if getattr(mesh, "ep", 1) > 1 else {})
 
 
 def rng_state_tensors(tracker) -> dict[str, torch.Tensor]:
