@@ -87,7 +87,10 @@ def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0,
         torch.testing.assert_close(w, reference[name].detach(), **tol, msg=lambda m, n=name: f"weight {n}: {m}")
     # experts no token of any rank reached in the last step: no gradient, as in the unsharded model
     idle = [name for name, p in model.named_parameters() if ".experts." in name and p.grad is None]
-    return {"losses": losses, "weights": len(weights), "idle_expert_params": len(idle)}
+    # ZeRO-3: the parameters FSDP2 shards over the expert-data-parallel ranks (experts under ep) and over dp
+    meshes = [p.device_mesh.mesh_dim_names[0] for p in model.parameters() if hasattr(p, "device_mesh")]
+    return {"losses": losses, "weights": len(weights), "idle_expert_params": len(idle),
+            "sharded_over": {name: meshes.count(name) for name in set(meshes)}}
 
 
 def static_capacity_drops(ep: int, factor: float) -> dict:

@@ -152,6 +152,20 @@ def test_expert_parallelism_composes_with_tp_pp_and_sp(pool, family, layout):
         assert result["weights"] >= 10, result
 
 
+@pytest.mark.parametrize("family,layout", [
+    ("mixtral", {"ep": 2}), ("switch", {"ep": 4}), pytest.param("switch", {"ep": 2}, marks=CI),
+    pytest.param("mixtral", {"ep": 4}, marks=CI), pytest.param("qwen2moe", {"ep": 2, "tp": 2}, marks=CI),
+    pytest.param("switch", {"ep": 2, "pp": 2}, marks=CI)])
+def test_zero3_shards_each_ep_ranks_experts_over_the_ranks_holding_them(pool, family, layout):
+    """ZeRO-3 (FSDP2) with expert parallelism: each experts module sharded over the expert-data-parallel ranks
+    (ep=4 of dp=4: a group of one), the rest of each layer over dp; two steps with gradient clipping == the
+    unsharded model's."""
+    options = {"router_dtype": "float64", "capacity": 2} if family == "switch" else {}
+    for result in pool.run(moe_tasks.trainer_equivalence, family, zero=3, experts=4, max_grad_norm=0.5, **layout,
+                           **options):
+        assert result["sharded_over"].get("edp", 0) >= 2 and result["sharded_over"].get("dp", 0) >= 4, result
+
+
 def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_gradients(pool):
     """Switch at ep=2 whose routers send every token to experts 0 and 1: ep rank 1 (experts 2 and 3) receives no row
     in any layer, yet takes part in every exchange of forward and backward, and the steps equal the unsharded

@@ -110,7 +110,14 @@ class Mesh:
                 for group in groups:
                     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s), group)
             self._groups["ep"], self._groups["edp"] = groups
+            self._groups["experts mesh"] = split
         return self._groups["ep"], self._groups["edp"]
+
+    def edp_device_mesh(self):
+        """The 1-D device mesh of this rank's expert-data-parallel ranks (those holding the same experts), over which
+        ZeRO-3 shards the experts (:meth:`split_dp_for_experts`)."""
+        self.split_dp_for_experts()
+        return self._groups["experts mesh"]["edp"]
 
     @property
     def ep_group(self) -> dist.ProcessGroup:

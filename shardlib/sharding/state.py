@@ -64,7 +64,7 @@ def full_state_dict(model: nn.Module, *, grads: bool = False) -> dict[str, torch
     for name, p in model.named_parameters():
         if name in elsewhere:  # an expert module of an ep-split ModuleDict: every ep rank's, gathered over ep
             tensor, layout = p.grad if grads else p, layout_of(model, name)
-            whole_tensor = None if tensor is None else gather_full(tensor, layout, groups["tp"])
+            whole_tensor = None if tensor is None else gather_full(dp_shards.whole(tensor), layout, groups["tp"])
             pieces = _gather_experts(whole_tensor, p.new_zeros(layout.global_shape), groups["ep"])
             out |= {other: piece for other, piece in zip(elsewhere[name], pieces) if piece is not None}
             continue

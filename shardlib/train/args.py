@@ -156,9 +156,9 @@ class TrainingArguments:
             if self.expert_capacity is not None:
                 raise ValueError("--expert-capacity sets expert parallelism's static capacity: give --ep N too")
             return
-        if self.zero:
+        if self.zero in (1, 2):
             raise ValueError(f"--ep {self.ep} does not combine with --zero {self.zero} yet: train with --ep and "
-                             "--zero 0, or without --ep (docs/moe.md)")
+                             "--zero 0 or 3, or without --ep (docs/moe.md)")
 
     def mesh_sizes(self) -> dict:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp}

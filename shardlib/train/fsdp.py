@@ -22,6 +22,10 @@ shared by two groups.
   (:func:`complete_root_forward`), which registers the root's pre-backward unshard on the boundary tensors, and
   tied parameters are summed over pp as dp-local shards (:func:`~shardlib.parallel.dp_shards.local_shape` for a
   rank not holding one).
+* Expert parallelism (``ep > 1``): each experts module is an FSDP group of its own on the expert-data-parallel
+  sub-mesh (the ranks holding the same experts; ``Mesh.edp_device_mesh``), inside its layer's group on dp, as
+  torchtitan shards its experts: each ep rank's experts are sharded again over edp and their gradients
+  reduce-scattered (summed) there, the rest of the layer over dp.
 * ``offload=True``: FSDP2's ``CPUOffloadPolicy`` (parameters, gradients and optimizer state in host memory, the
   step on CPU); refused on a mesh without CUDA, where everything already is in host memory.
 
@@ -60,9 +64,14 @@ def apply_fsdp(model: nn.Module, *, offload: bool = False) -> list[FSDPModule]:
     for module in model.modules():  # each layer's flat gradient buffer must be as long on every dp rank
         if module.__dict__.get(EXPERTS_ATTR) and not is_fused_experts(module):
             every_expert_gets_a_gradient(module)
+    # expert parallelism: each experts module is a group of its own over the ranks holding the same experts
+    experts_mesh = state.mesh.edp_device_mesh() if getattr(state.mesh, "ep", 1) > 1 else None
     modules = []
     for stack in state.plan.trunk:
         for layer in model.get_submodule(stack.layers):  # under a pipeline, this rank's stages' layers
+            if experts_mesh is not None:
+                modules += [fully_shard(m, mesh=experts_mesh, offload_policy=policy) for m in layer.modules()
+                            if m.__dict__.get(EXPERTS_ATTR)]
             modules.append(fully_shard(layer, mesh=dp_mesh, offload_policy=policy))
     other_stages = {p for p in model.parameters() if p.is_meta}  # a pipeline's other stages (PipelineSplit)
     modules.append(fully_shard(model, mesh=dp_mesh, offload_policy=policy, ignored_params=other_stages or None))

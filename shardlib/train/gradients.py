@@ -74,7 +74,7 @@ class StepGradients:
         for dim in ("tp", "pp") + (("dp",) if self.zero else ()):  # under zero each dp rank holds its own share
             if self.mesh.size(dim) > 1:
                 dist.all_reduce(squares, group=self.mesh.group(dim))
-        if split and getattr(self.mesh, "ep", 1) > 1:
+        if split and getattr(self.mesh, "ep", 1) > 1 and not self.zero:  # under zero: summed over dp = ep x edp
             dist.all_reduce(squares[1:], group=self.mesh.group("ep"))
         return squares.sum().sqrt()
 

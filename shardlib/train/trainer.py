@@ -309,8 +309,9 @@ class Trainer:
             shard = functools.partial(local_shape, dp=self.mesh.dp, dp_rank=self.mesh.local_rank("dp"))
             self.split.sync_tied_grads(shard if self.zero == 3 else None)
         self.data_parallel.finish_grads()
-        if self.zero == 3:  # experts no dp rank routed a token to: no gradient, as in the unsharded model
-            release_idle_experts(self.model, self.mesh.group("dp") if self.mesh.dp > 1 else None)
+        if self.zero == 3:  # experts no rank holding them ran: no gradient, as in the unsharded model
+            holders = "edp" if getattr(self.mesh, "ep", 1) > 1 else "dp"
+            release_idle_experts(self.model, self.mesh.group(holders) if self.mesh.size(holders) > 1 else None)
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradient of the whole (unsharded) model, a float64 scalar tensor
