@@ -89,8 +89,10 @@ def trainer_equivalence(family: str, tp: int = 1, pp: int = 1, *, zero: int = 0,
     idle = [name for name, p in model.named_parameters() if ".experts." in name and p.grad is None]
     # ZeRO-3: the parameters FSDP2 shards over the expert-data-parallel ranks (experts under ep) and over dp
     meshes = [p.device_mesh.mesh_dim_names[0] for p in model.parameters() if hasattr(p, "device_mesh")]
+    # ZeRO-1/2: the flat buckets of expert weights, partitioned over the expert-data-parallel ranks
+    expert_buckets = sum(b.experts for b in getattr(trainer.optimizer, "buckets", []))
     return {"losses": losses, "weights": len(weights), "idle_expert_params": len(idle),
-            "sharded_over": {name: meshes.count(name) for name in set(meshes)}}
+            "sharded_over": {name: meshes.count(name) for name in set(meshes)}, "expert_buckets": expert_buckets}
 
 
 def static_capacity_drops(ep: int, factor: float) -> dict:
@@ -280,8 +282,9 @@ def fit_logs_expert_load(workdir: str) -> list[dict]:
 
 def checkpoint_at_ep(workdir: str, family: str) -> dict:
     """An HF checkpoint read at ep=2 x tp=2, saved sharded, read at ep=4, saved again and exported to HF: bitwise the
-    first checkpoint. Then training resumes across expert layouts: one AdamW step at ep=2 x tp=2, model and
-    optimizer saved, loaded at ep=4, a second step there == the unsharded model's two steps."""
+    first checkpoint. Then training resumes across expert layouts: one AdamW step at ep=2 of dp=4 with ZeRO-2 (the
+    experts' state partitioned over the two ranks holding them, gathered on save), model and optimizer saved,
+    loaded at ep=4, a second step there == the unsharded model's two steps."""
     import torch.distributed as dist
     import transformers
     from safetensors.torch import load_file
@@ -313,8 +316,8 @@ def checkpoint_at_ep(workdir: str, family: str) -> dict:
     differing += sorted(k for k in expected if not torch.equal(loaded[k], expected[k]))
 
     ref = build_model(family, experts=4, dtype=torch.float64, **options)
-    mesh2, mesh4 = pool_mesh(tp=2, ep=2), pool_mesh(ep=4)
-    first = Trainer(shardlib.shard(copy.deepcopy(ref), mesh2), _adamw)
+    mesh2, mesh4 = pool_mesh(ep=2), pool_mesh(ep=4)
+    first = Trainer(shardlib.shard(copy.deepcopy(ref), mesh2), _adamw, zero=2)
     ref_optimizer = _adamw(ref.parameters())
     batches = [build_batch(family, batch=8, seed=20 + step) for step in range(2)]
     for batch in batches:

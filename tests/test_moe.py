@@ -152,18 +152,24 @@ def test_expert_parallelism_composes_with_tp_pp_and_sp(pool, family, layout):
         assert result["weights"] >= 10, result
 
 
-@pytest.mark.parametrize("family,layout", [
-    ("mixtral", {"ep": 2}), ("switch", {"ep": 4}), pytest.param("switch", {"ep": 2}, marks=CI),
-    pytest.param("mixtral", {"ep": 4}, marks=CI), pytest.param("qwen2moe", {"ep": 2, "tp": 2}, marks=CI),
-    pytest.param("switch", {"ep": 2, "pp": 2}, marks=CI)])
-def test_zero3_shards_each_ep_ranks_experts_over_the_ranks_holding_them(pool, family, layout):
-    """ZeRO-3 (FSDP2) with expert parallelism: each experts module sharded over the expert-data-parallel ranks
-    (ep=4 of dp=4: a group of one), the rest of each layer over dp; two steps with gradient clipping == the
-    unsharded model's."""
+@pytest.mark.parametrize("family,zero,layout", [
+    ("mixtral", 3, {"ep": 2}), ("switch", 3, {"ep": 4}), ("switch", 2, {"ep": 2}), ("mixtral", 1, {"ep": 2, "tp": 2}),
+    pytest.param("switch", 3, {"ep": 2}, marks=CI), pytest.param("mixtral", 3, {"ep": 4}, marks=CI),
+    pytest.param("qwen2moe", 3, {"ep": 2, "tp": 2}, marks=CI), pytest.param("switch", 3, {"ep": 2, "pp": 2}, marks=CI),
+    pytest.param("mixtral", 2, {"ep": 4}, marks=CI), pytest.param("qwen2moe", 2, {"ep": 2, "tp": 2}, marks=CI),
+    pytest.param("switch", 1, {"ep": 2, "pp": 2}, marks=CI), pytest.param("mixtral", 1, {"ep": 2}, marks=CI)])
+def test_zero_partitions_each_ep_ranks_experts_over_the_ranks_holding_them(pool, family, zero, layout):
+    """ZeRO with expert parallelism: each ep rank's experts partitioned over the expert-data-parallel ranks (those
+    holding the same experts; ep=4 of dp=4: a group of one), the rest over dp: ZeRO-3's experts modules FSDP2
+    groups of their own, ZeRO-1/2's expert weights in flat buckets of their own. Two steps with gradient clipping
+    == the unsharded model's."""
     options = {"router_dtype": "float64", "capacity": 2} if family == "switch" else {}
-    for result in pool.run(moe_tasks.trainer_equivalence, family, zero=3, experts=4, max_grad_norm=0.5, **layout,
+    for result in pool.run(moe_tasks.trainer_equivalence, family, zero=zero, experts=4, max_grad_norm=0.5, **layout,
                            **options):
-        assert result["sharded_over"].get("edp", 0) >= 2 and result["sharded_over"].get("dp", 0) >= 4, result
+        if zero == 3:
+            assert result["sharded_over"].get("edp", 0) >= 2 and result["sharded_over"].get("dp", 0) >= 4, result
+        else:
+            assert result["expert_buckets"] >= 1, result
 
 
 def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_gradients(pool):
@@ -209,8 +215,8 @@ def test_hf_checkpoints_read_into_expert_shards_and_written_back_bitwise(pool, t
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("switch", marks=CI)])
 def test_checkpoints_at_ep_reshard_to_another_ep_and_export_bitwise(pool, tmp_path, family):
     """HF -> read at ep=2 x tp=2 -> saved sharded -> read at ep=4 -> saved -> exported to HF: bitwise the first
-    checkpoint (Mixtral's fused experts, Switch's expert modules); a step at ep=2 x tp=2, saved with its optimizer,
-    resumed at ep=4 for a second step == the unsharded model's two steps."""
+    checkpoint (Mixtral's fused experts, Switch's expert modules); a step at ep=2 with ZeRO-2, saved with its
+    optimizer, resumed at ep=4 for a second step == the unsharded model's two steps."""
     for result in pool.run(moe_tasks.checkpoint_at_ep, str(tmp_path), family):
         assert not result["differing"] and result["compared"] >= 20 and result["resumed"] >= 20, result
 

@@ -148,7 +148,6 @@ def test_training_arguments_refuse_invalid_values(field, value, message):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(ep=2, zero=1), "--ep 2 does not combine with --zero 1 yet"),
     (dict(ep=2, expert_capacity=0.0), "--expert-capacity must be a positive capacity factor, got 0.0"),
 ])
 def test_expert_parallel_arguments_refuse_what_ep_does_not_combine_with(options, message):

@@ -24,6 +24,7 @@ class Bucket:
     lo: int
     hi: int
     late: bool  # reduced after backward (finish_grads), not by the hooks
+    experts: bool = False  # of expert weights split over ep: partitioned over the ranks holding the same experts
     data: torch.Tensor = None
     grad_shard: torch.Tensor | None = None  # this rank's summed gradient elements [hi - lo] (None: nothing yet)
     arrived: set = field(default_factory=set)  # indices of params whose gradient arrived in this backward
@@ -38,12 +39,14 @@ class Bucket:
         return rank * shard, (rank + 1) * shard
 
 
-def flat_buckets(params, dp: int, bucket_bytes: int, late=frozenset(), order=None) -> list[Bucket]:
+def flat_buckets(params, dp: int, bucket_bytes: int, late=frozenset(), order=None, experts=frozenset(),
+                 edp: int | None = None) -> list[Bucket]:
     """The buckets of ``params`` (each once) in reverse ``order`` (the model's registration order; default: as
-    given): one open bucket per (dtype, device, late), filled up to ``bucket_bytes`` (a parameter that would overflow
-    it starts the next one; a parameter larger than ``bucket_bytes`` is a bucket of its own), its element count
-    padded to a multiple of ``dp``. So a bucket is at most max(``bucket_bytes``, the largest parameter). A pure
-    function of the shapes: the dry run (``shardlib.plan``) calls it too."""
+    given): one open bucket per (dtype, device, late, expert), filled up to ``bucket_bytes`` (a parameter that would
+    overflow it starts the next one; a parameter larger than ``bucket_bytes`` is a bucket of its own), its element
+    count padded to a multiple of ``dp`` (of ``edp`` for a bucket of the parameters whose ids are in ``experts``).
+    So a bucket is at most max(``bucket_bytes``, the largest parameter). A pure function of the shapes: the dry run
+    (``shardlib.plan``) calls it too."""
     seen, unique = set(), []
     for p in params:
         if id(p) not in seen:
@@ -53,7 +56,7 @@ def flat_buckets(params, dp: int, bucket_bytes: int, late=frozenset(), order=Non
     unique.sort(key=lambda p: -position.get(id(p), -1))
     closed, open_ = [], {}
     for p in unique:
-        key = (p.dtype, p.device, id(p) in late)
+        key = (p.dtype, p.device, id(p) in late, id(p) in experts)
         members = open_.get(key, [])
         if members and (sum(m.numel() for m in members) + p.numel()) * p.element_size() > bucket_bytes:
             closed.append((key, open_.pop(key)))
@@ -61,6 +64,7 @@ def flat_buckets(params, dp: int, bucket_bytes: int, late=frozenset(), order=Non
     buckets = []
     for i, (key, members) in enumerate(closed + list(open_.items())):
         offsets = [sum(m.numel() for m in members[:j]) for j in range(len(members))]
-        numel = -(-(offsets[-1] + members[-1].numel()) // dp) * dp
-        buckets.append(Bucket(i, members, offsets, numel, 0, 0, key[2]))
+        ranks = (edp or dp) if key[3] else dp
+        numel = -(-(offsets[-1] + members[-1].numel()) // ranks) * ranks
+        buckets.append(Bucket(i, members, offsets, numel, 0, 0, key[2], key[3]))
     return buckets

@@ -152,13 +152,8 @@ class TrainingArguments:
     def _check_experts(self) -> None:
         if self.expert_capacity is not None and not (math.isfinite(self.expert_capacity) and self.expert_capacity > 0):
             raise ValueError(f"--expert-capacity must be a positive capacity factor, got {self.expert_capacity}")
-        if self.ep == 1:
-            if self.expert_capacity is not None:
-                raise ValueError("--expert-capacity sets expert parallelism's static capacity: give --ep N too")
-            return
-        if self.zero in (1, 2):
-            raise ValueError(f"--ep {self.ep} does not combine with --zero {self.zero} yet: train with --ep and "
-                             "--zero 0 or 3, or without --ep (docs/moe.md)")
+        if self.ep == 1 and self.expert_capacity is not None:
+            raise ValueError("--expert-capacity sets expert parallelism's static capacity: give --ep N too")
 
     def mesh_sizes(self) -> dict:
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp}

@@ -163,9 +163,6 @@ def check_zero(zero, offload: bool, mesh, optimizer, master_weights: bool = Fals
                          f"(dp={mesh.dp}, pp={mesh.pp}, sp={mesh.sp}, tp={mesh.tp}): use zero=0")
     if zero and optimizer is None:
         raise ValueError(f"zero={zero} partitions an optimizer: pass Trainer(model, optimizer=lambda params: ...)")
-    if zero in (1, 2) and getattr(mesh, "ep", 1) > 1:
-        raise ValueError(f"zero={zero} with expert parallelism (ep={mesh.ep}) is not supported yet: ZeRO partitions "
-                         "over every dp rank, and ep splits the experts over some of them; use zero=0 with ep")
     if zero == 3 and master_weights:
         raise ValueError("zero=3 with master_weights: FSDP2 keeps the sharded parameters in their own dtype; give the "
                          "model fp32 weights and train with precision='fp16' or 'bf16' (autocast) instead")

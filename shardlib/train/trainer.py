@@ -30,6 +30,7 @@ from torch import nn
 
 from ..analysis.compiling import compile_model
 from ..parallel.experts import release_idle_experts
+from ..parallel.layout import named_layouts
 from ..parallel.random import generator_disagreement
 from ..parallel.timeouts import names_stalled_ranks
 from ..pipeline import PipelineRunner, check_schedule
@@ -155,8 +156,12 @@ class Trainer:
         """:class:`~shardlib.train.zero.FlatZero`'s options under zero=1/2."""
         if self.zero not in (1, 2):
             return {}
+        experts = {}
+        if getattr(self.mesh, "ep", 1) > 1:  # expert weights: partitioned over the ranks holding the same experts
+            experts = {"experts": {id(p) for _, p, layout in named_layouts(model) if layout.ep > 1},
+                       "expert_group": self.mesh.group("edp")}
         return {"late": late_gradients(model, self.split), "order": list(model.parameters()),
-                "bucket_bytes": int(bucket_mb * 2**20), "overlap_param_gather": overlap_param_gather}
+                "bucket_bytes": int(bucket_mb * 2**20), "overlap_param_gather": overlap_param_gather, **experts}
 
     # -- overridable ------------------------------------------------------------------------------------------
     def forward_step(self, model: nn.Module, batch: dict):

@@ -116,11 +116,14 @@ class InnerOptimizer(ParamStateOptimizer, Optimizer):
 class FlatZero(StateByParameter, InnerOptimizer):
     """ZeRO-1 (``stage=1``) or ZeRO-2 (``stage=2``) of ``optimizer_class`` over ``groups`` (the user's parameter
     groups) on the dp ``group`` (module docstring). ``late``: ids of parameters reduced after backward;
-    ``order``: the model's parameters in registration order (buckets follow its reverse)."""
+    ``order``: the model's parameters in registration order (buckets follow its reverse). ``experts``: ids of the
+    expert weights that expert parallelism splits over ep, partitioned over ``expert_group`` (the ranks holding the
+    same experts) in buckets of their own."""
 
     def __init__(self, groups: list[dict], optimizer_class: type, defaults: dict, *, stage: int, group,
                  master_weights: bool = False, late: set[int] = frozenset(), order: list | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_param_gather: bool = False):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap_param_gather: bool = False,
+                 experts: set[int] = frozenset(), expert_group=None):
         # Optimizer.__init__ is not called on purpose: the parameter groups and the state live in the inner
         # optimizer over this rank's pieces (as in MasterWeightsOptimizer)
         check_elementwise(optimizer_class, stage)
@@ -128,7 +131,10 @@ class FlatZero(StateByParameter, InnerOptimizer):
         self.overlap_param_gather = overlap_param_gather
         self._gathering: dict[int, object] = {}  # bucket index -> its parameter all-gather in flight
         self.dp, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
-        self.buckets = flat_buckets([p for g in groups for p in g["params"]], self.dp, bucket_bytes, late, order)
+        self.expert_group = expert_group if experts else None
+        edp = dist.get_world_size(expert_group) if self.expert_group is not None else None
+        self.buckets = flat_buckets([p for g in groups for p in g["params"]], self.dp, bucket_bytes, late, order,
+                                    experts, edp)
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         self.pieces: list[Piece] = []
         self._piece_of: dict[int, Piece] = {}
@@ -159,11 +165,19 @@ class FlatZero(StateByParameter, InnerOptimizer):
                     p.register_post_accumulate_grad_hook(functools.partial(_arrived, me, bucket.index, i))
 
     # -- layout -------------------------------------------------------------------------------------------------
+    def group_of(self, bucket: Bucket) -> tuple:
+        """(process group, its size, this rank's index in it) that ``bucket`` is partitioned over: dp, or for
+        expert weights the ranks holding the same experts."""
+        if bucket.experts and self.expert_group is not None:
+            return self.expert_group, dist.get_world_size(self.expert_group), dist.get_rank(self.expert_group)
+        return self.group, self.dp, self.dp_rank
+
     def _flatten(self, bucket: Bucket) -> None:
         """Make the bucket's parameters views into one flat buffer and cut this rank's pieces out of it."""
         first = bucket.params[0]
         bucket.data = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
-        bucket.lo, bucket.hi = bucket.owned(self.dp_rank, self.dp)
+        group, size, rank = self.group_of(bucket)
+        bucket.lo, bucket.hi = bucket.owned(rank, size)
         with torch.no_grad():
             for i, p in enumerate(bucket.params):
                 a, b = bucket.span(i)
@@ -250,11 +264,11 @@ class FlatZero(StateByParameter, InnerOptimizer):
             # and the filling one) and runs slower than its all-reduce (a 24 MiB bucket on 2 ranks: +36 MiB and 65 ms
             # against +12 MiB and 42 ms, measured on two gloo ranks): the flat copy is all-reduced
             # in place and this rank's range kept when it is settled
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work = dist.all_reduce(flat, group=self.group_of(bucket)[0], async_op=True)
             self._inflight = (bucket, flat, None, work)
             return
         out = torch.empty(bucket.hi - bucket.lo, dtype=flat.dtype, device=flat.device)
-        work = REDUCE_SCATTER_SINGLE(out, flat, group=self.group, async_op=True)
+        work = REDUCE_SCATTER_SINGLE(out, flat, group=self.group_of(bucket)[0], async_op=True)
         self._inflight = (bucket, flat, out, work)
 
     def _settle(self) -> None:
@@ -282,12 +296,14 @@ class FlatZero(StateByParameter, InnerOptimizer):
                 self._reduce_scatter(bucket)
         self._settle()
         self._reduced.clear()
-        params = [p for b in self.buckets for p in b.params]
-        if not params:
-            return
-        used = torch.tensor([id(p) in self._used for p in params], dtype=torch.uint8, device=params[0].device)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
-        used_ids = {id(p) for p, u in zip(params, used.tolist()) if u}
+        used_ids = set()
+        for experts in (False, True):  # agreed over the ranks each kind of bucket is partitioned over
+            buckets = [b for b in self.buckets if b.experts == experts]
+            params = [p for b in buckets for p in b.params]
+            if params:
+                used = torch.tensor([id(p) in self._used for p in params], dtype=torch.uint8, device=params[0].device)
+                dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group_of(buckets[0])[0])
+                used_ids |= {id(p) for p, u in zip(params, used.tolist()) if u}
         for piece in self.pieces:
             shard = piece.bucket.grad_shard
             if id(piece.param) not in used_ids or shard is None:
@@ -327,8 +343,8 @@ class FlatZero(StateByParameter, InnerOptimizer):
         first layers' buckets (the last ones) first; waited for here, or with ``overlap_param_gather`` by each
         bucket's first reader (module docstring)."""
         for b in reversed(self.buckets):
-            self._gathering[b.index] = ALL_GATHER_SINGLE(b.data, b.data[b.lo:b.hi].clone(), group=self.group,
-                                                         async_op=True)
+            self._gathering[b.index] = ALL_GATHER_SINGLE(b.data, b.data[b.lo:b.hi].clone(),
+                                                         group=self.group_of(b)[0], async_op=True)
         if not self.overlap_param_gather:
             self.wait_params()
 

@@ -47,8 +47,9 @@ class StateByParameter:
             mine[i] = (piece, state)
             described[i] = {k: (str(v.dtype).removeprefix("torch."), None if _elementwise(v, piece) else v.tolist())
                             for k, v in state.items() if torch.is_tensor(v)}
-        everyone: list = [None] * self.dp
-        dist.all_gather_object(everyone, described, group=self.group)
+        group, size, _ = self.group_of(bucket)
+        everyone: list = [None] * size
+        dist.all_gather_object(everyone, described, group=group)
         element_dtypes, keys = {}, {}
         for described_by_rank in everyone:
             for i, by_key in described_by_rank.items():
@@ -65,7 +66,7 @@ class StateByParameter:
                 if key in state:
                     shard[piece.at:piece.at + piece.stop - piece.start].copy_(state[key])
             flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-            ALL_GATHER_SINGLE(flat, shard, group=self.group)
+            ALL_GATHER_SINGLE(flat, shard, group=group)
             flats[key] = flat
         return flats, keys
 
