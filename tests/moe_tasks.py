@@ -168,11 +168,13 @@ def hf_checkpoint_into_shards(workdir: str, tp: int = 1, ep: int = 1) -> dict:
 
 
 def generation_matches(family: str, tp: int = 2, ep: int = 1) -> list[list[int]]:
-    """Greedy ``generate()`` of the sharded model: the unsharded model's tokens."""
+    """Greedy ``generate()`` of the sharded model: the unsharded model's tokens. Under ep each dp rank decodes its
+    own prompts for its own number of steps (the ranks of an ep group stop at different steps)."""
     ref = build_model(family, experts=4, dtype=torch.float32, use_cache=True).eval()
     model = shardlib.shard(copy.deepcopy(ref), pool_mesh(tp=tp, ep=ep)).eval()
-    ids = build_batch(family, batch=2, seq=5, labels=False)["input_ids"]
-    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    rank = pool_mesh(tp=tp, ep=ep).local_rank("dp") if ep > 1 else 0
+    ids = build_batch(family, batch=2, seq=5, labels=False, seed=1 + rank)["input_ids"]
+    options = dict(max_new_tokens=6 - 2 * (rank % 2), do_sample=False, pad_token_id=0)
     expected = ref.generate(ids, **options)
     got = model.generate(ids, **options)
     assert torch.equal(got, expected), (got, expected)

@@ -93,6 +93,8 @@ class MixtureOfExperts:
             _count_routes(block, block.get_submodule(site.router))
             if getattr(r.mesh, "ep", 1) > 1:
                 _split_experts(block.get_submodule(site.experts), r.mesh, r.options.get("expert_capacity"))
+        if getattr(r.mesh, "ep", 1) > 1 and moe_sites(r) and callable(getattr(r.model, "generate", None)):
+            r.model.generate = _in_step(r.model.generate)
         if getattr(r.mesh, "pp", 1) > 1:
             r.model.register_forward_pre_hook(_refuse_router_losses, with_kwargs=True)
         for path in self._whole_sequence_blocks(r):
@@ -254,6 +256,19 @@ def _whole_sequence(block: nn.Module, seq: SequenceStream) -> None:
 
     block.register_forward_pre_hook(gather, with_kwargs=True)
     block.register_forward_hook(cut)
+
+
+def _in_step(generate):
+    """``generate`` that keeps every rank decoding until all are done (transformers' ``synced_gpus``, as under
+    ZeRO-3): under expert parallelism each decoding step exchanges tokens over the ep group, so a rank whose
+    sequences ended first runs on, on its finished sequences, rather than leaving its peers waiting in the
+    exchange. Every rank generates together (the agreement is an all-reduce over the world)."""
+
+    def generate_in_step(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+
+    return generate_in_step
 
 
 def _refuse_router_losses(model, args, kwargs):
