@@ -172,13 +172,14 @@ def test_zero_partitions_each_ep_ranks_experts_over_the_ranks_holding_them(pool,
             assert result["expert_buckets"] >= 1, result
 
 
-def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_gradients(pool):
+@pytest.mark.parametrize("expert_capacity", [None, pytest.param(8.0, marks=CI)])
+def test_an_ep_rank_whose_experts_get_no_token_neither_hangs_nor_computes_wrong_gradients(pool, expert_capacity):
     """Switch at ep=2 whose routers send every token to experts 0 and 1: ep rank 1 (experts 2 and 3) receives no row
-    in any layer, yet takes part in every exchange of forward and backward, and the steps equal the unsharded
-    model's (its idle experts keep no gradient, as there). Dropless: the static exchange runs the experts on their
-    zero padding rows, which gives an idle expert a zero gradient rather than none (docs/moe.md)."""
+    (dropless) or only padding (static capacity) in any layer, yet takes part in every exchange of forward and
+    backward, and the steps equal the unsharded model's (its idle experts keep no gradient, as there: eager, the
+    static exchange computes only the filled slots)."""
     results = pool.run(moe_tasks.trainer_equivalence, "switch", ep=2, experts=4, capacity=3, router_dtype="float64",
-                       starve=True)
+                       starve=True, expert_capacity=expert_capacity)
     assert all(r["weights"] >= 100 for r in results), results
     assert [bool(r["idle_expert_params"]) for r in results] == [False, True, False, True], results
 

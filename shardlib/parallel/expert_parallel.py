@@ -22,10 +22,12 @@ of every token of the ep group that reached them. Two modes:
   (padding with zeros; pairs past C in an expert's token order are dropped: their contribution is 0), so every
   exchange has equal splits fixed by the shapes: no host synchronisation, one graph for torch.compile and CUDA
   graphs. What is dropped is counted on the module (:data:`DROPPED_ATTR`, a tensor: reading it synchronises) and
-  reported by :func:`shardlib.sharding.experts.expert_load`.
+  reported by :func:`shardlib.sharding.experts.expert_load`. In eager mode the local experts compute only the filled
+  slots (:func:`_filled_slots`), so the padding costs no expert work; a compiled graph computes every slot.
 
-A rank whose experts receive no token still takes part in every exchange (empty splits), so nothing waits for it,
-and its experts get a zero gradient (their parameters took part through the zero-row computation).
+A rank whose experts receive no token still takes part in every exchange (empty splits, or padding only), so nothing
+waits for it, and its experts get no gradient, as in the unsharded model (under torch.compile's static exchange, a
+zero one: they computed their padding).
 """
 
 from __future__ import annotations
@@ -178,8 +180,25 @@ def _static_capacity(local_forward, rows, expert, num_experts, local, ep, capaci
     split = [local * capacity] * ep
     received = exchange_rows(slots, split, split, group)  # [ep * local * C, H]: from rank j, its rows for my experts
     index = (torch.arange(local * capacity, device=rows.device) // capacity).repeat(ep).unsqueeze(1)
-    out = exchange_rows(_connected(local_forward(received, index, _ones(index, hidden)), received), split, split, group)
+    if torch.compiler.is_compiling():  # one graph: every slot computed, padding too
+        computed = local_forward(received, index, _ones(index, hidden))
+    else:
+        filled = _filled_slots(expert, num_experts, local, ep, capacity, group)
+        computed = received.new_zeros(received.shape).index_copy(
+            0, filled, local_forward(received[filled], index[filled], _ones(index[filled], hidden)).to(received.dtype))
+    out = exchange_rows(_connected(computed, received), split, split, group)
     return out[slot.clamp(max=num_experts * capacity - 1)] * kept.unsqueeze(1).to(out.dtype), kept
+
+
+def _filled_slots(expert, num_experts: int, local: int, ep: int, capacity: int, group: Group) -> torch.Tensor:
+    """The received slots that hold a pair (not padding), in eager mode: each rank fills an expert's slots from the
+    first, so one small all-to-all of the filled counts (equal splits: no host synchronisation for the exchange)
+    tells which slots the local experts need to compute. The padding is skipped, so the step costs what dropless
+    costs, and an expert that received only padding gets no gradient, as in the unsharded model."""
+    counts = torch.bincount(expert, minlength=num_experts).clamp(max=capacity)  # this rank's, per global expert
+    received = _exchange(counts.unsqueeze(1), [local] * ep, [local] * ep, group).squeeze(1)  # per (source, expert)
+    position = torch.arange(capacity, device=expert.device).repeat(ep * local)
+    return (position < received.repeat_interleave(capacity)).nonzero().squeeze(1)
 
 
 def _count(module, routed: torch.Tensor, dropped: torch.Tensor) -> None:
