@@ -138,6 +138,24 @@ def test_expert_parallel_training_equals_unsharded(pool, family, ep, capacity, c
         assert result["weights"] >= 20, result
 
 
+@settings(max_examples=examples(dev=2, ci=16))
+@given(family=st.sampled_from(["switch", "mixtral", "qwen2moe"]), ep=st.sampled_from([2, 4]),
+       per_rank=st.integers(1, 2), top_k=st.integers(1, 3), capacity=st.integers(1, 6), static=st.booleans(),
+       tp=st.sampled_from([1, 2]), seq=st.integers(3, 9))
+def test_drawn_expert_parallel_layouts_train_as_unsharded(pool, family, ep, per_rank, top_k, capacity, static, tp,
+                                                          seq):
+    """Hypothesis draws the family, ep (with tp=2 where the 4 ranks allow), the experts per ep rank, top-k, Switch's
+    own capacity, the sequence length and the exchange: dropless, or static with a capacity factor of E (no expert
+    can receive more than every pair: nothing beyond the model's own rule drops). One Trainer step == the unsharded
+    model's."""
+    experts, tp = ep * per_rank, tp if ep * tp <= 4 else 1
+    options = ({"router_dtype": "float64", "capacity": capacity} if family == "switch"
+               else {"top_k": min(top_k, experts), "num_key_value_heads": 2})
+    for result in pool.run(moe_tasks.trainer_equivalence, family, tp=tp, ep=ep, experts=experts, steps=1, seq=seq,
+                           expert_capacity=float(experts) if static else None, **options):
+        assert result["weights"] >= 10, result
+
+
 @pytest.mark.parametrize("family,layout", [
     ("mixtral", {"tp": 2}), pytest.param("switch", {"tp": 2}, marks=CI),
     ("switch", {"pp": 2}), pytest.param("mixtral", {"pp": 2}, marks=CI),
