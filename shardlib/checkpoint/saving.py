@@ -40,7 +40,7 @@ def _rank_file_tensors(model: nn.Module, rank: int, optimizer=None, *, replica: 
     pipeline rank using it). ``replica``: this rank's dp rank when it is the one replica of
     its (pp, tp) position that writes (sp rank 0), else None; everything is written by dp rank 0 (a ZeRO
     optimizer's state is gathered whole first, :func:`saved_tensors`), experts under expert parallelism by the
-    first ep group (:func:`_expert_files`)."""
+    first ep group (:class:`_ExpertWriter`)."""
     split = _pipeline(model)
     stage = split.pp_rank if split is not None else None
     experts = _ExpertWriter(model, rank, replica, stage)
