@@ -1,7 +1,7 @@
 """The ``shardlib plan`` and ``shardlib calibrate`` commands (wired into :mod:`shardlib.cli`).
 
-``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...]``: the dry run of one layout, then what the cost model
-predicts for it (peak memory per rank, step time, with their terms; ``--zero``, ``--schedule``,
+``shardlib plan SOURCE --tp N [--pp N] [--dp N] [--sp ...] [--ep N]``: the dry run of one layout, then what the cost
+model predicts for it (peak memory per rank, step time, with their terms; ``--zero``, ``--schedule``,
 ``--activation-checkpointing``, ``--profile`` refine it). ``shardlib plan SOURCE --world N [--memory 16GiB]
 [--profile P] [--global-batch B] [--seq S]``: the layout search (:mod:`shardlib.analysis.search`), a ranked
 table. ``--auto``: the plan inferred from the model's graph. ``--json``: for programs.
@@ -28,6 +28,7 @@ def add_plan_parser(sub) -> None:
     examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
                 "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json\n"
                 "  shardlib plan ./llama-1b --sp ring 4 --seq 16384\n"
+                "  shardlib plan ./mixtral --dp 4 --ep 4 --expert-capacity 1.25\n"
                 "  shardlib plan ./bert-large --world 64 --memory 16GiB --profile h100.json --global-batch 512\n"
                 "  shardlib plan ./bert-base --world 4 --global-batch 32 --seq 128 --packing 13.3   # packed SST-2")
     p = sub.add_parser("plan", help="dry run of a layout, or a search of every layout", description=description,
@@ -35,6 +36,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("source", help="model directory (with config.json) or a config.json file")
     for dim in ("tp", "pp", "dp"):
         p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: each mixture-of-experts layer's experts split over ep of the dp ranks "
+                        "(ep divides dp and every layer's expert count; default 1)")
+    p.add_argument("--expert-capacity", type=float, metavar="C",
+                   help="with --ep: the static-capacity exchange, C x the even load per expert (default: dropless)")
     p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
                    help="sequence parallelism: 'megatron' (on the tp group), 'all_to_all N' or 'ring N' (N ranks per "
                         "sequence)")
@@ -115,7 +121,8 @@ def plan_command(args: argparse.Namespace) -> int:
         report = plan(args.source, tp=args.tp, pp=args.pp, dp=args.dp, sp=sp, sequence_parallel=sequence_parallel,
                       cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype,
                       activation_checkpointing=args.activation_checkpointing, precision=args.precision,
-                      device_type=args.device_type or profile.device)
+                      device_type=args.device_type or profile.device, ep=args.ep,
+                      expert_capacity=args.expert_capacity)
         return report, _predict(report, profile, args)
 
     status, found = _planning(dry_run)
@@ -155,7 +162,7 @@ def _predict(report, profile, args):
     layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, sp=sp, sequence_parallel=report.sequence_parallel,
                     zero=args.zero, microbatches=args.microbatches, schedule=args.schedule,
                     activation_checkpointing=args.activation_checkpointing, precision=args.precision,
-                    batch=args.batch, seq=args.seq)
+                    batch=args.batch, seq=args.seq, ep=args.ep, expert_capacity=args.expert_capacity)
     return predict(report, profile, layout)
 
 
@@ -167,6 +174,9 @@ def _search_command(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
         if args.world < 1:
             raise _input_error(f"--world must be >= 1, got {args.world}")
+        if args.ep != 1 or args.expert_capacity is not None:
+            raise _input_error("--ep and --expert-capacity price one layout; with --world the search enumerates ep "
+                               "itself (dropless)")
         return search(args.source, args.world, memory_bytes=memory, profile=_profile(args),
                       global_batch=args.global_batch, seq=args.seq, cls=args.cls, precision=args.precision,
                       mean_tokens=args.packing)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from ..parallel.collectives import FLAT_BUCKET_BYTES  # all_reduce_flat's bucket, DDP's too
 from ..parallel.flat import DEFAULT_BUCKET_BYTES
 from .dryrun_report import PlanReport, StageInfo
+from .expert_cost import check_expert_parallel, expert_parallel_report, expert_summary, expert_sync_bytes
 from .layout import Layout
 from .profile import Profile
 
@@ -52,6 +53,9 @@ class Prediction:
     time: dict[str, float]
     bottleneck: str
     notes: list[str] = field(default_factory=list)
+    #: a model with MoE layers: its experts on the peak stage (:func:`~.expert_cost.expert_summary`: ``ep``, the
+    #: bytes of their parameters, gradients and AdamW state per rank, the all-to-all bytes leaving a rank per step)
+    experts: dict = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -62,7 +66,11 @@ class Prediction:
         return max(self.memory, key=self.memory.get)
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"samples_per_s": self.samples_per_s, "layout_name": self.layout.name()}
+        data = asdict(self) | {"layout": self.layout.to_dict(), "samples_per_s": self.samples_per_s,
+                               "layout_name": self.layout.name()}
+        if not self.experts:
+            del data["experts"]
+        return data
 
     def __str__(self) -> str:
         from .dryrun_report import size_text
@@ -74,6 +82,14 @@ class Prediction:
                  f"  step time: {self.step_s * 1e3:.1f} ms, {self.samples_per_s:.1f} samples/s; bottleneck: "
                  f"{self.bottleneck} ({self.time[self.bottleneck] / self.step_s:.0%})",
                  f"  time terms: {time}"]
+        if self.experts:
+            e = self.experts
+            lines.append(f"  experts: ep={e['ep']}, {e['moe_layers']} MoE layer(s) on the stage; their parameters + "
+                         f"gradients + AdamW state {size_text(e['expert_bytes'])} per rank (before ZeRO); all-to-all "
+                         f"{size_text(e['all_to_all_bytes'])} leaving the rank per step"
+                         + (f"; static capacity {e['expert_capacity']:g}: {e['rows_per_microbatch']} rows sent per "
+                            f"microbatch for {e['pairs_per_microbatch']} (token, expert) pairs"
+                            if e["expert_capacity"] is not None else ""))
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -220,28 +236,36 @@ def _buckets(nbytes: int, limit: int) -> int:
 
 def _dp_sync(stage: StageInfo, layout: Layout, profile: Profile) -> dict[str, float]:
     """Seconds of the data-parallel gradient sync (and ZeRO's parameter gathers) of one step on a rank of
-    ``stage``, and of the once-per-step collectives of other dims (tied-weight sums)."""
-    dp, zero, terms = layout.dp, layout.zero, {}
+    ``stage``, and of the once-per-step collectives of other dims (tied-weight sums). Experts split over ep sync
+    over the dp / ep ranks holding them ("edp"), the rest over dp."""
+    terms = {}
     for c in stage.step:
-        if c.dim != "dp":  # the pipeline's tied-gradient sum
+        if c.dim not in ("dp", "edp"):  # the pipeline's tied-gradient sum
             key = f"{c.dim} {c.op} (step)"
             terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes, c.dim)
-    if dp == 1:
-        return terms
-    grads, params = stage.gradient_bytes, stage.parameter_bytes
-    if zero == 0:
-        n = _buckets(grads, FLAT_BUCKET_BYTES)
-        terms["dp gradient all_reduce"] = n * profile.collective_seconds("all_reduce", dp, grads / n)
-    elif zero in (1, 2):
-        n = _buckets(grads, DEFAULT_BUCKET_BYTES)
-        terms["dp gradient reduce_scatter"] = n * profile.collective_seconds("reduce_scatter", dp, grads / n)
-        terms["dp parameter all_gather"] = n * profile.collective_seconds("all_gather", dp, params / n / dp)
-    else:  # FSDP2: per microbatch, each layer's parameters gathered in forward and backward, gradients scattered
-        units = len(stage.layers) + 1
-        per = layout.microbatches * units
-        terms["dp parameter all_gather"] = 2 * per * profile.collective_seconds("all_gather", dp, params / units / dp)
-        terms["dp gradient reduce_scatter"] = per * profile.collective_seconds("reduce_scatter", dp, grads / units)
+    grads, params = expert_sync_bytes(stage, layout.ep)
+    _sync(terms, "dp", layout.dp, stage.gradient_bytes - grads, stage.parameter_bytes - params,
+          len(stage.layers) + 1, layout, profile)
+    _sync(terms, "edp", layout.dp // layout.ep, grads, params, len(stage.moe), layout, profile)
     return terms
+
+
+def _sync(terms: dict, dim: str, n: int, grads: int, params: int, units: int, layout: Layout,
+          profile: Profile) -> None:
+    """The sync of ``grads`` / ``params`` bytes over a group of ``n`` ranks (``units``: FSDP2's groups)."""
+    if n == 1 or not grads + params:
+        return
+    if layout.zero == 0:
+        k = _buckets(grads, FLAT_BUCKET_BYTES)
+        terms[f"{dim} gradient all_reduce"] = k * profile.collective_seconds("all_reduce", n, grads / k)
+    elif layout.zero in (1, 2):
+        k = _buckets(grads, DEFAULT_BUCKET_BYTES)
+        terms[f"{dim} gradient reduce_scatter"] = k * profile.collective_seconds("reduce_scatter", n, grads / k)
+        terms[f"{dim} parameter all_gather"] = k * profile.collective_seconds("all_gather", n, params / k / n)
+    else:  # FSDP2: per microbatch, each group's parameters gathered in forward and backward, gradients scattered
+        per = layout.microbatches * units
+        terms[f"{dim} parameter all_gather"] = 2 * per * profile.collective_seconds("all_gather", n, params / units / n)
+        terms[f"{dim} gradient reduce_scatter"] = per * profile.collective_seconds("reduce_scatter", n, grads / units)
 
 
 def _bubble_share(layout: Layout, profile: Profile) -> float:
@@ -306,7 +330,8 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
 # ---------------------------------------------------------------------------------------------------- predict
 def check_matches(report: PlanReport, layout: Layout) -> None:
     """The report must be the dry run of the layout's mesh and microbatch."""
-    mesh = {"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp}
+    mesh = {"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp} | (
+        {"ep": layout.ep} if layout.ep > 1 else {})
     if (report.mesh != mesh or report.activation_checkpointing != layout.activation_checkpointing
             or report.precision != layout.precision):
         raise ValueError(f"the plan report is of mesh {report.mesh} (activation checkpointing "
@@ -318,7 +343,12 @@ def check_matches(report: PlanReport, layout: Layout) -> None:
 
 def predict(report: PlanReport, profile: Profile, layout: Layout, cache: dict | None = None) -> Prediction:
     """The peak memory per rank and the step time of ``layout``, from its dry run ``report`` and ``profile``
-    (``cache``: see :func:`step_time`)."""
+    (``cache``: see :func:`step_time`). A report without expert parallelism is priced at the layout's ``ep``
+    (:func:`~.expert_cost.expert_parallel_report`)."""
+    if "ep" not in report.mesh:
+        report = expert_parallel_report(report, layout.ep, layout.expert_capacity)
+    else:
+        check_expert_parallel(report, layout.ep, layout.expert_capacity)
     check_matches(report, layout)
     memories = [stage_memory(report, layout, s) | transport_pages(s, layout, profile) for s in report.stages]
     peak_stage = max(range(len(memories)), key=lambda i: sum(memories[i].values()))
@@ -327,4 +357,5 @@ def predict(report: PlanReport, profile: Profile, layout: Layout, cache: dict | 
         f"profile measured on {profile.world_size} ranks, layout has {layout.world}"]
     return Prediction(layout=layout, peak_bytes=sum(memories[peak_stage].values()), peak_stage=peak_stage,
                       memory=memories[peak_stage], step_s=sum(time.values()), time=time,
-                      bottleneck=max(time, key=time.get), notes=notes)
+                      bottleneck=max(time, key=time.get), notes=notes,
+                      experts=expert_summary(report, report.stages[peak_stage], layout))

@@ -189,6 +189,8 @@ _FLOPS = flop_registry | {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
         lambda grad, q, k, v, *args, out_val=None, **kwargs: sdpa_backward_flop_count(grad.shape, q.shape, k.shape,
                                                                                         v.shape),
+    # the experts' grouped GEMM: each row of ``a`` meets one group's [K, N] (or each group its own rows)
+    torch.ops.aten._grouped_mm: lambda a, b, *args, out_val=None, **kwargs: 2 * a.numel() * b.shape[-1],
 }
 
 

@@ -61,6 +61,8 @@ from ..sharding.sequence import ALL_TO_ALL, MEGATRON, RING, SP_MODES  # shard(se
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
 from .counting import KernelsAsOn, WorkRecorder, by_layer
+from .expert_cost import expert_parallel_report
+from .meta_experts import install as balanced_experts, moe_layers
 from .meta_autocast import autocast_on_meta
 from .dryrun_report import (  # noqa: F401  (the report's types, importable from here)
     Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec, Total, ZeroBytes,
@@ -260,6 +262,7 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
         shard(model, mesh, verify_plan=False, **shard_options)
         state = shard_state(model)
         params = state.pipeline.local_parameters() if state.pipeline else list(model.parameters())  # the Trainer's
+        moe = balanced_experts(model, state.plan)  # its tokens spread evenly over each layer's experts
         if activation_checkpointing:
             _checkpointing(model, forward_context)
         recorder = CollectiveRecorder(model, group_dims(mesh))
@@ -295,7 +298,8 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
                      optimizer_bytes=sum(a + b for a, b in optimizer.values()), zero=zero,
                      collectives=_by_layer(per_microbatch, layers),
                      step=[c for c in recorder.records if c.phase == "step"], sends=[tensor_spec(t) for t in sent],
-                     work=per_layer, memory=memory, late_gradient_bytes=late_gradient_bytes(params, late))
+                     work=per_layer, memory=memory, late_gradient_bytes=late_gradient_bytes(params, late),
+                     moe=moe_layers(model, moe, work.work))
     if keep is not None:
         keep.update(work=work.work, ring=blocks, params=params, state=optimizer, late=late)
     return info, sent, state.report
@@ -319,7 +323,8 @@ def _mode(sequence_parallel, sp: int):
 
 def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1, sequence_parallel=None, cls=None,
          batch: int = 8, seq: int = 128, microbatches: int = 1, dtype=None, policy=None,
-         activation_checkpointing: bool = False, precision: str = "fp32", device_type: str = "cpu") -> PlanReport:
+         activation_checkpointing: bool = False, precision: str = "fp32", device_type: str = "cpu", ep: int = 1,
+         expert_capacity: float | None = None) -> PlanReport:
     """Dry run of sharding ``model_or_config`` over dp x pp x sp x tp ranks, with no ranks: a :class:`PlanReport`
     of the rewrites, bytes per rank of every pipeline stage (parameters, gradients, AdamW state, ZeRO), what
     crosses each stage boundary, and every collective of a training step, per layer (module docstring).
@@ -330,18 +335,26 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
     all-to-all when ``sp > 1``; ``"ring"``: ring attention). ``batch`` x ``seq``: one microbatch of one dp rank (the
     inputs and labels of the model's task, :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the
     parameters (default: the model's, else torch's default dtype). ``precision``: the Trainer's ("fp32", or "bf16" /
-    "fp16": the forward under autocast's casts as on ``device_type``, "cpu" or "cuda").
+    "fp16": the forward under autocast's casts as on ``device_type``, "cpu" or "cuda"). ``ep``: expert parallelism
+    over ep of the dp ranks, ``expert_capacity`` its static capacity factor (None: dropless), priced from the dry
+    run without it (:func:`~shardlib.analysis.expert_cost.expert_parallel_report`).
 
     Raises :class:`~shardlib.PlanError` (the one :func:`shardlib.shard` raises) for a refused layout and
     :class:`PlanInputError` for bad input. Run from a process where torch.distributed is initialized, the dry run
     happens in a ``python -m shardlib.cli plan`` subprocess (then ``policy`` must be None).
     """
     _check_sizes(tp=tp, pp=pp, dp=dp, sp=sp, batch=batch, seq=seq, microbatches=microbatches)
-    if dist.is_initialized():
-        return _plan_in_subprocess(model_or_config, cls, dtype, policy, dict(
-            tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
-            microbatches=microbatches, precision=precision, device_type=device_type,
-            activation_checkpointing=activation_checkpointing))
+    options = dict(tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
+                   microbatches=microbatches, precision=precision, device_type=device_type,
+                   activation_checkpointing=activation_checkpointing)
+    report = (_plan_in_subprocess(model_or_config, cls, dtype, policy, options) if dist.is_initialized()
+              else _plan_here(model_or_config, cls, dtype, policy, **options))
+    return expert_parallel_report(report, ep, expert_capacity)
+
+
+def _plan_here(model_or_config, cls, dtype, policy, *, tp, pp, dp, sp, sequence_parallel, batch, seq, microbatches,
+               precision, device_type, activation_checkpointing) -> PlanReport:
+    """:func:`plan` in this process, without expert parallelism."""
     base = meta_model(model_or_config, cls, dtype)
     policy = planned_policy(base, policy)
     inputs = example_batch(base, batch, seq)

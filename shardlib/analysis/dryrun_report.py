@@ -97,6 +97,29 @@ class MemoryCounts:
 
 
 @dataclass
+class MoELayer:
+    """One mixture-of-experts layer of a stage, as the dry run ran it (on the meta device, its tokens spread evenly
+    over the experts: :mod:`shardlib.analysis.meta_experts`): ``path`` of its experts module, ``experts`` (E, the
+    model's count), ``top_k`` experts per token, ``tokens`` entering it per microbatch on this rank, ``row_bytes`` of
+    one token's hidden state (what expert parallelism exchanges), this rank's ``parameter_bytes`` and
+    ``gradient_bytes`` of its experts, and ``saved``: the bytes its experts save for backward per microbatch."""
+
+    path: str
+    experts: int
+    top_k: int
+    tokens: int
+    row_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int
+    saved: int
+
+    @property
+    def pairs(self) -> int:
+        """(token, expert) pairs per microbatch: the rows its experts compute."""
+        return self.tokens * self.top_k
+
+
+@dataclass
 class StageInfo:
     """One pipeline stage (the whole model when pp = 1) and the bytes each of its ranks holds."""
 
@@ -113,6 +136,7 @@ class StageInfo:
     work: list[LayerWork] = field(default_factory=list)  # per microbatch, layers then ""
     memory: MemoryCounts | None = None  # per microbatch
     late_gradient_bytes: int = 0  # gradients the Trainer reduces after backward (tied across stages, SP buckets)
+    moe: list[MoELayer] = field(default_factory=list)  # its mixture-of-experts layers
 
     @property
     def send_bytes(self) -> tuple[int, int]:
@@ -138,7 +162,7 @@ class PlanReport:
 
     model_class: str
     policy: str
-    mesh: dict[str, int]  # dp, pp, sp, tp
+    mesh: dict[str, int]  # dp, pp, sp, tp; and ep (> 1: expert parallelism, within dp)
     sequence_parallel: str  # "off", "megatron", "all_to_all" or "ring"
     microbatches: int
     inputs: dict[str, TensorSpec]  # one microbatch of one dp rank
@@ -165,6 +189,9 @@ class PlanReport:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
+        for stage in data["stages"]:  # a dense model's stages as before MoE layers were recorded
+            if not stage["moe"]:
+                del stage["moe"]
         data["totals"] = [dataclasses.asdict(t) for t in self.totals()]  # derived, for readers of the JSON
         return data
 
@@ -225,7 +252,8 @@ def _header(r: PlanReport) -> list[str]:
     m = r.mesh
     inputs = ", ".join(f"{name} {_shape(t)} {t.dtype}" for name, t in r.inputs.items())
     return [f"shardlib plan: {r.model_class} with policy '{r.policy}' on dp={m['dp']} x pp={m['pp']} x sp={m['sp']}"
-            f" x tp={m['tp']} ({r.world_size} ranks), sequence parallel: {r.sequence_parallel}",
+            f" x tp={m['tp']} ({r.world_size} ranks)" + (f", ep={m['ep']} within dp" if m.get("ep", 1) > 1 else "")
+            + f", sequence parallel: {r.sequence_parallel}",
             f"one microbatch per dp rank: {inputs}; {r.microbatches} microbatch(es) per step", ""]
 
 

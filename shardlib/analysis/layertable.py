@@ -34,7 +34,7 @@ from torch import nn
 from ..pipeline.stages import _held, stage_plan
 from .dryrun import _plan_stage, _zero, late_gradient_bytes
 from .dryrun_report import (
-    Collective, LayerCollectives, LayerWork, MemoryCounts, PlanReport, StageInfo, TensorSpec,
+    Collective, LayerCollectives, LayerWork, MemoryCounts, MoELayer, PlanReport, StageInfo, TensorSpec,
 )
 from .metarun import example_batch
 from .counting import ModuleWork
@@ -57,6 +57,7 @@ class Root:
     ring: ModuleWork = field(default_factory=ModuleWork)  # the part of ``work`` ring attention's blocks run
     collectives: list[Collective] = field(default_factory=list)
     inputs: list[TensorSpec] = field(default_factory=list)
+    moe: list[MoELayer] = field(default_factory=list)  # its mixture-of-experts layers
 
 
 @dataclass
@@ -169,6 +170,8 @@ class _Run:
         for entry in info.collectives:
             for c in entry.collectives:
                 self.by_root[_root_of(c.module, self.roots)].collectives.append(c)
+        for layer in info.moe:
+            self.by_root[_root_of(layer.path, self.roots)].moe.append(layer)
         late, state = keep["late"], keep["state"]
         self.params = {root: [Param(name, tuple(t.shape), t.dtype, t.requires_grad, id(t) in late, state.get(id(t)),
                                     id(t)) for name, t in _held(model, root) if isinstance(t, nn.Parameter)]
@@ -258,6 +261,13 @@ class LayerTable:
                   for x, y in zip(one.inputs, two.inputs)]
         return work, _collectives_at(one.collectives, two.collectives, b), inputs
 
+    def _moe_at(self, root: str, b: int) -> list[MoELayer]:
+        """The mixture-of-experts layers of a root of the full model at microbatch ``b``."""
+        shallow = _shallow_path(root, self.depth)
+        one, two = (run.by_root[shallow].moe for run in self.runs)
+        return [dataclasses.replace(y, path=root + y.path[len(shallow):], tokens=_affine(x.tokens, y.tokens, b),
+                                    saved=_affine(x.saved, y.saved, b)) for x, y in zip(one, two)]
+
     def _stage(self, index: int, plan, layout, owners: dict[tuple, set[int]]) -> StageInfo:
         b, last = layout.batch, index == layout.pp - 1
         roots = list(plan.modules[index]) + ([""] if last else [])
@@ -284,7 +294,9 @@ class LayerTable:
             params, step, beside_recompute = self._stage_params(index, plan, owners)
             self._states[key] = (self._stage_states(layout, params, step), beside_recompute)
         states, beside_recompute = self._states[key]
-        return self._stage_info(index, plan, layout, layers, work, collectives, states, beside_recompute)
+        info = self._stage_info(index, plan, layout, layers, work, collectives, states, beside_recompute)
+        info.moe = [m for root in roots for m in self._moe_at(root, b)]
+        return info
 
     def _stage_params(self, index: int, plan, owners) -> tuple[dict[tuple, Param], list[Collective], int]:
         """The stage's tensors (one per key, in order), the sums of those tied to other stages, and the gradient

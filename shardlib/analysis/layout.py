@@ -21,7 +21,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 class Layout:
     """One way to train a model on ``world`` ranks. ``batch``: examples per microbatch on one dp rank (so the global
     batch is ``batch * microbatches * dp``); ``sequence_parallel``: "off", "megatron" (on the tp group),
-    "all_to_all" or "ring" (over ``sp`` ranks)."""
+    "all_to_all" or "ring" (over ``sp`` ranks); ``ep``: expert parallelism, each mixture-of-experts layer's experts
+    split over ``ep`` of the dp ranks (ep divides dp); ``expert_capacity``: its static-capacity exchange with this
+    capacity factor (None: dropless)."""
 
     dp: int = 1
     pp: int = 1
@@ -35,6 +37,8 @@ class Layout:
     precision: str = "fp32"
     batch: int = 8
     seq: int = 128
+    ep: int = 1
+    expert_capacity: float | None = None
 
     @property
     def world(self) -> int:
@@ -54,15 +58,18 @@ class Layout:
                 "sequence_parallel": None if self.sequence_parallel == "off" else self.sequence_parallel,
                 "zero": self.zero, "microbatches": self.microbatches, "schedule": self.schedule,
                 "activation_checkpointing": self.activation_checkpointing, "precision": self.precision,
-                "batch_size": self.global_batch}
+                "batch_size": self.global_batch, "ep": self.ep, "expert_capacity": self.expert_capacity}
 
     def name(self) -> str:
-        """Short text: ``dp2 pp2 tp1 zero1 mb4 1f1b``, with ``sp`` / ``ckpt`` / precision where they are set."""
+        """Short text: ``dp2 pp2 tp1 zero1 mb4 1f1b``, with ``sp`` / ``ep`` (``ep2``, ``ep2-cap1.25``: static capacity)
+        / ``ckpt`` / precision where they are set."""
         parts = [f"dp{self.dp}", f"pp{self.pp}", f"tp{self.tp}"]
         if self.sequence_parallel == "megatron":
             parts.append("sp-megatron")
         elif self.sequence_parallel in _SP_NAMES:
             parts.append(f"sp{self.sp}-{_SP_NAMES[self.sequence_parallel]}")
+        if self.ep > 1 or self.expert_capacity is not None:
+            parts.append(f"ep{self.ep}" + (f"-cap{self.expert_capacity:g}" if self.expert_capacity is not None else ""))
         parts += [f"zero{self.zero}", f"mb{self.microbatches}"]
         if self.pp > 1:
             parts.append(self.schedule)
@@ -73,7 +80,11 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; ``ep`` and ``expert_capacity`` only where expert parallelism is set."""
+        data = asdict(self)
+        if self.ep == 1 and self.expert_capacity is None:
+            del data["ep"], data["expert_capacity"]
+        return data
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,

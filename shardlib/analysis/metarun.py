@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..sharding.examples import PlanInputError, example_batch, task_of  # noqa: F401 (re-exported)
 from ..sharding.sharded import shard_state
 from .dryrun_report import Collective, TensorSpec
+from .meta_experts import meta_op
 
 
 # ------------------------------------------------------------------------------------------------- recording
@@ -99,7 +100,8 @@ class CollectiveRecorder(TorchDispatchMode):
             self.records.append(self._describe(func, args, kwargs))
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return _meta_value(args[0])
-        return func(*args, **kwargs)
+        substitute = meta_op(func, args, kwargs)  # ops of mixture-of-experts layers the meta device lacks
+        return func(*args, **kwargs) if substitute is None else substitute
 
     def _describe(self, func, args, kwargs) -> Collective:
         named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs

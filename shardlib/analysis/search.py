@@ -2,7 +2,8 @@
 (:mod:`shardlib.analysis.costmodel`) and ranked by predicted step time among those that fit a memory budget.
 
 Enumeration (:func:`candidate_layouts`): dp x pp x sp x tp = world; sequence parallelism off, Megatron (tp > 1), or
-all-to-all and ring attention (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1); microbatches
+all-to-all and ring attention (sp > 1); ZeRO 0 (and 1, 2, 3 with dp > 1); for a model with mixture-of-experts
+layers, expert parallelism over every ep that divides dp and each layer's expert count (dropless); microbatches
 dividing the global batch's share of a dp rank (1, 2, 4, 8 without a pipeline; pp, 2 pp, 4 pp with one); the 1F1B
 and GPipe schedules; activation checkpointing off and on. What ``shard()`` refuses (heads or a vocabulary that tp
 does not divide, heads that all-to-all cannot split over tp x sp (ring attention keeps every head of its rank, so
@@ -12,7 +13,8 @@ layout over the budget.
 Pricing is cached: one :class:`~shardlib.analysis.layertable.LayerTable` per (tp, sp, mode, checkpointing,
 precision) (a
 dry run of a two-layers-per-stack copy of the model, at two microbatch sizes), one report per (table, pp, dp,
-microbatch size); ZeRO stage, schedule and microbatch count only change the arithmetic.
+microbatch size); ZeRO stage, schedule, microbatch count and ep only change the arithmetic (ep: the report at ep
+priced from the one without it, :mod:`shardlib.analysis.expert_cost`).
 
 Packed training (``mean_tokens``: the global batch's samples average that many tokens and are packed into rows of
 ``seq``, as ``fit(packing=seq)`` does): each layout is priced on the rows packing makes, ``ceil(global_batch x
@@ -22,12 +24,14 @@ count is a candidate; the table then reports real tokens per second, ``global_ba
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
 
 from ..sharding.plan import PlanError
 from .costmodel import Prediction, predict
+from .expert_cost import ep_sizes, expert_counts, expert_parallel_report
 from .dryrun_report import size_text
 from .layertable import LayerTable
 from .layout import SHARD_MODES as MODES, Layout
@@ -91,21 +95,23 @@ def _microbatch_counts(per_dp: int, pp: int, packed: bool = False) -> list[int]:
 
 
 def candidate_layouts(world: int, global_batch: int, seq: int, *, checkpointing=(False, True),
-                      precision: str = "fp32", packed_rows: int | None = None) -> list[Layout]:
+                      precision: str = "fp32", packed_rows: int | None = None, experts=()) -> list[Layout]:
     """Every layout of the enumeration (module docstring), before shard() and the budget have their say.
-    ``packed_rows``: the rows of a packed global batch, which any dp x microbatches takes (padded with empty rows)."""
+    ``packed_rows``: the rows of a packed global batch, which any dp x microbatches takes (padded with empty rows);
+    ``experts``: the expert count of each MoE layer (none: a dense model, no ep)."""
     layouts = []
     rows = packed_rows or global_batch
     for dp, pp, sp, tp, mode in mesh_shapes(world):
         if packed_rows is None and global_batch % dp:
             continue
-        for m in _microbatch_counts(math.ceil(rows / dp), pp, packed=packed_rows is not None):
+        for m, ep in itertools.product(_microbatch_counts(math.ceil(rows / dp), pp, packed=packed_rows is not None),
+                                       ep_sizes(dp, experts)):
             for zero in (0, 1, 2, 3) if dp > 1 else (0,):
                 for schedule in ("1f1b", "gpipe") if pp > 1 else ("1f1b",):
                     for ckpt in checkpointing:
                         layouts.append(Layout(dp=dp, pp=pp, tp=tp, sp=sp, sequence_parallel=mode, zero=zero,
                                               microbatches=m, schedule=schedule, activation_checkpointing=ckpt,
-                                              precision=precision, batch=math.ceil(rows / (dp * m)), seq=seq))
+                                              precision=precision, batch=math.ceil(rows / (dp * m)), seq=seq, ep=ep))
     return layouts
 
 
@@ -155,17 +161,26 @@ class _Pricer:
                             "searched where it cannot (shardlib plan --sp ring N prices one)")
 
     def report(self, layout: Layout):
+        """The layout's report; at ep > 1 that of its mesh without ep, priced at ep
+        (:func:`~shardlib.analysis.expert_cost.expert_parallel_report`)."""
         table = self.table(layout)
         key = (id(table), layout.pp, layout.dp, layout.batch)
-        if key not in self.reports:
-            try:
-                self.reports[key] = table.report(layout)
-            except PlanError as exc:
-                self.reports[key] = " ".join(str(exc).split())
+        self._cached(key, lambda: table.report(layout))
+        if (layout.ep > 1 or layout.expert_capacity is not None) and not isinstance(self.reports[key], str):
+            base, key = self.reports[key], key + (layout.ep, layout.expert_capacity)
+            self._cached(key, lambda: expert_parallel_report(base, layout.ep, layout.expert_capacity))
         found = self.reports[key]
         if isinstance(found, str):
             raise PlanError(found)
         return found
+
+    def _cached(self, key: tuple, make) -> None:
+        """``reports[key] = make()``, or the one line of its refusal, once."""
+        if key not in self.reports:
+            try:
+                self.reports[key] = make()
+            except PlanError as exc:
+                self.reports[key] = " ".join(str(exc).split())
 
 
 def search(model_or_config, world: int, *, memory_bytes: int | None = None, profile: Profile | None = None,
@@ -185,11 +200,13 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
     full = meta_model(model_or_config, cls)
     profile = profile or default_profile()
     pricer = _Pricer(full, planned_policy(full, policy), profile.device)
+    experts = expert_counts(full, pricer.policy.plan(full, 1))
     result = SearchResult(world=world, memory_bytes=memory_bytes, profile=profile.machine, real_tokens=real_tokens)
     refused: dict[str, str] = {}
     fitting: set[Layout] = set()  # without checkpointing: their checkpointed twins are slower, never priced
     layouts = candidate_layouts(world, global_batch, seq, checkpointing=checkpointing, precision=precision,
-                                packed_rows=math.ceil(real_tokens / seq) if real_tokens is not None else None)
+                                packed_rows=math.ceil(real_tokens / seq) if real_tokens is not None else None,
+                                experts=experts)
     for layout in sorted(layouts, key=lambda la: la.activation_checkpointing):
         if layout.activation_checkpointing and replace(layout, activation_checkpointing=False) in fitting:
             result.dominated += 1

@@ -1,5 +1,6 @@
-"""``--layout auto``: the layout search (:mod:`shardlib.analysis.search`) picks the mesh, ZeRO stage, microbatches,
-schedule and activation checkpointing of a run, under ``--memory`` per rank, and the arguments take them.
+"""``--layout auto``: the layout search (:mod:`shardlib.analysis.search`) picks the mesh (expert parallelism's ep
+included, for a model with mixture-of-experts layers), ZeRO stage, microbatches, schedule and activation
+checkpointing of a run, under ``--memory`` per rank, and the arguments take them.
 
 :func:`shardlib.train.parse_args` calls :func:`choose_layout` once: in the process that starts the ranks
 (``--nproc``), whose ranks then get the choice as explicit flags (:func:`explicit_flags`), so they do not search
@@ -14,7 +15,8 @@ import os
 from ..analysis.layout import Layout, parse_bytes
 
 #: the TrainingArguments fields the choice sets (the global batch size stays the user's)
-CHOSEN = ("dp", "pp", "tp", "sp", "sequence_parallel", "zero", "microbatches", "schedule", "activation_checkpointing")
+CHOSEN = ("dp", "pp", "tp", "sp", "sequence_parallel", "zero", "microbatches", "schedule", "activation_checkpointing",
+          "ep")
 
 
 def check_auto(args) -> None:
