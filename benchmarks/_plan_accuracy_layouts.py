@@ -28,6 +28,7 @@ class ModelSpec:
     layers_keys: tuple[str, ...] = ("num_hidden_layers",)
     dec_seq: int = 0
     all_to_all: bool = True
+    experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)
 
     def config(self, layers: int | None = None):
         import transformers
@@ -53,6 +54,12 @@ MODELS: dict[str, ModelSpec] = {
         hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=8192,
         max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0), "causal", heads=2, layers=4,
         all_to_all=False),
+    # a small Mixtral (inferred plan): 8 experts of intermediate 512, top-2, in each of its 4 layers (its experts
+    # are 12.6 M of its 17.6 M parameters); what --ep measures at dp=4 with the experts split over 1, 2 and 4 ranks
+    "mixtral-256": ModelSpec("MixtralForCausalLM", "MixtralConfig", dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, vocab_size=8192, max_position_embeddings=512, pad_token_id=0), "causal", heads=2,
+        layers=4, all_to_all=False, experts=8),
     # the one-GPU models (--world 1): ViT-base (224 px, 1000 classes), BERT-large widths, T5-base (12 + 12)
     "vit-base": ModelSpec("ViTForImageClassification", "ViTConfig", dict(num_labels=1000), "image", heads=12,
                           layers=12),
@@ -86,9 +93,11 @@ def make_batch(spec: ModelSpec, n: int, seq: int = SEQ, seed: int = 0) -> dict:
     return batch
 
 
-def _layout(dp=1, pp=1, tp=1, sp=1, mode="off", zero=0, mb=1, schedule="1f1b", ckpt=False) -> Layout:
+def _layout(dp=1, pp=1, tp=1, sp=1, mode="off", zero=0, mb=1, schedule="1f1b", ckpt=False, ep=1,
+            cap=None) -> Layout:
     return Layout(dp=dp, pp=pp, tp=tp, sp=sp, sequence_parallel=mode, zero=zero, microbatches=mb,
-                  schedule=schedule, activation_checkpointing=ckpt, batch=GLOBAL_BATCH // (dp * mb), seq=SEQ)
+                  schedule=schedule, activation_checkpointing=ckpt, batch=GLOBAL_BATCH // (dp * mb), seq=SEQ, ep=ep,
+                  expert_capacity=cap)
 
 
 # Every mesh of 4 ranks, each dimension alone and in pairs; ZeRO 0-3 where dp > 1, microbatches 4 under pp (both
@@ -104,6 +113,11 @@ _CANDIDATES = [
     _layout(sp=4, mode="all_to_all"), _layout(dp=2, sp=2, mode="all_to_all", zero=1),
     _layout(tp=2, sp=2, mode="all_to_all"), _layout(pp=2, sp=2, mode="all_to_all", mb=4, ckpt=True),
 ]
+#: expert parallelism (models with experts only): the experts of dp=4 split over 2 and 4 ranks (dp4 above is ep=1),
+#: dropless, with a static capacity of twice the even load, and under ZeRO-1 and ZeRO-3
+EP_LAYOUTS = [_layout(dp=4), _layout(dp=4, ep=2), _layout(dp=4, ep=4), _layout(dp=4, ep=4, cap=2.0),
+              _layout(dp=4, ep=2, zero=1), _layout(dp=4, ep=2, zero=3)]
+_CANDIDATES += EP_LAYOUTS[1:]
 
 
 def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str | None:
@@ -122,12 +136,16 @@ def refusal(layout: Layout, spec: ModelSpec, layers: int, world: int = 4) -> str
          f"{layout.pp} stages from {layers} layers"),
         (layout.pp > 1 and layout.schedule != "gpipe" and layout.microbatches < layout.pp,
          f"{layout.schedule} needs microbatches >= stages (torch's schedule, at the first step)"),
-        (GLOBAL_BATCH % (layout.dp * layout.microbatches), f"global batch {GLOBAL_BATCH} % (dp x microbatches)")]
+        (GLOBAL_BATCH % (layout.dp * layout.microbatches), f"global batch {GLOBAL_BATCH} % (dp x microbatches)"),
+        (layout.ep > 1 and not spec.experts, "expert parallelism needs mixture-of-experts layers"),
+        (layout.ep > 1 and (layout.dp % layout.ep or spec.experts % layout.ep),
+         f"ep {layout.ep} must divide dp {layout.dp} and {spec.experts} experts")]
     return next((why for failed, why in checks if failed), None)
 
 
 def layouts(model_name: str, world: int = 4, layers: int | None = None) -> list[Layout]:
-    """The candidates above that shardlib accepts for ``model_name`` on ``world`` ranks (21 for each of MODELS)."""
+    """The candidates above that shardlib accepts for ``model_name`` on ``world`` ranks (21 for BERT and T5, 15 for
+    llama-256, 20 for mixtral-256)."""
     spec = MODELS[model_name]
     return [lay for lay in _CANDIDATES if refusal(lay, spec, spec.layers if layers is None else layers, world) is None]
 

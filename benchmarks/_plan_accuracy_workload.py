@@ -29,9 +29,11 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining", "torch.utils.checkpoint",
            "torch.profiler._cupti_monitor", "transformers", "transformers.models.bert.modeling_bert",
            "transformers.models.t5.modeling_t5", "transformers.models.vit.modeling_vit",
-           "transformers.models.llama.modeling_llama", "shardlib", "shardlib.sharding.inference.cuts",
+           "transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral",
+           "transformers.integrations.moe", "shardlib", "shardlib.sharding.inference.cuts",
            "shardlib.sharding.inference.verify", "shardlib.checkpoint.loading", "shardlib.sharding.sharder",
-           "shardlib.sharding.sequence", "shardlib.sharding.all_to_all", "shardlib.policies.bert",
+           "shardlib.sharding.sequence", "shardlib.sharding.all_to_all", "shardlib.sharding.experts",
+           "shardlib.parallel.expert_parallel", "shardlib.policies.bert",
            "shardlib.policies.t5", "shardlib.pipeline", "shardlib.kernels.attention", "shardlib.kernels.epilogues",
            "shardlib.kernels.fused_qkv", "shardlib.train.trainer", "shardlib.train.zero", "shardlib.train.fsdp",
            "shardlib.train.optim", "_plan_accuracy_layouts"]
@@ -137,7 +139,8 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
     from shardlib.train.optim import held_state_bytes
 
     layout, spec = Layout(**job["layout"]), MODELS[job["model"]]
-    mesh = shardlib.init_mesh(dp=layout.dp, pp=layout.pp, tp=layout.tp, sp=layout.sp, timeout_s=job["timeout_s"])
+    mesh = shardlib.init_mesh(dp=layout.dp, pp=layout.pp, tp=layout.tp, sp=layout.sp, ep=layout.ep,
+                              timeout_s=job["timeout_s"])
     # the plan resolved before the baseline, as shard() will (cached): inferring one imports torch.export and more
     # (20-27 MiB of RSS once per process for llama-256), runtime, not the model's memory
     resolve_policy(meta_model(spec.config(job.get("layers")), spec.cls))
@@ -146,7 +149,8 @@ def _rank(rank: int, world: int, port: int, job: dict) -> None:
     gc.freeze()  # what exists now is never garbage: the collections before the steps scan the new objects only
     torch.manual_seed(0)  # the same default generator on every rank (the Trainer checks it)
     model = shardlib.from_pretrained(getattr(transformers, spec.cls), job["ckpt"], mesh,
-                                     config=spec.config(job["layers"]), sequence_parallel=layout.shard_mode())
+                                     config=spec.config(job["layers"]), sequence_parallel=layout.shard_mode(),
+                                     expert_capacity=layout.expert_capacity)
     rec["loaded"] = _rss(settle=True)
     tr = shardlib.Trainer(model, lambda params: torch.optim.AdamW(params, lr=1e-4), microbatches=layout.microbatches,
                           schedule=layout.schedule, zero=layout.zero, precision=layout.precision,

@@ -6,6 +6,7 @@ measured ones, every layout, in one run. Docs: docs/benchmarks/planner-accuracy.
     python benchmarks/plan_accuracy.py --reprice JSON [--profile P]   # an earlier run priced again (CPU or GPU)
     python benchmarks/plan_accuracy.py --device cuda --models bert-768 --layers 12   # one GPU (BERT-base)
     .venv/bin/python benchmarks/plan_accuracy.py --quick     # smoke run: quick calibration, bert-256 dp4, 1 round
+    python benchmarks/plan_accuracy.py --ep --rounds 5       # expert parallelism: mixtral-256, dp4 at ep 1, 2, 4
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import write_json  # noqa: E402
-from _plan_accuracy_layouts import MODELS, Layout, layouts, make_batch, one_device_layouts  # noqa: E402
+from _plan_accuracy_layouts import EP_LAYOUTS, MODELS, Layout, layouts, make_batch, one_device_layouts  # noqa: E402
 from _plan_accuracy_report import plot, summarize  # noqa: E402
 
 MIB = 2 ** 20
@@ -40,7 +41,7 @@ def measure_all(args, name: str, chosen, predicted) -> dict:
     for r in range(args.rounds):
         for i, layout in enumerate(chosen):
             if args.world == 4:
-                m = measure(name, layout, steps=args.steps, layers=args.layers)
+                m = measure(name, layout, steps=args.steps, layers=args.layers, warmup=args.warmup)
                 shown = m["error"] or f"{m['peak_growth_anon_bytes'] / MIB:.0f} MiB, {m['step_s_median']:.3f} s"
             else:
                 try:
@@ -124,7 +125,8 @@ def measure_one(spec, layout: Layout, layers: int, device, mesh, steps: int) -> 
     return {"peak": peak, "static": static, "warmup_steps": warm + 1, "step_s": statistics.median(times)}
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
+    """The command line, its defaults resolved."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--world", type=int, choices=[1, 4], help="4 gloo ranks, or 1 device (default with --device cuda)")
@@ -141,32 +143,36 @@ def main() -> int:
     p.add_argument("--checkpointing", default="off,on", choices=["off", "on", "off,on"], help="one device")
     p.add_argument("--quick", action="store_true", help="smoke run: quick calibration, bert-256 at 2 layers, its dp=4 "
                                                         "layouts, 1 round of 1 step")
-    p.add_argument("--out", help="results JSON (default benchmarks/results/plan_accuracy[_gpu].json); a calibrated "
-                                 "profile goes beside it (_profile.json)")
+    p.add_argument("--ep", action="store_true", help="expert parallelism: mixtral-256 (or --models) at dp=4 with "
+                                                     "ep 1, 2, 4 and ep 4 with a static capacity of 2")
+    p.add_argument("--warmup", type=int, help="4 ranks: steps before the one whose peak is measured (default 1; "
+                                              "--ep: 3, DDP's steady state: the Trainer builds DDP in step 2 and "
+                                              "DDP rebuilds its buckets in step 3, whose pages fill as they are "
+                                              "written)")
+    p.add_argument("--out", help="results JSON (default benchmarks/results/plan_accuracy[_gpu|_ep].json); a "
+                                 "calibrated profile goes beside it (_profile.json)")
     p.add_argument("--plot", help="4 ranks: the scatter plot (default docs/img/plan_accuracy.png; --quick: none)")
     args = p.parse_args()
     args.world = args.world or (1 if args.device == "cuda" else 4)
     one = args.world == 1
     if args.device == "cuda" and not one:
         p.error("--device cuda measures one device (--world 1)")
+    if args.ep and one:
+        p.error("--ep measures expert parallelism on 4 ranks (--world 4)")
     if args.quick:
         args.models, args.layers, args.only, args.rounds, args.steps = "bert-256", 2, args.only or "dp4", 1, 1
-    args.plot = args.plot if args.plot is not None else "" if args.quick else "docs/img/plan_accuracy.png"
-    args.models = (args.models or ("bert-768" if one else "bert-256,bert-768,t5-small")).split(",")
+    args.plot = args.plot if args.plot is not None else "" if args.quick or args.ep else "docs/img/plan_accuracy.png"
+    args.models = (args.models or ("bert-768" if one else "mixtral-256" if args.ep else
+                                   "bert-256,bert-768,t5-small")).split(",")
     args.layers = args.layers or (12 if one else None)
     args.steps = args.steps or (10 if one else 3)
-    args.out = args.out or f"benchmarks/results/plan_accuracy{'_gpu' if one else ''}.json"
-    if args.reprice:
-        profile, results = reprice(args.reprice, args.profile)
-        write_json(args.out, dict(profile=profile.to_dict(), results=results, repriced=args.reprice))
-        if results[0]["world"] == 4 and args.plot:
-            plot(results, args.plot)
-        return 0
-    import torch
+    args.warmup = args.warmup or (3 if args.ep else 1)
+    args.out = args.out or f"benchmarks/results/plan_accuracy{'_gpu' if one else '_ep' if args.ep else ''}.json"
+    return args
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("plan_accuracy: no CUDA device here (--device cpu --world 1 checks that logic); nothing measured")
-        return 0
+
+def machine_profile(args):
+    """The ``--profile``, or this machine calibrated (saved beside ``--out``)."""
     from shardlib.analysis.calibrate import calibrate
     from shardlib.analysis.profile import load_profile
 
@@ -180,15 +186,41 @@ def main() -> int:
         profile.save(os.path.splitext(args.out)[0] + "_profile.json")
         print(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
     print(profile.summary(), flush=True)
-    priced = {}  # every model priced first: the dry run refuses a process whose process group is up
+    return profile
+
+
+def price_models(args, profile) -> dict:
+    """Model name -> (its layouts, their predictions); every model priced first: the dry run refuses a process whose
+    process group is up."""
+    one, priced = args.world == 1, {}
     for name in args.models:
         chosen = one_device_layouts(tuple(int(b) for b in args.batches.split(",")), args.seq, tuple(
             args.precisions.split(",")), {"off": (False,), "on": (True,)}.get(args.checkpointing, (False, True))) \
-            if one else [lay for lay in layouts(name, layers=args.layers)
+            if one else [lay for lay in (EP_LAYOUTS if args.ep else layouts(name, layers=args.layers))
                          if all(word in lay.name().split() for word in (args.only or "").split())]
         t0 = time.perf_counter()
         priced[name] = chosen, price_of(name, chosen, profile, args.layers)
         print(f"{name}: {len(chosen)} layouts priced in {time.perf_counter() - t0:.1f} s", flush=True)
+    return priced
+
+
+def main() -> int:
+    args = arguments()
+    one = args.world == 1
+    if args.reprice:
+        profile, results = reprice(args.reprice, args.profile)
+        write_json(args.out, dict(profile=profile.to_dict(), results=results, repriced=args.reprice))
+        if results[0]["world"] == 4 and args.plot:
+            plot(results, args.plot)
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("plan_accuracy: no CUDA device here (--device cpu --world 1 checks that logic); nothing measured")
+        return 0
+    started = time.perf_counter()
+    profile = machine_profile(args)
+    priced = price_models(args, profile)
     device = f"cpu, torch {torch.__version__}"
     if one:
         import shardlib
@@ -200,7 +232,7 @@ def main() -> int:
         print(f"device: {device}", flush=True)
     results = [measure_all(args, name, *priced[name]) for name in args.models]
     write_json(args.out, dict(profile=profile.to_dict(), device=device, world=args.world, rounds=args.rounds,
-                              steps=args.steps, results=results))
+                              steps=args.steps, warmup=args.warmup, results=results))
     if not one and args.plot:
         plot(results, args.plot)
     print(f"done in {(time.perf_counter() - started) / 60:.1f} min; results in {args.out}")
