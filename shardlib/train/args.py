@@ -109,7 +109,7 @@ class TrainingArguments:
     compile: bool = field(default=False, metadata={"help": "torch.compile the model (pipeline stages: their layers)"})
     layout: Optional[Literal["auto"]] = field(default=None, metadata={
         "help": "auto: search every layout of the world size and use the fastest that fits --memory (sets the "
-                "mesh, --zero, --microbatches, --schedule, --activation-checkpointing)"})
+                "mesh, --ep for a mixture of experts, --zero, --microbatches, --schedule, --activation-checkpointing)"})
     memory: Optional[str] = field(default=None, metadata={"help": "--layout auto: memory per rank, e.g. 16GiB"})
     profile: Optional[str] = field(default=None, metadata={
         "help": "--layout auto: machine profile JSON (shardlib calibrate); default: a nominal built-in one"})
@@ -270,9 +270,10 @@ def parse_args(*extra, args: list[str] | None = None, defaults: dict | None = No
     any field (``{"tp": 2, "epochs": 12}``; shown by ``--help``, overridden by the command line). With ``launch``
     and ``--nproc``, start the ranks first (:func:`launch_if_requested`): the call returns only in the ranks.
 
-    ``--layout auto --memory 16GiB``: the layout search picks the mesh, ZeRO stage, microbatches, schedule and
-    activation checkpointing for ``model`` (a model, config or model directory; sequences of ``seq`` tokens) and
-    the global ``--batch-size`` (:mod:`shardlib.train.autolayout`), and says what it chose and why."""
+    ``--layout auto --memory 16GiB``: the layout search picks the mesh (with ep for a mixture of experts), ZeRO
+    stage, microbatches, schedule and activation checkpointing for ``model`` (a model, config or model directory;
+    sequences of ``seq`` tokens) and the global ``--batch-size`` (:mod:`shardlib.train.autolayout`), and says what
+    it chose and why."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser((TrainingArguments, *extra))
