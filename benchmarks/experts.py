@@ -247,7 +247,9 @@ def part_anatomy(args, pools: Pools, layouts: list[str], summary: list) -> dict:
     alone = sorted({k for res in out.values() for r in res for k in r["alone_ms"]})
     rows += [[f"{k}, replayed alone"] + [" / ".join(f"{r['alone_ms'][k]:.0f}" if k in r["alone_ms"] else "-"
                                                      for r in res) for res in out.values()] for k in alone]
-    rows.append(["rows the rank's experts computed (fwd)"] + [
+    # the static exchange's received rows include its padding, which eager experts skip (they compute the filled
+    # slots: as many as dropless receives)
+    rows.append(["rows the rank's experts received (fwd)"] + [
         " / ".join(f"{r['rows_received_fwd']:.0f}" for r in res) if workload.LAYOUTS[m][1] > 1 else "all its tokens'"
         for m, res in out.items()])
     print_table(f"3. Collectives per step, ms (calls, MiB sent to other ranks), rank 0 / rank 1; mean of "
@@ -257,7 +259,7 @@ def part_anatomy(args, pools: Pools, layouts: list[str], summary: list) -> dict:
         if workload.LAYOUTS[layout][1] > 1:
             rows = " / ".join(f"{r['rows_received_fwd']:.0f}" for r in res)
             line += (f"all-to-alls {_ms(res, 'a2a')} ms on rank {' / '.join(map(str, range(len(res))))} (replayed "
-                     f"alone {_ms(res, 'a2a', 'alone_ms')} ms; rows its experts computed {rows}); ")
+                     f"alone {_ms(res, 'a2a', 'alone_ms')} ms; rows its experts received {rows}); ")
         line += (f"gradient all-reduce it waits for {_ms(res, 'all-reduce gradients (blocking)')} ms after backward "
                  f"+ {_ms(res, 'DDP wait')} ms DDP tail (in flight {_ms(res, 'all-reduce gradients (DDP')} ms; "
                  f"replayed alone {_ms(res, 'all-reduce gradients', 'alone_ms')} ms); AdamW {_ms(res, 'AdamW')} ms")
