@@ -225,3 +225,21 @@ def autocast_losses(spec: dict) -> dict:
     evaluated = trainer.eval_step(batch)
     return {"reference": want.item(), "reference_dtype": str(want.dtype), "train_step": trainer.train_step(batch),
             "eval": [(float(out["loss"]), str(out["loss"].dtype)) for out in evaluated]}
+
+
+def pipelined_gradients_against_unpipelined(spec: dict, unpipelined: dict, zero: int) -> float:
+    """The largest relative difference of an encoder parameter's gradient between ``spec``'s pipelined layout at
+    ``zero`` and ``unpipelined`` (zero=0) after one step's backward and dp sum, on the same global batch."""
+    def gradients(run: dict, stage: int) -> dict:
+        mesh, model = build_sharded(run)
+        trainer = shardlib.Trainer(model, adamw, microbatches=run["microbatches"], max_grad_norm=None,
+                                   zero=stage, **run.get("trainer", {}))
+        samples, _ = dataset(run, run["samples"])
+        batch = {k: torch.stack([s[k] for s in samples[:run["batch_size"]]]) for k in samples[0]}
+        trainer.forward_backward(shardlib.dp_shard(batch, mesh))
+        trainer.reduce_gradients()
+        return shardlib.full_state_dict(model, grads=True)
+
+    reference, got = gradients(unpipelined, 0), gradients(spec, zero)
+    return max((float((got[k] - reference[k]).norm() / reference[k].norm()) for k in got
+                if k.startswith("encoder.block")), default=0.0)
