@@ -23,11 +23,9 @@ def zero_precision_specs(draw):
     family = draw(st.sampled_from(sorted(FAMILIES)))
     layout = ZERO_PROPERTY_LAYOUTS[draw(st.sampled_from(sorted(ZERO_PROPERTY_LAYOUTS)))]
     pipelined = layout.get("pp", 1) > 1  # 1f1b needs microbatches >= stages
-    # bf16 under a pipeline moves two steps' losses by ~3e-4: a known deviation, pinned by
-    # test_bf16_pipeline_stage_gradients_match_the_unpipelined_model
     return {**FAMILIES[family], **RUN, "dtype": "float32", "steps": 2, "layout": layout,
             "zero": draw(st.sampled_from([1, 2, 3])),
-            "precision": draw(st.sampled_from(["fp32", "fp16"] if pipelined else ["fp32", "bf16", "fp16"])),
+            "precision": draw(st.sampled_from(["fp32", "bf16", "fp16"])),
             "microbatches": draw(st.sampled_from([2] if pipelined else [1, 2]))}
 
 
@@ -40,6 +38,11 @@ def zero_precision_specs(draw):
 # zero=3 at pp=2: the fp16 loss scaler's skip decision and unscaling over FSDP2's dp shards on both stages
 @example(spec={**FAMILIES["t5"], **RUN, "dtype": "float32", "steps": 2, "layout": ZERO_PROPERTY_LAYOUTS["dp2_pp2"],
                "zero": 3, "precision": "fp16", "microbatches": 2})
+# found by the property: at pp=2 in bf16 the second step's loss moved by 2.8e-4: autocast cached one bf16 copy of
+# the stage's received activation (a leaf requiring grad, like a weight) and its consumers' gradients summed in bf16
+# at zero=0, while zero=3's FSDP2 parameters changed which casts were cached; stages now see a view of it
+@example(spec={**FAMILIES["t5"], **RUN, "dtype": "float32", "steps": 2, "layout": ZERO_PROPERTY_LAYOUTS["dp2_pp2"],
+               "zero": 3, "precision": "bf16", "microbatches": 2})
 def test_any_zero_stage_equals_zero0_in_any_precision(pool, spec):
     """Property over family x layout x zero x precision x microbatches: 2 steps with zero=k equal zero=0 at the same
     layout and precision (float32 weights; the dp sums run in another order: rtol 1e-5, as the 20-step curves)."""
@@ -50,14 +53,16 @@ def test_any_zero_stage_equals_zero0_in_any_precision(pool, spec):
     assert len(got) == 2 and worst < 1e-5, f"{spec['zero']=} {spec['precision']} {spec['layout']}: {worst:.2e}"
 
 
-@pytest.mark.xfail(strict=True, reason="known: under a pipeline in half-precision autocast the first stage's gradients "
-                   "of T5 differ from the unpipelined model's by about the dtype's rounding (bf16 0.3-0.6%, fp16 0.09%; "
-                   "fp32 2e-7), at zero=0 and zero=3 by different amounts; not diagnosed (a boundary tensor or its "
-                   "gradient rounded to the autocast dtype is the suspect)")
+@pytest.mark.xfail(strict=True, reason="known: under a pipeline in half-precision autocast T5's gradients differ from "
+                   "the unpipelined layout's by about the dtype's rounding (bf16 0.26%, fp16 0.033%; fp32 1.7e-7), on "
+                   "both stages (encoder attention; decoder cross-attention and relative bias); not diagnosed: which "
+                   "of the two layouts departs from the unsharded model in half precision is not known")
 @pytest.mark.parametrize("zero", [0, 3])
 def test_bf16_pipeline_stage_gradients_match_the_unpipelined_model(pool, zero):
     """One backward of T5 at dp=2 x pp=2 in bf16 autocast against dp=4 (no pipeline) on the same batch: the encoder's
-    gradients agree to 1e-4 relative (fp32 rounding of the dp sums is 2e-7). Strictly expected to fail today."""
+    gradients agree to 1e-4 relative (fp32 rounding of the dp sums is 2e-7). Strictly expected to fail today. (It was
+    0.56% at zero=0 until stages stopped letting autocast cache their received activation: the property's example
+    above.)"""
     base = {**FAMILIES["t5"], **RUN, "dtype": "float32", "microbatches": 2, "trainer": {"precision": "bf16"}}
     worst = pool.run(train_tasks.pipelined_gradients_against_unpipelined, {**base, "layout": {"dp": 2, "pp": 2}},
                      {**base, "layout": {"dp": 4}}, zero)[0]

@@ -318,6 +318,11 @@ class StageModule(nn.Module):
 
     def forward(self, *received, **batch):
         split = self.split
+        # a received activation is a leaf that requires grad, which autocast would cache as it caches weights: one
+        # half-precision copy shared by all its consumers, whose gradients then sum in half precision (the unsplit
+        # model sums them in the activation's dtype); a view of it is not a leaf
+        received = tuple(t.view_as(t) if torch.is_tensor(t) and t.is_leaf and t.requires_grad else t
+                         for t in received)
         if self.input_name is not None:
             batch[self.input_name], received = received[0], ()
         autocast = (torch.autocast(device_type=_device_type(received, batch), dtype=self.autocast_dtype)
