@@ -132,7 +132,10 @@ class FlatZero(StateByParameter, InnerOptimizer):
         self._gathering: dict[int, object] = {}  # bucket index -> its parameter all-gather in flight
         self.dp, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.expert_group = expert_group if experts else None
-        edp = dist.get_world_size(expert_group) if self.expert_group is not None else None
+        #: (group, size, this rank's index) of the expert buckets: the ranks holding the same experts, or dp
+        self._experts_over = (self.group, self.dp, self.dp_rank) if self.expert_group is None else \
+            (expert_group, dist.get_world_size(expert_group), dist.get_rank(expert_group))
+        edp = self._experts_over[1] if self.expert_group is not None else None
         self.buckets = flat_buckets([p for g in groups for p in g["params"]], self.dp, bucket_bytes, late, order,
                                     experts, edp)
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
@@ -168,9 +171,7 @@ class FlatZero(StateByParameter, InnerOptimizer):
     def group_of(self, bucket: Bucket) -> tuple:
         """(process group, its size, this rank's index in it) that ``bucket`` is partitioned over: dp, or for
         expert weights the ranks holding the same experts."""
-        if bucket.experts and self.expert_group is not None:
-            return self.expert_group, dist.get_world_size(self.expert_group), dist.get_rank(self.expert_group)
-        return self.group, self.dp, self.dp_rank
+        return self._experts_over if bucket.experts else (self.group, self.dp, self.dp_rank)
 
     def _flatten(self, bucket: Bucket) -> None:
         """Make the bucket's parameters views into one flat buffer and cut this rank's pieces out of it."""
