@@ -54,16 +54,30 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from shardlib.parallel.collectives import all_to_all, all_to_all_single
 from shardlib.parallel.random import LOCAL_STREAM_ATTR, local_dropout
 
+from .mask_spec import dense_builder, spec_builder
+
 IMPLEMENTATIONS = ("sdpa", "eager")
+#: ``Kernels(attention=...)``: an implementation, or "blocks" (masks as data, :mod:`.mask_spec`, around either)
+CHOICES = (*IMPLEMENTATIONS, "blocks")
 ALL_TO_ALL_PREFIX = "shardlib_all_to_all_"
 LOCAL_RNG_PREFIX = "shardlib_local_rng_"
+BLOCKS_PREFIX = "shardlib_blocks_"
 CONTEXT_ATTR = "_shardlib_all_to_all"
 
 
 def attention_problems(implementation: str | None) -> list[str]:
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        return [f"attention implementation {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}"]
+    if implementation is not None and implementation not in CHOICES:
+        return [f"attention implementation {implementation!r} is not one of {', '.join(CHOICES)}"]
     return []
+
+
+def base_implementation(implementation: str | None) -> str:
+    """The implementation under shardlib's per-rank dropout and block wrappers (None: transformers' default,
+    SDPA), whose mask semantics apply."""
+    implementation = implementation or "sdpa"
+    for prefix in (LOCAL_RNG_PREFIX, BLOCKS_PREFIX):  # the per-rank dropout wrapper goes around the blocks one
+        implementation = implementation.removeprefix(prefix)
+    return implementation
 
 
 def registered_problems(where: str, implementation: str | None) -> list[str]:
@@ -82,13 +96,17 @@ def registries() -> tuple[dict, ...]:
             ALL_ATTENTION_FUNCTIONS._local_mapping, ALL_MASK_ATTENTION_FUNCTIONS._local_mapping)
 
 
-def _register_wrapper(name: str, function, implementation: str) -> str:
+def _register_wrapper(name: str, function, implementation: str, *, masks_as_data: bool = False) -> str:
     """Register ``function`` as attention implementation ``name`` wrapping ``implementation`` (once: the function is
     a pure function of the name), its mask entry mirroring the inner one's: the same mask function, or none where
-    the inner implementation has none (HF then passes no mask, to the inner function and to the wrapper alike)."""
+    the inner implementation has none (HF then passes no mask, to the inner function and to the wrapper alike).
+    ``masks_as_data``: ``function`` takes :class:`~shardlib.kernels.mask_spec.MaskSpec` masks: its entry describes
+    masks as data where it can and builds the inner one's dense mask elsewhere."""
     if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, function)
     mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(implementation)
+    if mask is not None and masks_as_data:
+        mask = spec_builder(dense_builder(mask))
     if mask is not None and ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name) is not mask:
         AttentionMaskInterface.register(name, mask)
     return name
@@ -108,7 +126,12 @@ def own_configs(model: nn.Module) -> None:
 
 
 def set_attention(model: nn.Module, implementation: str | None) -> None:
-    """Make every attention module of ``model`` call ``implementation`` (HF's own switch; None: leave it)."""
+    """Make every attention module of ``model`` call ``implementation`` (HF's own switch; None: leave it; "blocks":
+    block attention around the model's own implementation)."""
+    if implementation == "blocks":
+        from .ring_attention import blocks_name
+
+        implementation = blocks_name(model.config._attn_implementation or "sdpa")
     if implementation is not None and model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
 

@@ -12,6 +12,7 @@ mask are skipped, unless some row sees no key at all: such a row averages over e
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -20,7 +21,10 @@ import torch
 
 from shardlib.parallel.collectives import all_to_all
 
-from .attention import _register_wrapper, inner_attention, sequence_bias, to_heads
+from .attention import (
+    BLOCKS_PREFIX, _register_wrapper, base_implementation, inner_attention, sequence_bias, to_heads,
+)
+from .mask_spec import DENSE_FALLBACKS, MaskSpec
 from .ring_blocks import ACC_DTYPES, RingGeometry, RingLayout, RingProblem, ring_attention
 
 RING_PREFIX = "shardlib_ring_"
@@ -115,9 +119,9 @@ def ring_attention_forward(module, query, key, value, attention_mask, *, positio
     ring then runs over the group's joint chunk for its share of the heads, and the output is exchanged back.
     Returns ([b, c, h, d], None); attention weights are never materialised."""
     ctx: RingContext = module.__dict__[CONTEXT_ATTR]
-    if ctx.stream.unsplit:  # incremental decoding: the whole sequence on every rank
-        return inner_attention(module, ctx.implementation)(module, query, key, value, attention_mask,
-                                                           position_bias=position_bias, **kwargs)
+    if ctx.stream.unsplit:  # incremental decoding: the whole sequence on every rank (a mask spec: as blocks)
+        return block_attention_forward(module, query, key, value, attention_mask, implementation=ctx.implementation,
+                                       position_bias=position_bias, **kwargs)
     unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if unsupported:
         raise RuntimeError(f"{type(module).__name__}: ring attention does not compute {', '.join(unsupported)}")
@@ -162,7 +166,9 @@ def _self_attention(module, ctx: RingContext, g: RingGeometry, query, key, value
                     is_causal: bool | None = None, **kwargs):
     acc = ACC_DTYPES.get(query.dtype, query.dtype)
     problem = RingProblem(ctx.group, g, query.shape[-1] ** -0.5 if scaling is None else scaling, acc)
-    if attention_mask is not None:
+    if isinstance(attention_mask, MaskSpec):
+        problem.spec = attention_mask
+    elif attention_mask is not None:
         problem.mask, problem.visible = ctx.masks.get(attention_mask, g.length,
                                                       lambda: _self_mask(attention_mask, g, acc))
     elif ctx.base != "eager" and g.length > 1:  # HF's SDPA rule: no mask means causal unless the module says not
@@ -183,7 +189,13 @@ def _cross_attention(module, ctx: RingContext, g: RingGeometry, query, key, valu
     """Cross-attention: this rank's queries against the whole other sequence (replicated, entered into the sp
     region once so that its gradient, from this rank's queries only, is summed): the inner implementation with the
     mask's rows of this chunk."""
-    mask = None if attention_mask is None else _rows(attention_mask, g)
+    if isinstance(attention_mask, MaskSpec):
+        mask = attention_mask.key_row(ctx.base, query.dtype)
+        if mask is None:
+            DENSE_FALLBACKS["cross-attention per query"] += 1
+            mask = _rows(attention_mask.dense(ctx.base, query.dtype), g)
+    else:
+        mask = None if attention_mask is None else _rows(attention_mask, g)
     return inner_attention(module, ctx.implementation)(module, query, key, value, mask, **kwargs)[0]
 
 
@@ -196,9 +208,50 @@ def relative_bias_vector(compute_bias, stream):
 
 def ring_name(implementation: str) -> str:
     """Register (once) and return the attention-interface name of ring attention around ``implementation``; its
-    mask function is the inner implementation's, so masks are built as HF builds them."""
-    return _register_wrapper(RING_PREFIX + implementation, ring_attention_forward, implementation)
+    masks are described as data where they can be (:mod:`.mask_spec`), built as HF builds the inner
+    implementation's elsewhere."""
+    return _register_wrapper(RING_PREFIX + implementation, ring_attention_forward, implementation, masks_as_data=True)
 
 
-__all__ = ["ring_attention_forward", "ring_name", "relative_bias_vector", "RingContext", "UlyssesGroup", "MaskCache",
+# ------------------------------------------------------------------------------------ a ring of one: blocks
+def block_attention_forward(module, query, key, value, attention_mask, *, implementation: str, **kwargs):
+    """``Kernels(attention="blocks")`` without sequence parallelism: a mask described as data
+    (:class:`~.mask_spec.MaskSpec`) runs as the pieces of a ring of one (no [L, L] tensor: each piece is a run of
+    queries against a run of keys they all see); cross-attention takes the one key row every query sees; anything
+    else the inner ``implementation`` computes (with the dense mask where the spec must become one: a position bias,
+    a sliding window, queries that see different keys of another sequence)."""
+    inner = inner_attention(module, implementation)
+    spec = attention_mask
+    if not isinstance(spec, MaskSpec):
+        return inner(module, query, key, value, attention_mask, **kwargs)
+    base = base_implementation(implementation)
+    dense = [name for name in ("position_bias", *UNSUPPORTED) if kwargs.get(name) is not None]
+    if key.shape[2] != query.shape[2] and not dense:
+        row = spec.key_row(base, query.dtype)
+        if row is not None:
+            return inner(module, query, key, value, row, **kwargs)
+        dense.append("cross-attention per query")
+    if dense:
+        DENSE_FALLBACKS[", ".join(dense)] += 1
+        return inner(module, query, key, value, spec.dense(base, query.dtype), **kwargs)
+    scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+    acc = ACC_DTYPES.get(query.dtype, query.dtype)
+    problem = RingProblem(None, RingGeometry.whole(query.shape[2], query.device),
+                          query.shape[-1] ** -0.5 if scaling is None else scaling, acc, spec=spec)
+    if dropout and module.training:
+        problem.dropout, problem.seed = dropout, int(torch.randint(2 ** 62, ()))
+    return ring_attention(problem, query, key, value).transpose(1, 2).contiguous(), None
+
+
+def blocks_name(implementation: str) -> str:
+    """Register (once) and return the attention-interface name of block attention around ``implementation``
+    ("sdpa" or "eager", whose mask semantics it keeps)."""
+    if implementation.startswith(BLOCKS_PREFIX):
+        return implementation
+    return _register_wrapper(BLOCKS_PREFIX + implementation,
+                             functools.partial(block_attention_forward, implementation=implementation),
+                             implementation, masks_as_data=True)
+
+
+__all__ = ["ring_attention_forward", "ring_name", "block_attention_forward", "blocks_name", "BLOCKS_PREFIX", "relative_bias_vector", "RingContext", "UlyssesGroup", "MaskCache",
            "CONTEXT_ATTR", "RING_PREFIX"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -86,28 +86,39 @@ class RingGeometry:
     length: int
     order: torch.Tensor
 
+    @classmethod
+    def whole(cls, length: int, device) -> "RingGeometry":
+        """A ring of one: the whole sequence, unpadded, on this rank (attention without sequence parallelism)."""
+        return cls(0, 1, length, length, torch.arange(length, device=device))
+
     def positions(self, block: int) -> torch.Tensor:
         return self.order[block * self.chunk:(block + 1) * self.chunk]
 
     def runs(self, block: int) -> list[tuple[int, int, int, int]]:
         """(start, stop, first position, last position) of the two segments of block ``block``: ring position p
         holds segments p and 2n - 1 - p (:class:`RingLayout`), each a run of consecutive positions. Arithmetic, not
-        read from ``order``: the same on the meta device (the dry run) and without a device sync."""
+        read from ``order``: the same on the meta device (the dry run) and without a device sync. A ring of one holds
+        one run (its positions in order)."""
+        if self.size == 1:
+            return [(0, self.chunk, 0, self.chunk - 1)]
         half, far = self.chunk // 2, 2 * self.size - 1 - block
         return [(0, half, block * half, (block + 1) * half - 1), (half, self.chunk, far * half, (far + 1) * half - 1)]
 
 
 @dataclass
 class Piece:
-    """One piece of a block: query rows ``rows`` (one of this rank's two segments) against key columns ``cols``
-    (one or both of the block's segments), what their scores add (an additive mask without gradient, the relative
-    bias's index), and the dropout seed offset."""
+    """One piece of a block: query rows ``rows`` (one of this rank's two segments, or a run of them) against key
+    columns ``cols`` (one or both of the block's segments, or a run of them), of the batch rows ``batch``, what their
+    scores add (an additive mask without gradient, the relative bias's index), whether key j > query i is hidden
+    counting both from the piece's corner (``causal``), and the dropout seed offset."""
 
     rows: slice
     cols: slice
     mask: torch.Tensor | None
     bias_index: torch.Tensor | None
     tag: int
+    batch: slice = field(default_factory=lambda: slice(None))
+    causal: bool = False
 
 
 # -------------------------------------------------------------------------------------------------- piece kernels
@@ -126,6 +137,9 @@ def _scores(q, k, scale, piece: Piece, relative):
         s = s + relative[0, :, 0][:, piece.bias_index]  # [h, rows, cols]
     if piece.mask is not None:
         s = s + piece.mask
+    if piece.causal:
+        rows, cols = s.shape[-2:]
+        s = s.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=s.device).triu_(1), -math.inf)
     return s
 
 
@@ -164,7 +178,7 @@ def piece_forward(q, k, v, scale, piece: Piece, relative, dropout: float, seed: 
     acc = ACC_DTYPES.get(q.dtype, q.dtype)
     if _use_flash(q, piece, dropout):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
+            q, k, v, 0.0, piece.causal, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
         return out.to(acc), lse.to(acc)
     s = _scores(q.to(acc), k.to(acc), scale, piece, relative)
     lse = torch.logsumexp(s, dim=-1)
@@ -181,7 +195,7 @@ def piece_backward(grad_out, q, k, v, out, lse, scale, piece: Piece, relative, d
     if _use_flash(q, piece, dropout):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float() if q.dtype in ACC_DTYPES else lse,
-            0.0, False, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
+            0.0, piece.causal, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
         return dq.to(acc), dk.to(acc), dv.to(acc), None
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     p = torch.exp(_scores(q, k, scale, piece, relative) - _finite(lse).unsqueeze(-1))
@@ -210,6 +224,7 @@ class RingProblem:
     scale: float
     acc: torch.dtype  # the accumulation dtype (fp32 for half inputs)
     mask: torch.Tensor | None = None  # this rank's rows (or one row for all) x all padded columns, additive, or None
+    spec: object = None  # a MaskSpec (shardlib.kernels.mask_spec) instead of ``mask`` and ``causal``
     visible: list[bool] | None = None  # per block: whether the mask lets any row of this rank see any of its keys
     causal: bool = False
     relative_length: int = 0  # L when a relative bias vector [1, h, 1, 2L - 1] is given
@@ -219,13 +234,15 @@ class RingProblem:
     def pieces(self, src: int) -> list[Piece]:
         """The pieces of block ``src`` (none where the block contributes nothing)."""
         g = self.geometry
+        if self.spec is not None:
+            return self.spec.pieces(g, src, self.relative_length, self._spec_piece)
         if self.visible is not None and not self.visible[src]:
             return []
         keys = [run for run in g.runs(src) if run[2] < g.length]  # runs of padding only contribute nothing
         if not keys:
             return []
         if not self.causal:  # every query sees the same keys: one piece of the whole chunk
-            first, last = g.runs(g.rank)
+            first, last = g.runs(g.rank)[0], g.runs(g.rank)[-1]
             return [self._piece(src, (first[0], last[1], first[2], last[3]), keys, tag=src * 1024)]
         pieces = []
         for row_run in g.runs(g.rank):  # causal: a query segment sees the key segments that start before its end
@@ -251,17 +268,33 @@ class RingProblem:
                 hidden = hidden | (kpos[None, :] > qpos[:, None])
             extra = torch.zeros(hidden.shape, dtype=self.acc, device=device).masked_fill_(hidden, -math.inf)
             mask = extra if mask is None else mask + extra
+        return Piece(rows, cols, mask, self._bias_index(qpos, kpos), tag)
+
+    def _spec_piece(self, batch: slice, rows: slice, cols: slice, queries, keys, causal: bool, tag: int) -> Piece:
+        """A piece the mask spec cut (positions ``queries`` and ``keys`` as [start, stop)): no mask."""
+        device = self.geometry.order.device
         index = None
         if self.relative_length:
-            L = self.relative_length
-            index = (kpos[None, :] - qpos[:, None] + L - 1).clamp_(0, 2 * L - 2)
-        return Piece(rows, cols, mask, index, tag)
+            index = self._bias_index(torch.arange(*queries, device=device), torch.arange(*keys, device=device))
+        return Piece(rows, cols, None, index, tag, batch, causal)
+
+    def _bias_index(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
+        """Where each (query, key) entry of a relative bias given per distance is (None without one)."""
+        if not self.relative_length:
+            return None
+        L = self.relative_length
+        return (kpos[None, :] - qpos[:, None] + L - 1).clamp_(0, 2 * L - 2)
 
 
 # ------------------------------------------------------------------------------------------------ the ring's wire
 class _Ring:
     """Point-to-point sends to ring position + 1 and receives from position - 1, started and waited on later (each
     wait bounded by the process group's timeout)."""
+
+    @classmethod
+    def of(cls, problem: "RingProblem") -> "_Ring | None":
+        """The wire of ``problem``'s ring (None for a ring of one, which sends nothing)."""
+        return cls(problem.group, problem.geometry) if problem.geometry.size > 1 else None
 
     def __init__(self, group, geometry: RingGeometry):
         self.group = group
@@ -296,7 +329,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, problem: RingProblem, q, k, v, relative):
         groups, acc = q.shape[1] // k.shape[1], problem.acc
-        ring, n, r = _Ring(problem.group, problem.geometry), problem.geometry.size, problem.geometry.rank
+        ring, n, r = _Ring.of(problem), problem.geometry.size, problem.geometry.rank
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:-1], -math.inf, dtype=acc)
         kv = torch.stack((k, v)).contiguous()
@@ -304,11 +337,11 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(kv, KV) if step < n - 1 else None
             src = (r - step) % n
             for piece in problem.pieces(src):
-                kb, vb = (_expand_kv(t[:, :, piece.cols], groups) for t in kv)
-                o_b, lse_b = piece_forward(q[:, :, piece.rows], kb, vb, problem.scale, piece, relative,
+                at = (piece.batch, slice(None), piece.rows)
+                kb, vb = (_expand_kv(t[piece.batch, :, piece.cols], groups) for t in kv)
+                o_b, lse_b = piece_forward(q[at], kb, vb, problem.scale, piece, relative,
                                            problem.dropout, problem.seed + piece.tag)
-                out[:, :, piece.rows], lse[:, :, piece.rows] = _merge(out[:, :, piece.rows], lse[:, :, piece.rows],
-                                                                      o_b, lse_b)
+                out[at], lse[at] = _merge(out[at], lse[at], o_b, lse_b)
             if pending is not None:
                 kv = ring.wait(pending)
         ctx.problem, ctx.groups = problem, groups
@@ -321,7 +354,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, relative = ctx.saved_tensors
         acc = out.dtype
         grad_out = grad_out.to(acc)
-        ring, n, r = _Ring(problem.group, problem.geometry), problem.geometry.size, problem.geometry.rank
+        ring, n, r = _Ring.of(problem), problem.geometry.size, problem.geometry.rank
         kv = torch.stack((k, v)).contiguous()
         dq = torch.zeros_like(q, dtype=acc)
         drel = None if relative is None else torch.zeros_like(relative, dtype=acc)
@@ -331,14 +364,13 @@ class _RingAttention(torch.autograd.Function):
             src = (r - step) % n
             local = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
             for piece in problem.pieces(src):
-                rows = piece.rows
+                at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
                 dq_b, dk_b, dv_b, drel_b = piece_backward(
-                    grad_out[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, piece.cols], groups),
-                    _expand_kv(kv[1][:, :, piece.cols], groups), out[:, :, rows], lse[:, :, rows], problem.scale,
-                    piece, relative, problem.dropout, problem.seed + piece.tag)
-                dq[:, :, rows] += dq_b
-                local[0][:, :, piece.cols] += _fold_kv(dk_b, groups)
-                local[1][:, :, piece.cols] += _fold_kv(dv_b, groups)
+                    grad_out[at], q[at], _expand_kv(kv[0][cols], groups), _expand_kv(kv[1][cols], groups), out[at],
+                    lse[at], problem.scale, piece, relative, problem.dropout, problem.seed + piece.tag)
+                dq[at] += dq_b
+                local[0][cols] += _fold_kv(dk_b, groups)
+                local[1][cols] += _fold_kv(dv_b, groups)
                 if drel_b is not None:
                     drel += drel_b
             dkv = local if dkv_pending is None else ring.wait(dkv_pending) + local

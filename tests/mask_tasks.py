@@ -29,18 +29,20 @@ class SquareProbe(TorchDispatchMode):
         return out
 
 
-def square_tensors(length: int, sp: int, sequence: str | bool, padding: float = 0.0, documents: int = 0) -> list:
+def square_tensors(length: int, sp: int, sequence: str | bool, padding: float = 0.0, documents: int = 0,
+                   attention: str | None = None) -> list:
     """A one-layer, one-head BERT (hidden 32: every activation is at most L x 64) sharded at ``sp`` ranks of
     ``sequence`` parallelism (sp=1: each rank runs the whole row), one row of ``length`` tokens, its last ``padding``
     share padding or ``documents`` packed documents of equal length: the ops whose outputs exceed L * L / (2 sp)
-    elements in a forward and backward."""
+    elements in a forward and backward. ``attention``: ``Kernels(attention=...)``."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=1,
                         intermediate_size=64, max_position_embeddings=length, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
-    model = shardlib.shard(BertForMaskedLM(config), pool_mesh(sp=sp), sequence_parallel=sequence)
+    model = shardlib.shard(BertForMaskedLM(config), pool_mesh(sp=sp), sequence_parallel=sequence,
+                           kernels=shardlib.Kernels(attention=attention))
     ids = torch.randint(1, 64, (1, length), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone()}
     if padding:

@@ -35,6 +35,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..kernels.mask_spec import enter_documents, is_spec_builder, leave_documents
 from .sharded import shard_state
 
 DOCUMENT_KEYS = ("document_ids", "decoder_document_ids")
@@ -173,9 +174,11 @@ class _DocumentHooks:
         self.takes_positions = "position_ids" in accepted
         self.first_position = position_offset(model)
         self.takes_cache = "use_cache" in accepted
-        self.cross_mask = self.starts = None
+        self.cross_mask = self.starts = self.documents_token = None
         self.pools = plan.document_pool is not None
+        self.cross_attention = bool(getattr(model.config, "add_cross_attention", False))
         model.register_forward_pre_hook(self.before_model, with_kwargs=True)
+        model.register_forward_hook(self.after_model, always_call=True)
         if problems:
             return
         if self.seq2seq:
@@ -208,8 +211,12 @@ class _DocumentHooks:
             raise ValueError("packing: a packed batch (document_ids) takes no attention_mask: the documents are the "
                              "mask")
         dtype = self._dtype()
-        kwargs["attention_mask"] = document_mask(self.config, documents, documents,
-                                                 causal=self.causal, dtype=dtype)
+        if self._masks_as_data():  # the attention's mask builder reads the documents themselves: O(L), no 4-D mask
+            kwargs["attention_mask"] = (documents >= 0).long()
+            self.documents_token = enter_documents(documents)
+        else:
+            kwargs["attention_mask"] = document_mask(self.config, documents, documents,
+                                                     causal=self.causal, dtype=dtype)
         if self.takes_positions and kwargs.get("position_ids") is None:
             kwargs["position_ids"] = document_positions(documents) + self.first_position
         if self.takes_cache and kwargs.get("use_cache") is None:
@@ -223,6 +230,21 @@ class _DocumentHooks:
         if self.pools:
             self._pool_positions(documents, kwargs.get("labels"))
         return args, kwargs
+
+    def _masks_as_data(self) -> bool:
+        """Whether the model's attention takes masks described as data (:mod:`shardlib.kernels.mask_spec`): ring
+        attention, ``Kernels(attention="blocks")``; self-attention only (seq2seq and cross-attention models keep
+        the 4-D masks)."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(self.config._attn_implementation)
+        return is_spec_builder(builder) and not self.seq2seq and not self.cross_attention
+
+    def after_model(self, module, args, output):
+        if self.documents_token is not None:
+            leave_documents(self.documents_token)
+            self.documents_token = None
+        return None
 
     def _pool_positions(self, documents: torch.Tensor, labels) -> None:
         """Where the pooler reads each document: as many slots per row as the labels have (``[rows, slots]``), or

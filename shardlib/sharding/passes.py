@@ -31,7 +31,9 @@ from torch import nn
 
 from .. import pipeline
 from ..kernels import Kernels
-from ..kernels.attention import local_rng_name, own_configs, registered_problems, set_attention
+from ..kernels.attention import (
+    IMPLEMENTATIONS, base_implementation, local_rng_name, own_configs, registered_problems, set_attention,
+)
 from ..parallel.collectives import all_reduce
 from ..parallel.layout import LAYOUTS_ATTR, layout_of, set_layout
 from ..parallel.random import LOCAL_STREAM_ATTR
@@ -235,8 +237,15 @@ class KernelsPass:
         self.kernels = kernels
 
     def problems(self, r: Resolved) -> list[str]:
-        implementation = self.kernels.attention or getattr(r.model.config, "_attn_implementation", None)
-        return (self.kernels.problems(kernel_sites(self.kernels, r.plan, r.modules))
+        own = getattr(r.model.config, "_attn_implementation", None)
+        implementation = self.kernels.attention or own
+        problems = []
+        if implementation == "blocks":
+            implementation = own
+            if base_implementation(own) not in IMPLEMENTATIONS:
+                problems.append(f"{r.name}: Kernels(attention='blocks') keeps the mask semantics of "
+                                f"{' or '.join(IMPLEMENTATIONS)}; the model runs {own!r} (attn_implementation='sdpa')")
+        return (problems + self.kernels.problems(kernel_sites(self.kernels, r.plan, r.modules))
                 + registered_problems(r.name, implementation))
 
     def prepare(self, r: Resolved) -> None:

@@ -11,7 +11,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ..kernels.attention import LOCAL_RNG_PREFIX, set_attention
+from ..kernels.attention import base_implementation, set_attention
 from ..kernels.ring_attention import (
     CONTEXT_ATTR, MaskCache, RingContext, UlyssesGroup, relative_bias_vector, ring_name,
 )
@@ -50,17 +50,12 @@ class RingSequenceParallel:
         _install_ring_attention(r, r.sequence, ring, inner, r.model.config._attn_implementation)
 
 
-def base_implementation(implementation: str | None) -> str:
-    """The implementation under shardlib's per-rank dropout wrapper (None: transformers' default, SDPA)."""
-    implementation = implementation or "sdpa"
-    return implementation.removeprefix(LOCAL_RNG_PREFIX)
-
-
 def _ring_problems(r) -> list[str]:
     sp, ulysses = getattr(r.mesh, "sp", 1), r.options.get("ulysses", 1)
     if sp > 1 and (ulysses < 1 or sp % ulysses):
         return [f"ulysses={ulysses} does not divide sp={sp} (Ulysses x ring: sp = ulysses * ring positions)"]
     chosen = r.options["kernels"].attention if r.options.get("kernels") is not None else None
+    chosen = None if chosen == "blocks" else chosen  # blocks keep the model's own implementation's masks
     implementation = base_implementation(chosen or getattr(r.model.config, "_attn_implementation", None))
     problems = []
     if sp > 1 and r.plan.attention and implementation not in RING_IMPLEMENTATIONS:
