@@ -15,7 +15,7 @@ mask builder :func:`spec_builder`. transformers calls it where it would build it
 causal or bidirectional mask over a fresh sequence becomes a spec, and so do packed documents, which the document
 hook hands over through :func:`enter_documents` instead of building a 4-D mask. Everything else (sliding
 windows, chunked or custom mask functions, a cache offset, rows in which a query would see no key, meta tensors,
-torch.compile) gets transformers' own dense mask, counted in :data:`DENSE_FALLBACKS` by reason.
+torch.compile) gets transformers' own dense mask; :data:`MASKS_BUILT` counts both, the dense ones by reason.
 
 Where it goes: :meth:`MaskSpec.pieces` cuts a ring block (or the whole sequence, a ring of one) at run boundaries of
 the ids into pieces that each run with no mask (those no query sees are never made); under ``causal`` a piece that
@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: how often a mask builder of shardlib's fell back to transformers' dense mask, by reason (for tests and debugging)
-DENSE_FALLBACKS: collections.Counter = collections.Counter()
+#: masks shardlib's builders and kernels made, in this process: "data" (a MaskSpec) or "dense: <reason>" (for tests
+#: and debugging: a layout that should carry masks as data and still builds dense ones shows here)
+MASKS_BUILT: collections.Counter = collections.Counter()
 
 _DOCUMENTS: contextvars.ContextVar = contextvars.ContextVar("shardlib_documents", default=None)
 
@@ -69,19 +70,22 @@ class MaskSpec:
     causal: bool = False
     _groups: list | None = field(default=None, repr=False)
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.query_ids.shape[0], 1, self.query_ids.shape[1], self.key_ids.shape[1])
-
-    def groups(self) -> list[tuple[slice, list, list]]:
-        """(batch rows, query runs, key runs) where rows with the same ids share their runs; a run is (first
-        position, last position, id). One host read per forward (cached on the spec every layer receives)."""
+    def groups(self) -> list[tuple[slice, list, list, tuple | None]]:
+        """(batch rows, query runs, key runs, keys) where rows share their runs; a run is (first position, last
+        position, id). Rows with the same ids are one group; so are padded rows of different lengths (every query
+        id 0), whose runs are those of the keys real in any row, ``keys`` then being (which keys are real per row
+        [b, Lk] on the device, the same on the host) for the pieces' masks. One host read per forward (cached on
+        the spec every layer receives)."""
         if self._groups is None:
             q, k = self.query_ids.cpu(), self.key_ids.cpu()
             if bool((q == q[:1]).all()) and bool((k == k[:1]).all()):
-                self._groups = [(slice(None), _runs(q[0]), _runs(k[0]))]
+                self._groups = [(slice(None), _runs(q[0]), _runs(k[0]), None)]
+            elif not bool(q.any()):  # padding: one call over the batch, a key row where the rows differ
+                real = k == 0
+                self._groups = [(slice(None), _runs(q[0]), _runs(torch.where(real.any(0), 0, -1)),
+                                 (self.key_ids == 0, real))]
             else:
-                self._groups = [(slice(b, b + 1), _runs(q[b]), _runs(k[b])) for b in range(q.shape[0])]
+                self._groups = [(slice(b, b + 1), _runs(q[b]), _runs(k[b]), None) for b in range(q.shape[0])]
         return self._groups
 
     def key_row(self, base: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -100,16 +104,17 @@ class MaskSpec:
             seen = seen & (torch.arange(q, device=seen.device)[:, None] >= torch.arange(k, device=seen.device))
         return seen if base != "eager" else _additive(seen, dtype)
 
-    def pieces(self, geometry, src: int, relative_length: int, make_piece) -> list:
+    def pieces(self, geometry, src: int, make_piece) -> list:
         """The pieces of ring block ``src`` for this rank's queries (``geometry``: a
         :class:`~shardlib.kernels.ring_blocks.RingGeometry`): every run of equal ids among this rank's query
         segments against every run of the same id among the block's key segments, cut at the causal diagonal.
-        ``make_piece(batch, rows, cols, qpos, kpos, causal, tag)`` builds each (chunk offsets, positions)."""
+        ``make_piece(batch, rows, cols, queries, keys, causal, tag, real)`` builds each (chunk offsets, positions,
+        and which of its keys are real per row where rows of different lengths share it, else None)."""
         g, pieces = geometry, []
-        real = [run for run in g.runs(src) if run[2] < g.length]
-        for batch, query_runs, key_runs in self.groups():
+        block = [run for run in g.runs(src) if run[2] < g.length]
+        for batch, query_runs, key_runs, real_keys in self.groups():
             for q_start, _, q_first, q_last in g.runs(g.rank):
-                for k_start, _, k_first, k_last in real:
+                for k_start, _, k_first, k_last in block:
                     # padding positions (past the length) neither ask nor answer: their rows are cut off at the exit
                     spans = (q_first, min(q_last, g.length - 1)), (k_first, min(k_last, g.length - 1))
                     for queries, keys in _matching(query_runs, key_runs, *spans):
@@ -117,11 +122,18 @@ class MaskSpec:
                             rows = slice(q_start + a - q_first, q_start + b - q_first)
                             cols = slice(k_start + c - k_first, k_start + d - k_first)
                             pieces.append(make_piece(batch, rows, cols, (a, b), (c, d), diagonal,
-                                                     src * 2 ** 20 + len(pieces)))
+                                                     src * 2 ** 20 + len(pieces), _real(real_keys, c, d)))
         return pieces
 
     def _cut(self, queries, keys):
         return _causal_cut(*queries, *keys) if self.causal else [(queries, keys, False)]
+
+
+def _real(keys, start: int, stop: int) -> torch.Tensor | None:
+    """Which keys of [start, stop) are real per row, or None where all are (no mask)."""
+    if keys is None or bool(keys[1][:, start:stop].all()):
+        return None
+    return keys[0][:, start:stop]
 
 
 def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -211,9 +223,9 @@ def spec_builder(dense):
 
     def build(**kwargs):
         spec = describe(**kwargs)
+        MASKS_BUILT["data" if isinstance(spec, MaskSpec) else f"dense: {spec}"] += 1
         if isinstance(spec, MaskSpec):
             return spec
-        DENSE_FALLBACKS[spec] += 1
         documents = _DOCUMENTS.get()
         if documents is not None:  # a packed forward: the dense mask keeps the documents apart too
             from transformers.masking_utils import and_masks
@@ -240,5 +252,5 @@ def is_spec_builder(builder) -> bool:
     return hasattr(builder, "dense")
 
 
-__all__ = ["MaskSpec", "DENSE_FALLBACKS", "enter_documents", "leave_documents", "same_document", "describe", "spec_builder", "dense_builder",
-           "is_spec_builder"]
+__all__ = ["MaskSpec", "MASKS_BUILT", "enter_documents", "leave_documents", "same_document", "describe",
+           "spec_builder", "dense_builder", "is_spec_builder"]

@@ -24,7 +24,7 @@ from shardlib.parallel.collectives import all_to_all
 from .attention import (
     BLOCKS_PREFIX, _register_wrapper, base_implementation, inner_attention, sequence_bias, to_heads,
 )
-from .mask_spec import DENSE_FALLBACKS, MaskSpec
+from .mask_spec import MASKS_BUILT, MaskSpec
 from .ring_blocks import ACC_DTYPES, RingGeometry, RingLayout, RingProblem, ring_attention
 
 RING_PREFIX = "shardlib_ring_"
@@ -192,7 +192,7 @@ def _cross_attention(module, ctx: RingContext, g: RingGeometry, query, key, valu
     if isinstance(attention_mask, MaskSpec):
         mask = attention_mask.key_row(ctx.base, query.dtype)
         if mask is None:
-            DENSE_FALLBACKS["cross-attention per query"] += 1
+            MASKS_BUILT["dense: cross-attention per query"] += 1
             mask = _rows(attention_mask.dense(ctx.base, query.dtype), g)
     else:
         mask = None if attention_mask is None else _rows(attention_mask, g)
@@ -232,7 +232,7 @@ def block_attention_forward(module, query, key, value, attention_mask, *, implem
             return inner(module, query, key, value, row, **kwargs)
         dense.append("cross-attention per query")
     if dense:
-        DENSE_FALLBACKS[", ".join(dense)] += 1
+        MASKS_BUILT["dense: " + ", ".join(dense)] += 1
         return inner(module, query, key, value, spec.dense(base, query.dtype), **kwargs)
     scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
     acc = ACC_DTYPES.get(query.dtype, query.dtype)

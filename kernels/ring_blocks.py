@@ -235,7 +235,7 @@ class RingProblem:
         """The pieces of block ``src`` (none where the block contributes nothing)."""
         g = self.geometry
         if self.spec is not None:
-            return self.spec.pieces(g, src, self.relative_length, self._spec_piece)
+            return self.spec.pieces(g, src, self._spec_piece)
         if self.visible is not None and not self.visible[src]:
             return []
         keys = [run for run in g.runs(src) if run[2] < g.length]  # runs of padding only contribute nothing
@@ -270,13 +270,18 @@ class RingProblem:
             mask = extra if mask is None else mask + extra
         return Piece(rows, cols, mask, self._bias_index(qpos, kpos), tag)
 
-    def _spec_piece(self, batch: slice, rows: slice, cols: slice, queries, keys, causal: bool, tag: int) -> Piece:
-        """A piece the mask spec cut (positions ``queries`` and ``keys`` as [start, stop)): no mask."""
+    def _spec_piece(self, batch: slice, rows: slice, cols: slice, queries, keys, causal: bool, tag: int,
+                    real: torch.Tensor | None) -> Piece:
+        """A piece the mask spec cut (positions ``queries`` and ``keys`` as [start, stop)): no mask, or where rows of
+        different lengths share it, a key row [b, 1, 1, cols] hiding each row's padding (``real``: [b, cols])."""
         device = self.geometry.order.device
-        index = None
+        index = mask = None
         if self.relative_length:
             index = self._bias_index(torch.arange(*queries, device=device), torch.arange(*keys, device=device))
-        return Piece(rows, cols, None, index, tag, batch, causal)
+        if real is not None:  # finfo.min, not -inf: a row whose keys here are all padding gets weight 0, not NaN
+            mask = torch.zeros(real.shape, dtype=self.acc, device=device).masked_fill_(~real, torch.finfo(self.acc).min)
+            mask = mask[:, None, None, :]
+        return Piece(rows, cols, mask, index, tag, batch, causal)
 
     def _bias_index(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
         """Where each (query, key) entry of a relative bias given per distance is (None without one)."""

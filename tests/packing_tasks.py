@@ -9,6 +9,8 @@ document), T5 conditional generation (documents in the encoder and their targets
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
@@ -20,6 +22,7 @@ import shardlib
 import t5_cases
 from harness import mesh as pool_mesh
 from shardlib.kernels.attention import set_attention
+from shardlib.kernels.mask_spec import MASKS_BUILT
 from train_tasks import MAX_GRAD_NORM, adamw
 
 CLASSES = {"bert_mlm": "BertForMaskedLM", "bert_cls": "BertForSequenceClassification",
@@ -96,8 +99,9 @@ def padded(batch: list[dict], kind: str) -> dict:
 
 
 def reference(spec: dict) -> dict:
-    """The unsharded model, one process, trained on the padded global batches in order."""
-    model = make_model(spec)
+    """The unsharded model, one process, trained on the padded global batches in order (transformers' own attention:
+    SDPA where the sharded model runs block attention)."""
+    model = make_model({**spec, "attention": "sdpa" if spec.get("attention") == "blocks" else spec.get("attention")})
     optimizer = adamw(model.parameters())
     data, size = samples(spec), spec["batch_size"]
     losses = []
@@ -128,7 +132,9 @@ def _mesh(layout: dict):
 
 def packed_fit(spec: dict) -> dict:
     """``fit(packing=spec["budget"])`` at ``spec["layout"]`` (+ ``spec["shard"]`` options), compared on this rank
-    with :func:`reference`: the largest relative error of the step losses and of the weights after the last step."""
+    with :func:`reference`: the largest relative error of the step losses and of the weights after the last step, and
+    the masks shardlib's mask builders made meanwhile (``MASKS_BUILT``: "data" or "dense: <reason>")."""
+    before = collections.Counter(MASKS_BUILT)
     model = shardlib.shard(make_model(spec), _mesh(spec.get("layout", {})), **spec.get("shard", {}))
     trainer = shardlib.Trainer(model, adamw, microbatches=spec.get("microbatches", 1), max_grad_norm=MAX_GRAD_NORM,
                                **spec.get("trainer", {}))
@@ -138,6 +144,7 @@ def packed_fit(spec: dict) -> dict:
     result = trainer.fit(data, batch_size=spec["batch_size"], max_steps=spec["steps"], shuffle=False,
                          packing=spec["budget"], progress=False, log_interval=1)
     state = shardlib.full_state_dict(model)
+    masks = dict(MASKS_BUILT - before)
     expected = reference(spec)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(result.losses, expected["losses"]))
     scale = max(float(t.abs().max()) for t in expected["state"].values() if t.is_floating_point())
@@ -145,7 +152,7 @@ def packed_fit(spec: dict) -> dict:
                     for name, t in expected["state"].items() if t.is_floating_point() and name in state}
     worst = max(weight_error, key=weight_error.get)
     return {"losses": result.losses, "expected": expected["losses"], "loss_error": loss_error,
-            "weight_error": weight_error[worst], "worst": worst}
+            "weight_error": weight_error[worst], "worst": worst, "masks": masks}
 
 
 def packed_logits(spec: dict) -> float:

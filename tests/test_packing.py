@@ -122,10 +122,12 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "blocks"])
 @pytest.mark.parametrize("kind", list(packing_tasks.CLASSES))
 def test_packed_training_equals_padded_at_a_world_of_one(world_of_one, kind, attention):
-    _check(packing_tasks.packed_fit({**SPEC, "model": kind, "attention": attention}), kind)
+    result = packing_tasks.packed_fit({**SPEC, "model": kind, "attention": attention})
+    _check(result, kind)
+    _masks_as_data(result, kind, attention == "blocks")
 
 
 @pytest.mark.parametrize("kind", [*packing_tasks.INFERRED, *packing_tasks.MORE_BERT])
@@ -165,8 +167,12 @@ def test_models_that_cannot_pack_are_refused_before_training(world_of_one, famil
 
 
 # -- training across layouts on the pool ----------------------------------------------------------------------
+BLOCKS = shardlib.Kernels(attention="blocks")
 LAYOUTS = {"tp2": ({"tp": 2}, {}), "tp2_sp": ({"tp": 2}, {"sequence_parallel": True}),
-           "ring_sp2": ({"sp": 2}, {"sequence_parallel": "ring"}), "pp2_dp2": ({"pp": 2, "dp": 2}, {})}
+           "ring_sp2": ({"sp": 2}, {"sequence_parallel": "ring"}), "pp2_dp2": ({"pp": 2, "dp": 2}, {}),
+           "ring_sp4": ({"sp": 4}, {"sequence_parallel": "ring"}),
+           "tp2_sp_blocks": ({"tp": 2}, {"sequence_parallel": True, "kernels": BLOCKS}),
+           "a2a_sp2_blocks": ({"sp": 2}, {"sequence_parallel": "all_to_all", "kernels": BLOCKS})}
 @pytest.mark.parametrize("kind", list(packing_tasks.CLASSES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_training_equals_padded_across_layouts(pool, layout, kind):
@@ -174,6 +180,17 @@ def test_packed_training_equals_padded_across_layouts(pool, layout, kind):
     spec = {**SPEC, "model": kind, "layout": mesh, "shard": options}
     for result in pool.run(packing_tasks.packed_fit, spec):
         _check(result, kind)
+        _masks_as_data(result, kind, "ring" in layout or "blocks" in layout)
+
+
+def _masks_as_data(result: dict, kind: str, as_data: bool) -> None:
+    """Ring and block attention take a self-attention model's packed documents as data, never as a dense mask
+    (seq2seq models keep the 4-D masks); every other layout builds none of shardlib's."""
+    masks = result["masks"]
+    if not as_data or kind == "t5":
+        assert not masks.get("data"), masks
+    else:
+        assert masks.get("data") and not any(key.startswith("dense") for key in masks), masks
 
 
 def test_packed_training_under_zero_and_activation_checkpointing(pool):
@@ -235,15 +252,18 @@ def test_the_ring_skips_blocks_of_other_documents(documents, visible):
     not."""
     from transformers import BertConfig
 
+    from shardlib.kernels.mask_spec import MaskSpec
     from shardlib.kernels.ring_attention import _self_mask
-    from shardlib.kernels.ring_blocks import RingGeometry, RingLayout
+    from shardlib.kernels.ring_blocks import RingGeometry, RingLayout, RingProblem
     from shardlib.sharding.documents import document_mask
 
     ids = torch.cat([torch.full((n,), i) for i, n in enumerate(documents)])[None]
     mask = document_mask(BertConfig(attn_implementation="sdpa"), ids, ids, causal=False, dtype=torch.float32)
     layout, length = RingLayout(ranks=2, ring=2), ids.shape[1]
     geometry = RingGeometry(0, 2, layout.padded(length) // 2, length, layout.order(length, "cpu"))
-    assert _self_mask(mask, geometry, torch.float32)[1] == visible
+    assert _self_mask(mask, geometry, torch.float32)[1] == visible  # a dense mask (transformers' fallback)
+    problem = RingProblem(None, geometry, 1.0, torch.float32, spec=MaskSpec(ids, ids))  # the documents as data
+    assert [bool(problem.pieces(src)) for src in range(2)] == visible
 
 
 def test_gradient_accumulation_over_packed_batches(world_of_one):

@@ -1,0 +1,225 @@
+"""Masks as data (kernels/mask_spec.py), in one process: a MaskSpec's pieces, merged by log-sum-exp, equal dense
+attention under the [L, L] mask the spec stands for, forward and backward (given the global output and
+log-sum-exp), at every ring position of every ring size (zigzag, Ulysses x ring) and as a ring of one, for padding
+(any valid keys, several runs) and packed documents (any lengths, padding), causal or not, grouped K/V heads, T5's
+relative bias per distance and dropout; the builder describes what transformers asks for or falls back, by reason.
+The multi-rank wire and the models are covered by test_ring_attention.py, test_packing.py and test_masks_linear.py."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sliding_window_causal_mask_function
+
+from shardlib.kernels.mask_spec import MaskSpec, describe, enter_documents, leave_documents, spec_builder
+from shardlib.kernels.ring_blocks import (
+    RingGeometry, RingLayout, RingProblem, _dropout_keep, _expand_kv, _fold_kv, _merge, piece_backward, piece_forward,
+)
+
+SCALE = 0.7
+
+
+def _ids(draw, batch: int, length: int, kind: str, causal: bool):
+    """Query and key ids [batch, length] of ``kind``: every query sees at least one key, as the builder ensures."""
+    queries, keys = [], []
+    for _ in range(batch):
+        if kind == "padding":
+            valid = draw(st.lists(st.booleans(), min_size=length, max_size=length))
+            valid[0] = True  # a key every query may see (causal: the first)
+            key = torch.tensor([0 if v else -1 for v in valid])
+            queries.append(torch.zeros(length, dtype=torch.long))
+        else:
+            lengths = draw(st.lists(st.integers(1, length), min_size=1, max_size=4))
+            ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[:length]
+            padding = draw(st.integers(0, length - 1))
+            key = torch.cat([ids, torch.full((length,), -1)])[:length]
+            key[length - padding:] = -1
+            queries.append(key)
+        keys.append(key)
+    return torch.stack(queries), torch.stack(keys)
+
+
+@st.composite
+def problems(draw):
+    n, ulysses = draw(st.integers(0, 4)), draw(st.integers(1, 2))  # n = 0: a ring of one (RingGeometry.whole)
+    length, batch = draw(st.integers(1, 21)), draw(st.integers(1, 2))
+    causal, kind = draw(st.booleans()), draw(st.sampled_from(["padding", "documents"]))
+    query_ids, key_ids = _ids(draw, batch, length, kind, causal)
+    return {"n": n, "ulysses": ulysses, "rank": draw(st.integers(0, max(n - 1, 0))), "length": length,
+            "batch": batch, "kv_heads": draw(st.integers(1, 2)), "groups": draw(st.integers(1, 2)),
+            "head_dim": draw(st.sampled_from([1, 3, 4])), "spec": MaskSpec(query_ids, key_ids, causal),
+            "relative": draw(st.booleans()), "dropout": draw(st.sampled_from([0.0, 0.0, 0.3])),
+            "seed": draw(st.integers(0, 2 ** 40))}
+
+
+def _setup(p):
+    L = p["length"]
+    if p["n"]:
+        layout = RingLayout(ranks=p["n"] * p["ulysses"], ring=p["n"])
+        geometry = RingGeometry(p["rank"], p["n"], layout.padded(L) // p["n"], L, layout.order(L, "cpu"))
+    else:
+        geometry = RingGeometry.whole(L, "cpu")
+    P = geometry.size * geometry.chunk
+    g = torch.Generator().manual_seed(p["seed"] % 2 ** 31)
+    hq = p["kv_heads"] * p["groups"]
+    q = torch.randn(p["batch"], hq, P, p["head_dim"], generator=g, dtype=torch.float64)
+    k, v = (torch.randn(p["batch"], p["kv_heads"], P, p["head_dim"], generator=g, dtype=torch.float64)
+            for _ in range(2))
+    relative = torch.randn(1, hq, 1, 2 * L - 1, generator=g, dtype=torch.float64) if p["relative"] else None
+    problem = RingProblem(None, geometry, SCALE, torch.float64, spec=p["spec"], dropout=p["dropout"], seed=p["seed"],
+                          relative_length=L if p["relative"] else 0)
+    return problem, q, k, v, relative
+
+
+def _keep(p, problem, shape) -> torch.Tensor:
+    """The pieces' keep masks (scaled) in a dense [b, h, rows, L] in natural key order (1 where no piece is)."""
+    g = problem.geometry
+    keep = torch.ones(*shape[:2], g.chunk, g.size * g.chunk, dtype=torch.float64)
+    for src in range(g.size):
+        for piece in problem.pieces(src):
+            rows = torch.arange(g.chunk)[piece.rows]
+            cols = src * g.chunk + torch.arange(g.chunk)[piece.cols]
+            batch = torch.arange(shape[0])[piece.batch]
+            part = _dropout_keep((len(batch), shape[1], len(rows), len(cols)), p["dropout"], p["seed"] + piece.tag,
+                                 "cpu")
+            keep[batch[:, None, None, None], torch.arange(shape[1])[None, :, None, None], rows[None, None, :, None],
+                 cols[None, None, None, :]] = part.double() / (1 - p["dropout"])
+    return keep[..., torch.argsort(g.order)][..., :g.length]
+
+
+def _dense(p, problem, q, k, v, relative):
+    """softmax(q k^T * scale + bias, under the spec's dense mask) v of this position's real queries."""
+    g, L = problem.geometry, problem.geometry.length
+    rows = g.positions(g.rank)
+    kk, vv = (_expand_kv(t[:, :, :L], p["groups"]) for t in (k, v))
+    s = q[:, :, rows] @ kk.transpose(-1, -2) * SCALE
+    if relative is not None:
+        s = s + relative[0, :, 0][:, (torch.arange(L)[None, :] - rows[:, None] + L - 1).clamp(0, 2 * L - 2)]
+    seen = p["spec"].dense("sdpa", torch.float64).index_select(-2, rows.clamp(max=L - 1))
+    probs = torch.softmax(s.masked_fill(~seen, -math.inf), dim=-1)
+    if p["dropout"]:
+        probs = probs * _keep(p, problem, q.shape)
+    return (probs @ vv) * (rows < L)[:, None]  # padding queries compute nothing
+
+
+def _forward(p, problem, q, k, v, relative):
+    g = problem.geometry
+    mine = q[:, :, g.positions(g.rank)]
+    out = mine.new_zeros(mine.shape)
+    lse = mine.new_full(mine.shape[:-1], -math.inf)
+    for src in range(g.size):
+        kb, vb = (t[:, :, g.positions(src)] for t in (k, v))
+        for piece in problem.pieces(src):
+            at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
+            o_b, lse_b = piece_forward(mine[at], _expand_kv(kb[cols], p["groups"]), _expand_kv(vb[cols], p["groups"]),
+                                       SCALE, piece, relative, p["dropout"], p["seed"] + piece.tag)
+            out[at], lse[at] = _merge(out[at], lse[at], o_b, lse_b)
+    return mine, out, lse
+
+
+@given(problems())
+def test_spec_pieces_merged_equal_dense_attention(p):
+    problem, q, k, v, relative = _setup(p)
+    for t in (q, k, v) + ((relative,) if relative is not None else ()):
+        t.requires_grad_(True)
+    expected = _dense(p, problem, q, k, v, relative)
+    grad_out = torch.randn(expected.shape, dtype=torch.float64)
+    expected.backward(grad_out)
+    rel = None if relative is None else relative.detach()
+    with torch.no_grad():
+        mine, out, lse = _forward(p, problem, q.detach(), k.detach(), v.detach(), rel)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-10, atol=1e-12)
+    g, dq = problem.geometry, torch.zeros_like(mine)
+    drel = torch.zeros_like(rel) if rel is not None else None
+    for src in range(g.size):
+        kb, vb = (t.detach()[:, :, g.positions(src)] for t in (k, v))
+        dkv = torch.zeros((2, *kb.shape), dtype=torch.float64)
+        for piece in problem.pieces(src):
+            at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
+            dq_b, dk_b, dv_b, drel_b = piece_backward(
+                grad_out[at], mine[at], _expand_kv(kb[cols], p["groups"]), _expand_kv(vb[cols], p["groups"]),
+                out[at], lse[at], SCALE, piece, rel, p["dropout"], p["seed"] + piece.tag)
+            dq[at] += dq_b
+            dkv[0][cols] += _fold_kv(dk_b, p["groups"])
+            dkv[1][cols] += _fold_kv(dv_b, p["groups"])
+            if drel_b is not None:
+                drel += drel_b
+        for name, got, full in (("k", dkv[0], k), ("v", dkv[1], v)):
+            torch.testing.assert_close(got, full.grad[:, :, g.positions(src)], rtol=1e-10, atol=1e-12,
+                                       msg=f"d{name} of block {src}")
+    torch.testing.assert_close(dq, q.grad[:, :, g.positions(g.rank)], rtol=1e-10, atol=1e-12)
+    if relative is not None:
+        torch.testing.assert_close(drel, relative.grad, rtol=1e-10, atol=1e-12)
+
+
+@given(problems())
+def test_a_ring_of_one_is_the_autograd_function(p):
+    """Without sequence parallelism the spec runs through the ring's own autograd Function (no wire)."""
+    from shardlib.kernels.ring_blocks import ring_attention
+
+    p = {**p, "n": 0, "rank": 0, "dropout": 0.0}
+    problem, q, k, v, relative = _setup(p)
+    inputs = [t.requires_grad_(True) for t in (q, k, v)]
+    expected = _dense(p, problem, q, k, v, relative)
+    got = ring_attention(problem, *inputs, relative)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    grad = torch.randn(expected.shape, dtype=torch.float64)
+    mine = torch.autograd.grad(got, inputs, grad)
+    theirs = torch.autograd.grad(expected, inputs, grad)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_packed_work_is_the_documents_squares():
+    """Eight equal documents in a row: the pieces cover exactly the documents' squares (1/8 of the row's pairs), at a
+    ring of one and over a ring of 4 (zigzag; documents span segments)."""
+    length, documents = 256, 8
+    ids = (torch.arange(length) * documents // length)[None]
+    spec = MaskSpec(ids, ids)
+    for n in (1, 4):
+        layout = RingLayout(ranks=n, ring=n)
+        pairs = 0
+        for rank in range(n):
+            geometry = RingGeometry(rank, n, layout.padded(length) // n, length, layout.order(length, "cpu"))
+            problem = RingProblem(None, geometry, 1.0, torch.float64, spec=spec)
+            for src in range(n):
+                pairs += sum((pc.rows.stop - pc.rows.start) * (pc.cols.stop - pc.cols.start)
+                             for pc in problem.pieces(src))
+        assert pairs == length * length // documents, (n, pairs)
+
+
+ARGS = dict(batch_size=2, q_length=6, kv_length=6, device="cpu")
+
+
+@pytest.mark.parametrize("function,causal", [(bidirectional_mask_function, False), (causal_mask_function, True)])
+def test_the_builder_describes_padding(function, causal):
+    padding = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    spec = describe(**ARGS, mask_function=function, attention_mask=padding)
+    assert isinstance(spec, MaskSpec) and spec.causal == causal
+    assert spec.key_ids.tolist() == [[0, 0, 0, 0, -1, -1], [0] * 6] and not spec.query_ids.any()
+
+
+def test_the_builder_describes_documents_and_leaves_what_it_cannot():
+    documents = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 1, 2, 3, 4, 5]])
+    token = enter_documents(documents)
+    try:
+        spec = describe(**ARGS, mask_function=causal_mask_function, attention_mask=documents >= 0)
+        assert spec.query_ids is spec.key_ids and spec.key_ids.tolist() == documents.tolist()
+        # a sliding window stays dense, and keeps the documents apart
+        dense = spec_builder(_sdpa())(**ARGS, mask_function=sliding_window_causal_mask_function(2),
+                                      attention_mask=documents >= 0, local_size=2)
+        assert torch.is_tensor(dense) and not bool(dense[0, 0, 2, 1]) and bool(dense[0, 0, 3, 2])
+    finally:
+        leave_documents(token)
+    left_padding = torch.tensor([[0, 1, 1, 1, 1, 1]] * 2, dtype=torch.bool)
+    assert describe(**ARGS, mask_function=causal_mask_function, attention_mask=left_padding) == \
+        "a query that sees no key"
+    assert describe(**ARGS, mask_function=causal_mask_function, q_offset=3) == "cache offset"
+    assert describe(**{**ARGS, "device": "meta"}, mask_function=causal_mask_function) == "meta"
+
+
+def _sdpa():
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask
