@@ -10,12 +10,15 @@ import math
 import pytest
 import torch
 from hypothesis import given, strategies as st
-from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sliding_window_causal_mask_function
+from transformers.masking_utils import (
+    bidirectional_mask_function, causal_mask_function, sliding_window_causal_mask_function,
+)
 
 from shardlib.kernels.mask_spec import MaskSpec, describe, enter_documents, leave_documents, spec_builder
 from shardlib.kernels.ring_blocks import (
-    RingGeometry, RingLayout, RingProblem, _dropout_keep, _expand_kv, _fold_kv, _merge, piece_backward, piece_forward,
+    RingGeometry, RingLayout, RingProblem, _expand_kv, _fold_kv, _merge, piece_backward, piece_forward,
 )
+from test_ring_kernel import _keep
 
 SCALE = 0.7
 
@@ -70,22 +73,6 @@ def _setup(p):
     problem = RingProblem(None, geometry, SCALE, torch.float64, spec=p["spec"], dropout=p["dropout"], seed=p["seed"],
                           relative_length=L if p["relative"] else 0)
     return problem, q, k, v, relative
-
-
-def _keep(p, problem, shape) -> torch.Tensor:
-    """The pieces' keep masks (scaled) in a dense [b, h, rows, L] in natural key order (1 where no piece is)."""
-    g = problem.geometry
-    keep = torch.ones(*shape[:2], g.chunk, g.size * g.chunk, dtype=torch.float64)
-    for src in range(g.size):
-        for piece in problem.pieces(src):
-            rows = torch.arange(g.chunk)[piece.rows]
-            cols = src * g.chunk + torch.arange(g.chunk)[piece.cols]
-            batch = torch.arange(shape[0])[piece.batch]
-            part = _dropout_keep((len(batch), shape[1], len(rows), len(cols)), p["dropout"], p["seed"] + piece.tag,
-                                 "cpu")
-            keep[batch[:, None, None, None], torch.arange(shape[1])[None, :, None, None], rows[None, None, :, None],
-                 cols[None, None, None, :]] = part.double() / (1 - p["dropout"])
-    return keep[..., torch.argsort(g.order)][..., :g.length]
 
 
 def _dense(p, problem, q, k, v, relative):

@@ -59,15 +59,18 @@ def _problem(p, geometry, mask, acc=torch.float64):
 
 
 def _keep(p, problem, shape) -> torch.Tensor:
-    """The pieces' keep masks (scaled) in a dense [b, h, rows, L] in natural key order."""
+    """The pieces' keep masks (scaled) in a dense [b, h, rows, L] in natural key order (1 where no piece is)."""
     g = problem.geometry
     keep = torch.ones(*shape[:2], g.chunk, g.size * g.chunk, dtype=torch.float64)
     for src in range(g.size):
         for piece in problem.pieces(src):
             rows = torch.arange(g.chunk)[piece.rows]
             cols = src * g.chunk + torch.arange(g.chunk)[piece.cols]
-            part = _dropout_keep((*shape[:2], len(rows), len(cols)), p["dropout"], p["seed"] + piece.tag, "cpu")
-            keep[:, :, rows[:, None], cols[None, :]] = part.double() / (1 - p["dropout"])
+            batch = torch.arange(shape[0])[piece.batch]
+            part = _dropout_keep((len(batch), shape[1], len(rows), len(cols)), p["dropout"], p["seed"] + piece.tag,
+                                 "cpu")
+            keep[batch[:, None, None, None], torch.arange(shape[1])[None, :, None, None], rows[None, None, :, None],
+                 cols[None, None, None, :]] = part.double() / (1 - p["dropout"])
     return keep[..., torch.argsort(g.order)][..., :g.length]
 
 
