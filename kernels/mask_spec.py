@@ -69,6 +69,7 @@ class MaskSpec:
     key_ids: torch.Tensor  # [b, Lk] int64
     causal: bool = False
     _groups: list | None = field(default=None, repr=False)
+    _pieces: dict = field(default_factory=dict, repr=False)
 
     def groups(self) -> list[tuple[slice, list, list, tuple | None]]:
         """(batch rows, query runs, key runs, keys) where rows share their runs; a run is (first position, last
@@ -104,13 +105,25 @@ class MaskSpec:
             seen = seen & (torch.arange(q, device=seen.device)[:, None] >= torch.arange(k, device=seen.device))
         return seen if base != "eager" else _additive(seen, dtype)
 
-    def pieces(self, geometry, src: int, make_piece) -> list:
+    def pieces(self, geometry, src: int, make_piece, cache_key=None) -> list:
         """The pieces of ring block ``src`` for this rank's queries (``geometry``: a
         :class:`~shardlib.kernels.ring_blocks.RingGeometry`): every run of equal ids among this rank's query
         segments against every run of the same id among the block's key segments, cut at the causal diagonal.
         ``make_piece(batch, rows, cols, queries, keys, causal, tag, real)`` builds each (chunk offsets, positions,
-        and which of its keys are real per row where rows of different lengths share it, else None)."""
+        and which of its keys are real per row where rows of different lengths share it, else None). Every layer
+        of a forward gets the same spec: the pieces are cut once per block and ``cache_key`` (what else
+        ``make_piece`` depends on), and reused by the other layers and the backward."""
+        if cache_key is None:
+            return self._cut_block(geometry, src, make_piece)
+        key = (geometry.rank, geometry.size, geometry.chunk, geometry.length, src, cache_key)
+        if key not in self._pieces:
+            self._pieces[key] = self._cut_block(geometry, src, make_piece)
+        return self._pieces[key]
+
+    def _cut_block(self, geometry, src: int, make_piece) -> list:
         g, pieces = geometry, []
+        if not self.causal and not bool(self.query_ids.any()):
+            return self._padding_pieces(g, src, make_piece)
         block = [run for run in g.runs(src) if run[2] < g.length]
         for batch, query_runs, key_runs, real_keys in self.groups():
             for q_start, _, q_first, q_last in g.runs(g.rank):
@@ -125,8 +138,31 @@ class MaskSpec:
                                                      src * 2 ** 20 + len(pieces), _real(real_keys, c, d)))
         return pieces
 
+    def _padding_pieces(self, g, src: int, make_piece) -> list:
+        """Padding without causality: every query sees the same keys, so one piece per block: this rank's real
+        queries against the block's keys up to its last real one (positions past the length come last in each
+        chunk), with a key row where some row's key among them is padding."""
+        rows, cols = _real_prefix(g, g.rank), _real_prefix(g, src)
+        if not rows or not cols:
+            return []
+        positions = g.positions(src)[:cols]
+        real = self.key_ids.index_select(1, positions) == 0  # [b, cols]
+        seen = real.any(0)
+        if not bool(seen.any()):
+            return []
+        cols = int(torch.nonzero(seen).max()) + 1
+        real = real[:, :cols]
+        return [make_piece(slice(None), slice(0, rows), slice(0, cols), g.positions(g.rank)[:rows], positions[:cols],
+                           False, src * 2 ** 20, None if bool(real.all()) else real)]
+
     def _cut(self, queries, keys):
         return _causal_cut(*queries, *keys) if self.causal else [(queries, keys, False)]
+
+
+def _real_prefix(g, block: int) -> int:
+    """How many of block ``block``'s positions are within the length: a prefix of the chunk (of its first segment,
+    or all of it and of the second's), since positions past the length are the sequence's last."""
+    return sum(max(0, min(last, g.length - 1) - first + 1) for _, _, first, last in g.runs(block))
 
 
 def _real(keys, start: int, stop: int) -> torch.Tensor | None:

@@ -235,7 +235,9 @@ class RingProblem:
         """The pieces of block ``src`` (none where the block contributes nothing)."""
         g = self.geometry
         if self.spec is not None:
-            return self.spec.pieces(g, src, self._spec_piece)
+            # a relative bias's index is [rows, cols] per piece: made when needed, never kept across layers
+            cache = None if self.relative_length else (self.acc, str(g.order.device))
+            return self.spec.pieces(g, src, self._spec_piece, cache)
         if self.visible is not None and not self.visible[src]:
             return []
         keys = [run for run in g.runs(src) if run[2] < g.length]  # runs of padding only contribute nothing
@@ -272,12 +274,14 @@ class RingProblem:
 
     def _spec_piece(self, batch: slice, rows: slice, cols: slice, queries, keys, causal: bool, tag: int,
                     real: torch.Tensor | None) -> Piece:
-        """A piece the mask spec cut (positions ``queries`` and ``keys`` as [start, stop)): no mask, or where rows of
-        different lengths share it, a key row [b, 1, 1, cols] hiding each row's padding (``real``: [b, cols])."""
+        """A piece the mask spec cut (positions ``queries`` and ``keys``: [start, stop) or a tensor of them): no
+        mask, or where rows of different lengths share it, a key row [b, 1, 1, cols] hiding each row's padding
+        (``real``: [b, cols])."""
         device = self.geometry.order.device
         index = mask = None
         if self.relative_length:
-            index = self._bias_index(torch.arange(*queries, device=device), torch.arange(*keys, device=device))
+            index = self._bias_index(*(torch.arange(*x, device=device) if isinstance(x, tuple) else x
+                                       for x in (queries, keys)))
         if real is not None:  # finfo.min, not -inf: a row whose keys here are all padding gets weight 0, not NaN
             mask = torch.zeros(real.shape, dtype=self.acc, device=device).masked_fill_(~real, torch.finfo(self.acc).min)
             mask = mask[:, None, None, :]
