@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .mask_pieces import causal_cut, id_runs, keys_real_in, matching_runs, real_prefix, window_cut
+
 #: masks shardlib's builders and kernels made, in this process: "data" (a MaskSpec) or "dense: <reason>" (for tests
 #: and debugging: a layout that should carry masks as data and still builds dense ones shows here)
 MASKS_BUILT: collections.Counter = collections.Counter()
@@ -62,12 +64,13 @@ def same_document(documents: torch.Tensor):
 
 @dataclass(eq=False)
 class MaskSpec:
-    """Query q of row b sees key k when ``query_ids[b, q] == key_ids[b, k]`` (and k <= q when ``causal``): see the
-    module docstring. Every query sees at least one key (the builder checks it)."""
+    """Query q of row b sees key k when ``query_ids[b, q] == key_ids[b, k]`` (and k <= q when ``causal``, and
+    q - k < ``window`` where given): see the module docstring. Every query sees at least one key (the builder checks it)."""
 
     query_ids: torch.Tensor  # [b, Lq] int64
     key_ids: torch.Tensor  # [b, Lk] int64
     causal: bool = False
+    window: int | None = None  # causal only: and q - k < window (transformers' sliding window)
     _groups: list | None = field(default=None, repr=False)
     _pieces: dict = field(default_factory=dict, repr=False)
 
@@ -80,13 +83,13 @@ class MaskSpec:
         if self._groups is None:
             q, k = self.query_ids.cpu(), self.key_ids.cpu()
             if bool((q == q[:1]).all()) and bool((k == k[:1]).all()):
-                self._groups = [(slice(None), _runs(q[0]), _runs(k[0]), None)]
+                self._groups = [(slice(None), id_runs(q[0]), id_runs(k[0]), None)]
             elif not bool(q.any()):  # padding: one call over the batch, a key row where the rows differ
                 real = k == 0
-                self._groups = [(slice(None), _runs(q[0]), _runs(torch.where(real.any(0), 0, -1)),
+                self._groups = [(slice(None), id_runs(q[0]), id_runs(torch.where(real.any(0), 0, -1)),
                                  (self.key_ids == 0, real))]
             else:
-                self._groups = [(slice(b, b + 1), _runs(q[b]), _runs(k[b]), None) for b in range(q.shape[0])]
+                self._groups = [(slice(b, b + 1), id_runs(q[b]), id_runs(k[b]), None) for b in range(q.shape[0])]
         return self._groups
 
     def key_row(self, base: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -102,15 +105,17 @@ class MaskSpec:
         seen = self.query_ids[:, None, :, None] == self.key_ids[:, None, None, :]
         if self.causal:
             q, k = seen.shape[-2:]
-            seen = seen & (torch.arange(q, device=seen.device)[:, None] >= torch.arange(k, device=seen.device))
+            distance = torch.arange(q, device=seen.device)[:, None] - torch.arange(k, device=seen.device)
+            seen = seen & (distance >= 0) & (distance < (self.window or q + k))
         return seen if base != "eager" else _additive(seen, dtype)
 
     def pieces(self, geometry, src: int, make_piece, cache_key=None) -> list:
         """The pieces of ring block ``src`` for this rank's queries (``geometry``: a
         :class:`~shardlib.kernels.ring_blocks.RingGeometry`): every run of equal ids among this rank's query
         segments against every run of the same id among the block's key segments, cut at the causal diagonal.
-        ``make_piece(batch, rows, cols, queries, keys, causal, tag, real)`` builds each (chunk offsets, positions,
-        and which of its keys are real per row where rows of different lengths share it, else None). Every layer
+        ``make_piece(batch, rows, cols, queries, keys, causal, tag, real, window)`` builds each (chunk offsets,
+        positions, which of its keys are real per row where rows of different lengths share it, else None, and the
+        window where the piece is at a sliding window's edge, else None). Every layer
         of a forward gets the same spec: the pieces are cut once per block and ``cache_key`` (what else
         ``make_piece`` depends on), and reused by the other layers and the backward."""
         if cache_key is None:
@@ -125,24 +130,25 @@ class MaskSpec:
         if not self.causal and not bool(self.query_ids.any()):
             return self._padding_pieces(g, src, make_piece)
         block = [run for run in g.runs(src) if run[2] < g.length]
-        for batch, query_runs, key_runs, real_keys in self.groups():
+        for batch, query_runs, key_runs, shared in self.groups():
             for q_start, _, q_first, q_last in g.runs(g.rank):
                 for k_start, _, k_first, k_last in block:
                     # padding positions (past the length) neither ask nor answer: their rows are cut off at the exit
                     spans = (q_first, min(q_last, g.length - 1)), (k_first, min(k_last, g.length - 1))
-                    for queries, keys in _matching(query_runs, key_runs, *spans):
-                        for (a, b), (c, d), diagonal in self._cut(queries, keys):
+                    for queries, keys in matching_runs(query_runs, key_runs, *spans):
+                        for (a, b), (c, d), diagonal, edge in self._cut(queries, keys):
                             rows = slice(q_start + a - q_first, q_start + b - q_first)
                             cols = slice(k_start + c - k_first, k_start + d - k_first)
                             pieces.append(make_piece(batch, rows, cols, (a, b), (c, d), diagonal,
-                                                     src * 2 ** 20 + len(pieces), _real(real_keys, c, d)))
+                                                     src * 2 ** 20 + len(pieces), keys_real_in(shared, c, d),
+                                                     self.window if edge else None))
         return pieces
 
     def _padding_pieces(self, g, src: int, make_piece) -> list:
         """Padding without causality: every query sees the same keys, so one piece per block: this rank's real
         queries against the block's keys up to its last real one (positions past the length come last in each
         chunk), with a key row where some row's key among them is padding."""
-        rows, cols = _real_prefix(g, g.rank), _real_prefix(g, src)
+        rows, cols = real_prefix(g, g.rank), real_prefix(g, src)
         if not rows or not cols:
             return []
         positions = g.positions(src)[:cols]
@@ -153,68 +159,19 @@ class MaskSpec:
         cols = int(torch.nonzero(seen).max()) + 1
         real = real[:, :cols]
         return [make_piece(slice(None), slice(0, rows), slice(0, cols), g.positions(g.rank)[:rows], positions[:cols],
-                           False, src * 2 ** 20, None if bool(real.all()) else real)]
+                           False, src * 2 ** 20, None if bool(real.all()) else real, None)]
 
     def _cut(self, queries, keys):
-        return _causal_cut(*queries, *keys) if self.causal else [(queries, keys, False)]
-
-
-def _real_prefix(g, block: int) -> int:
-    """How many of block ``block``'s positions are within the length: a prefix of the chunk (of its first segment,
-    or all of it and of the second's), since positions past the length are the sequence's last."""
-    return sum(max(0, min(last, g.length - 1) - first + 1) for _, _, first, last in g.runs(block))
-
-
-def _real(keys, start: int, stop: int) -> torch.Tensor | None:
-    """Which keys of [start, stop) are real per row, or None where all are (no mask)."""
-    if keys is None or bool(keys[1][:, start:stop].all()):
-        return None
-    return keys[0][:, start:stop]
+        if not self.causal:
+            return [(queries, keys, False, False)]
+        parts = causal_cut(*queries, *keys)
+        if self.window is None:
+            return [(rows, cols, diagonal, False) for rows, cols, diagonal in parts]
+        return [cut for rows, cols, diagonal in parts for cut in window_cut(*rows, *cols, diagonal, self.window)]
 
 
 def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
-
-
-def _runs(ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(first, last, id) of each run of equal consecutive ids of a 1-D tensor."""
-    if ids.numel() == 0:
-        return []
-    change = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
-    starts, stops = [0, *change], [*change, ids.numel()]
-    values = ids[starts].tolist()
-    return [(s, e - 1, v) for s, e, v in zip(starts, stops, values)]
-
-
-def _clip(runs, first: int, last: int):
-    """The runs' parts within positions [first, last], as (start, stop, id) half-open."""
-    if last < first:
-        return
-    for a, b, value in runs:
-        if b >= first and a <= last:
-            yield max(a, first), min(b, last) + 1, value
-
-
-def _matching(query_runs, key_runs, query_span, key_span):
-    """((query start, stop), (key start, stop)) of every query run and key run of the same id within the spans."""
-    keys: dict[int, list] = {}
-    for c, d, value in _clip(key_runs, *key_span):
-        keys.setdefault(value, []).append((c, d))
-    for a, b, value in _clip(query_runs, *query_span):
-        for c, d in keys.get(value, ()):
-            yield (a, b), (c, d)
-
-
-def _causal_cut(a: int, b: int, c: int, d: int):
-    """Queries [a, b) against keys [c, d) under k <= q: ((rows), (cols), diagonal) parts with no mask, or with the
-    kernel's causal flag aligned at their top-left corner (``diagonal``)."""
-    if c > b - 1:
-        return []  # every key after every query
-    if d - 1 <= a:
-        return [((a, b), (c, d), False)]  # every key at or before every query
-    parts = [((a, b), (c, a), False)] if c < a else []  # the keys before the first query: all seen
-    start = max(a, c)
-    return parts + [((start, b), (start, d), True)]  # rows before ``start`` see none of the rest
 
 
 # ------------------------------------------------------------------------------------------- the mask builder
@@ -229,26 +186,62 @@ def describe(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
 
     if torch.compiler.is_compiling():
         return "torch.compile"  # the pieces are read from the data: a compiled graph keeps transformers' mask
-    if mask_function not in (causal_mask_function, bidirectional_mask_function) or local_size is not None:
-        return "mask function"  # sliding windows, chunks, packed position ids, overlays
+    window = sliding_window(mask_function, local_size)
+    if window is None and (mask_function not in (causal_mask_function, bidirectional_mask_function)
+                           or local_size is not None):
+        return "mask function"  # chunks, packed position ids, overlays
     if _offset(q_offset) or _offset(kv_offset):
         return "cache offset"
     if torch.device(device).type == "meta" or (attention_mask is not None and attention_mask.is_meta):
         return "meta"
-    causal = mask_function is causal_mask_function
+    causal = window is not None or mask_function is causal_mask_function
+    window = window if window is not None and window < kv_length else None  # a window past the length: causal
     documents = _DOCUMENTS.get()
     if documents is not None:
         if tuple(documents.shape) != (batch_size, q_length) or q_length != kv_length:
             return "documents across sequences"
         ids = documents.to(device=device, dtype=torch.long)
-        return MaskSpec(ids, ids, causal)
+        return MaskSpec(ids, ids, causal, window)  # every token sees itself
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device) if padding is None else \
         padding.to(device=device, dtype=torch.bool).expand(batch_size, kv_length)
-    if not bool(valid[:, 0].all() if causal else valid.any(-1).all()):
+    if not _every_query_sees_a_key(valid, causal, window):
         return "a query that sees no key"  # transformers' kernels decide what such a row computes
     key_ids = torch.where(valid, 0, -1)
-    return MaskSpec(torch.zeros(batch_size, q_length, dtype=torch.long, device=device), key_ids, causal)
+    return MaskSpec(torch.zeros(batch_size, q_length, dtype=torch.long, device=device), key_ids, causal, window)
+
+
+def _every_query_sees_a_key(valid: torch.Tensor, causal: bool, window: int | None) -> bool:
+    """Whether each query (all seeing the same real keys ``valid`` [b, L], up to itself where ``causal``, within
+    ``window``) sees at least one."""
+    if not causal:
+        return bool(valid.any(-1).all())
+    if window is None:
+        return bool(valid[:, 0].all())
+    seen = torch.nn.functional.pad(valid.long().cumsum(-1), (window, 0))  # real keys up to each query, shifted
+    return bool((seen[:, window:] - seen[:, :-window] > 0).all())
+
+
+def sliding_window(mask_function, local_size) -> int | None:
+    """The window of transformers' ``sliding_window_causal_mask_function(local_size)`` (recognised by its parts'
+    code: and_masks of sliding_window_overlay(local_size) and causal_mask_function), else None."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_overlay
+
+    if local_size is None or getattr(mask_function, "__code__", None) is not _and_masks_code():
+        return None
+    parts = next((c.cell_contents for c in mask_function.__closure__ or () if isinstance(c.cell_contents, tuple)), ())
+    if len(parts) != 2 or parts[1] is not causal_mask_function or \
+            getattr(parts[0], "__code__", None) is not sliding_window_overlay(1).__code__:
+        return None
+    window = parts[0].__closure__[0].cell_contents
+    return window if window == local_size else None
+
+
+@functools.cache
+def _and_masks_code():
+    from transformers.masking_utils import and_masks
+
+    return and_masks(lambda *args: True).__code__
 
 
 @functools.cache

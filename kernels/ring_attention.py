@@ -29,8 +29,9 @@ from .ring_blocks import ACC_DTYPES, RingGeometry, RingLayout, RingProblem, ring
 
 RING_PREFIX = "shardlib_ring_"
 CONTEXT_ATTR = "_shardlib_ring"
-#: keyword arguments of HF attention functions that change the math in ways the ring does not compute
-UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+#: keyword arguments of HF attention functions that change the math in ways the ring does not compute (a sliding
+#: window it does: the mask transformers builds for it carries it, as a spec's window or densely; a softcap too)
+UNSUPPORTED = ("s_aux",)
 
 
 @dataclass
@@ -163,9 +164,10 @@ def _ulysses_in(module, u: "UlyssesGroup", cross: bool, query, key, value, posit
 
 def _self_attention(module, ctx: RingContext, g: RingGeometry, query, key, value, attention_mask, *,
                     dropout: float = 0.0, scaling: float | None = None, position_bias=None,
-                    is_causal: bool | None = None, **kwargs):
+                    is_causal: bool | None = None, softcap: float | None = None, **kwargs):
     acc = ACC_DTYPES.get(query.dtype, query.dtype)
-    problem = RingProblem(ctx.group, g, query.shape[-1] ** -0.5 if scaling is None else scaling, acc)
+    problem = RingProblem(ctx.group, g, query.shape[-1] ** -0.5 if scaling is None else scaling, acc,
+                          softcap=softcap or 0.0)
     if isinstance(attention_mask, MaskSpec):
         problem.spec = attention_mask
     elif attention_mask is not None:
@@ -237,7 +239,8 @@ def block_attention_forward(module, query, key, value, attention_mask, *, implem
     scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
     acc = ACC_DTYPES.get(query.dtype, query.dtype)
     problem = RingProblem(None, RingGeometry.whole(query.shape[2], query.device),
-                          query.shape[-1] ** -0.5 if scaling is None else scaling, acc, spec=spec)
+                          query.shape[-1] ** -0.5 if scaling is None else scaling, acc, spec=spec,
+                          softcap=kwargs.get("softcap") or 0.0)
     if dropout and module.training:
         problem.dropout, problem.seed = dropout, int(torch.randint(2 ** 62, ()))
     return ring_attention(problem, query, key, value).transpose(1, 2).contiguous(), None

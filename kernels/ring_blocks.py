@@ -131,8 +131,14 @@ def _fold_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad if groups == 1 else grad.unflatten(1, (-1, groups)).sum(2)
 
 
-def _scores(q, k, scale, piece: Piece, relative):
+def _scores(q, k, scale, piece: Piece, relative, softcap: float = 0.0):
+    """The piece's scores, and tanh of the scaled scores over ``softcap`` where one caps them (Gemma2:
+    softcap * tanh(s / softcap), before bias and mask), for the backward's chain rule."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    capped = None
+    if softcap:
+        capped = torch.tanh(s / softcap)
+        s = capped * softcap
     if piece.bias_index is not None:
         s = s + relative[0, :, 0][:, piece.bias_index]  # [h, rows, cols]
     if piece.mask is not None:
@@ -140,7 +146,7 @@ def _scores(q, k, scale, piece: Piece, relative):
     if piece.causal:
         rows, cols = s.shape[-2:]
         s = s.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=s.device).triu_(1), -math.inf)
-    return s
+    return s, capped
 
 
 def _dropout_keep(shape, p: float, seed: int, device) -> torch.Tensor:
@@ -162,10 +168,10 @@ def _kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     return mask.clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
-def _use_flash(q, piece: Piece, dropout: float) -> bool:
+def _use_flash(q, piece: Piece, dropout: float, softcap: float) -> bool:
     """ATen's CPU flash kernel where it computes the piece: on CPU (and on the meta device, where the dry run
-    predicts a CPU step), without a bias gradient or dropout."""
-    return q.device.type in ("cpu", "meta") and piece.bias_index is None and not dropout
+    predicts a CPU step), without a bias gradient, dropout or capped scores."""
+    return q.device.type in ("cpu", "meta") and piece.bias_index is None and not dropout and not softcap
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -173,14 +179,14 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == -math.inf, 0)
 
 
-def piece_forward(q, k, v, scale, piece: Piece, relative, dropout: float, seed: int):
+def piece_forward(q, k, v, scale, piece: Piece, relative, dropout: float, seed: int, softcap: float = 0.0):
     """One piece's (output [b, h, rows, d] in the accumulation dtype, log-sum-exp [b, h, rows] fp32/fp64)."""
     acc = ACC_DTYPES.get(q.dtype, q.dtype)
-    if _use_flash(q, piece, dropout):
+    if _use_flash(q, piece, dropout, softcap):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, piece.causal, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
         return out.to(acc), lse.to(acc)
-    s = _scores(q.to(acc), k.to(acc), scale, piece, relative)
+    s, _ = _scores(q.to(acc), k.to(acc), scale, piece, relative, softcap)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     if dropout:
@@ -188,17 +194,19 @@ def piece_forward(q, k, v, scale, piece: Piece, relative, dropout: float, seed: 
     return torch.matmul(p, v.to(acc)), lse
 
 
-def piece_backward(grad_out, q, k, v, out, lse, scale, piece: Piece, relative, dropout: float, seed: int):
+def piece_backward(grad_out, q, k, v, out, lse, scale, piece: Piece, relative, dropout: float, seed: int,
+                   softcap: float = 0.0):
     """Gradients of one piece's contribution given the global output and log-sum-exp of its rows: (dq, dk, dv,
     d relative or None), in the accumulation dtype."""
     acc = ACC_DTYPES.get(q.dtype, q.dtype)
-    if _use_flash(q, piece, dropout):
+    if _use_flash(q, piece, dropout, softcap):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.to(q.dtype), q, k, v, out.to(q.dtype), lse.float() if q.dtype in ACC_DTYPES else lse,
             0.0, piece.causal, attn_mask=_kernel_mask(piece.mask, q.dtype), scale=scale)
         return dq.to(acc), dk.to(acc), dv.to(acc), None
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    p = torch.exp(_scores(q, k, scale, piece, relative) - _finite(lse).unsqueeze(-1))
+    s, capped = _scores(q, k, scale, piece, relative, softcap)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
     dp = torch.matmul(grad_out, v.transpose(-1, -2))
     if dropout:
         keep = _dropout_scale(p, dropout, seed)
@@ -211,6 +219,8 @@ def piece_backward(grad_out, q, k, v, out, lse, scale, piece: Piece, relative, d
     if piece.bias_index is not None:
         drel = torch.zeros_like(relative, dtype=acc)
         drel[0, :, 0].index_add_(1, piece.bias_index.flatten(), ds.sum(0).flatten(1))  # the batch shares the bias
+    if capped is not None:
+        ds = ds * (1 - capped * capped)  # through softcap * tanh(s / softcap)
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv, drel
 
 
@@ -228,6 +238,7 @@ class RingProblem:
     visible: list[bool] | None = None  # per block: whether the mask lets any row of this rank see any of its keys
     causal: bool = False
     relative_length: int = 0  # L when a relative bias vector [1, h, 1, 2L - 1] is given
+    softcap: float = 0.0  # scores capped to softcap * tanh(s / softcap) (Gemma2), or 0
     dropout: float = 0.0
     seed: int = 0
 
@@ -273,19 +284,22 @@ class RingProblem:
         return Piece(rows, cols, mask, self._bias_index(qpos, kpos), tag)
 
     def _spec_piece(self, batch: slice, rows: slice, cols: slice, queries, keys, causal: bool, tag: int,
-                    real: torch.Tensor | None) -> Piece:
+                    real: torch.Tensor | None, window: int | None) -> Piece:
         """A piece the mask spec cut (positions ``queries`` and ``keys``: [start, stop) or a tensor of them): no
         mask, or where rows of different lengths share it, a key row [b, 1, 1, cols] hiding each row's padding
-        (``real``: [b, cols])."""
+        (``real``: [b, cols]), and at a sliding window's edge, the window's [rows, cols] (at most a tile square).
+        Hidden entries are finfo.min, not -inf: a row that sees none of the piece's keys gets weight 0, not NaN."""
         device = self.geometry.order.device
-        index = mask = None
-        if self.relative_length:
-            index = self._bias_index(*(torch.arange(*x, device=device) if isinstance(x, tuple) else x
-                                       for x in (queries, keys)))
-        if real is not None:  # finfo.min, not -inf: a row whose keys here are all padding gets weight 0, not NaN
-            mask = torch.zeros(real.shape, dtype=self.acc, device=device).masked_fill_(~real, torch.finfo(self.acc).min)
-            mask = mask[:, None, None, :]
-        return Piece(rows, cols, mask, index, tag, batch, causal)
+        qpos, kpos = (torch.arange(*x, device=device) if isinstance(x, tuple) else x for x in (queries, keys))
+        hidden = None
+        if real is not None:
+            hidden = ~real[:, None, None, :]
+        if window is not None:
+            outside = kpos[None, :] <= qpos[:, None] - window
+            hidden = outside if hidden is None else hidden | outside
+        mask = None if hidden is None else \
+            torch.zeros(hidden.shape, dtype=self.acc, device=device).masked_fill_(hidden, torch.finfo(self.acc).min)
+        return Piece(rows, cols, mask, self._bias_index(qpos, kpos), tag, batch, causal)
 
     def _bias_index(self, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
         """Where each (query, key) entry of a relative bias given per distance is (None without one)."""
@@ -349,7 +363,7 @@ class _RingAttention(torch.autograd.Function):
                 at = (piece.batch, slice(None), piece.rows)
                 kb, vb = (_expand_kv(t[piece.batch, :, piece.cols], groups) for t in kv)
                 o_b, lse_b = piece_forward(q[at], kb, vb, problem.scale, piece, relative,
-                                           problem.dropout, problem.seed + piece.tag)
+                                           problem.dropout, problem.seed + piece.tag, problem.softcap)
                 out[at], lse[at] = _merge(out[at], lse[at], o_b, lse_b)
             if pending is not None:
                 kv = ring.wait(pending)
@@ -376,7 +390,7 @@ class _RingAttention(torch.autograd.Function):
                 at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
                 dq_b, dk_b, dv_b, drel_b = piece_backward(
                     grad_out[at], q[at], _expand_kv(kv[0][cols], groups), _expand_kv(kv[1][cols], groups), out[at],
-                    lse[at], problem.scale, piece, relative, problem.dropout, problem.seed + piece.tag)
+                    lse[at], problem.scale, piece, relative, problem.dropout, problem.seed + piece.tag, problem.softcap)
                 dq[at] += dq_b
                 local[0][cols] += _fold_kv(dk_b, groups)
                 local[1][cols] += _fold_kv(dv_b, groups)

@@ -4,6 +4,7 @@ unsharded model built under the same seed, on right-padded batches."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 
@@ -11,6 +12,7 @@ import torch
 import transformers
 
 import shardlib
+from shardlib.kernels.mask_spec import MASKS_BUILT
 from harness import mesh as pool_mesh
 from inference_cases import FAMILIES, FLOAT32_INSIDE
 from rank_tasks import compare_training_step
@@ -53,8 +55,9 @@ def sp_equivalence(family: str, cls: str, mode: str, tp: int, sp: int, padded: b
     report = shardlib.report(model)
     assert report.policy == "inferred" and report.verified_s is not None, report
     dtype = torch.float32 if family in FLOAT32_INSIDE else torch.float64
+    before = collections.Counter(MASKS_BUILT)
     compared = compare_training_step(ref, model, padded_batch(ref, padded), dtype)
-    compared["verified_s"] = report.verified_s
+    compared["verified_s"], compared["masks"] = report.verified_s, dict(MASKS_BUILT - before)
     return compared
 
 

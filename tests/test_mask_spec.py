@@ -9,12 +9,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import assume, given, strategies as st
 from transformers.masking_utils import (
     bidirectional_mask_function, causal_mask_function, sliding_window_causal_mask_function,
 )
 
-from shardlib.kernels.mask_spec import MaskSpec, describe, enter_documents, leave_documents, spec_builder
+from shardlib.kernels.mask_spec import (
+    MaskSpec, _every_query_sees_a_key, describe, enter_documents, leave_documents, spec_builder,
+)
 from shardlib.kernels.ring_blocks import (
     RingGeometry, RingLayout, RingProblem, _expand_kv, _fold_kv, _merge, piece_backward, piece_forward,
 )
@@ -49,10 +51,13 @@ def problems(draw):
     length, batch = draw(st.integers(1, 21)), draw(st.integers(1, 2))
     causal, kind = draw(st.booleans()), draw(st.sampled_from(["padding", "documents"]))
     query_ids, key_ids = _ids(draw, batch, length, kind, causal)
+    window = draw(st.one_of(st.none(), st.integers(1, max(length - 1, 1)))) if causal and length > 1 else None
+    assume(kind == "documents" or _every_query_sees_a_key(key_ids == 0, causal, window))
     return {"n": n, "ulysses": ulysses, "rank": draw(st.integers(0, max(n - 1, 0))), "length": length,
             "batch": batch, "kv_heads": draw(st.integers(1, 2)), "groups": draw(st.integers(1, 2)),
-            "head_dim": draw(st.sampled_from([1, 3, 4])), "spec": MaskSpec(query_ids, key_ids, causal),
+            "head_dim": draw(st.sampled_from([1, 3, 4])), "spec": MaskSpec(query_ids, key_ids, causal, window),
             "relative": draw(st.booleans()), "dropout": draw(st.sampled_from([0.0, 0.0, 0.3])),
+            "softcap": draw(st.sampled_from([0.0, 0.0, 1.5])),
             "seed": draw(st.integers(0, 2 ** 40))}
 
 
@@ -71,7 +76,7 @@ def _setup(p):
             for _ in range(2))
     relative = torch.randn(1, hq, 1, 2 * L - 1, generator=g, dtype=torch.float64) if p["relative"] else None
     problem = RingProblem(None, geometry, SCALE, torch.float64, spec=p["spec"], dropout=p["dropout"], seed=p["seed"],
-                          relative_length=L if p["relative"] else 0)
+                          relative_length=L if p["relative"] else 0, softcap=p["softcap"])
     return problem, q, k, v, relative
 
 
@@ -81,6 +86,8 @@ def _dense(p, problem, q, k, v, relative):
     rows = g.positions(g.rank)
     kk, vv = (_expand_kv(t[:, :, :L], p["groups"]) for t in (k, v))
     s = q[:, :, rows] @ kk.transpose(-1, -2) * SCALE
+    if p["softcap"]:
+        s = torch.tanh(s / p["softcap"]) * p["softcap"]
     if relative is not None:
         s = s + relative[0, :, 0][:, (torch.arange(L)[None, :] - rows[:, None] + L - 1).clamp(0, 2 * L - 2)]
     seen = p["spec"].dense("sdpa", torch.float64).index_select(-2, rows.clamp(max=L - 1))
@@ -100,7 +107,7 @@ def _forward(p, problem, q, k, v, relative):
         for piece in problem.pieces(src):
             at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
             o_b, lse_b = piece_forward(mine[at], _expand_kv(kb[cols], p["groups"]), _expand_kv(vb[cols], p["groups"]),
-                                       SCALE, piece, relative, p["dropout"], p["seed"] + piece.tag)
+                                       SCALE, piece, relative, p["dropout"], p["seed"] + piece.tag, p["softcap"])
             out[at], lse[at] = _merge(out[at], lse[at], o_b, lse_b)
     return mine, out, lse
 
@@ -126,7 +133,7 @@ def test_spec_pieces_merged_equal_dense_attention(p):
             at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
             dq_b, dk_b, dv_b, drel_b = piece_backward(
                 grad_out[at], mine[at], _expand_kv(kb[cols], p["groups"]), _expand_kv(vb[cols], p["groups"]),
-                out[at], lse[at], SCALE, piece, rel, p["dropout"], p["seed"] + piece.tag)
+                out[at], lse[at], SCALE, piece, rel, p["dropout"], p["seed"] + piece.tag, p["softcap"])
             dq[at] += dq_b
             dkv[0][cols] += _fold_kv(dk_b, p["groups"])
             dkv[1][cols] += _fold_kv(dv_b, p["groups"])
@@ -193,9 +200,11 @@ def test_the_builder_describes_documents_and_leaves_what_it_cannot():
     try:
         spec = describe(**ARGS, mask_function=causal_mask_function, attention_mask=documents >= 0)
         assert spec.query_ids is spec.key_ids and spec.key_ids.tolist() == documents.tolist()
-        # a sliding window stays dense, and keeps the documents apart
-        dense = spec_builder(_sdpa())(**ARGS, mask_function=sliding_window_causal_mask_function(2),
-                                      attention_mask=documents >= 0, local_size=2)
+        windowed = describe(**ARGS, mask_function=sliding_window_causal_mask_function(2), local_size=2)
+        assert windowed.causal and windowed.window == 2
+        # a mask function it does not know stays dense, and keeps the documents apart
+        dense = spec_builder(_sdpa())(**ARGS, mask_function=lambda b, h, q, kv: q >= kv,
+                                      attention_mask=documents >= 0)
         assert torch.is_tensor(dense) and not bool(dense[0, 0, 2, 1]) and bool(dense[0, 0, 3, 2])
     finally:
         leave_documents(token)
@@ -203,6 +212,11 @@ def test_the_builder_describes_documents_and_leaves_what_it_cannot():
     assert describe(**ARGS, mask_function=causal_mask_function, attention_mask=left_padding) == \
         "a query that sees no key"
     assert describe(**ARGS, mask_function=causal_mask_function, q_offset=3) == "cache offset"
+    padding = torch.tensor([[1, 1, 0, 0, 0, 1]] * 2, dtype=torch.bool)  # query 4 sees only padding in its window
+    assert describe(**ARGS, mask_function=sliding_window_causal_mask_function(3), attention_mask=padding,
+                    local_size=3) == "a query that sees no key"
+    assert describe(**ARGS, mask_function=sliding_window_causal_mask_function(6), attention_mask=padding,
+                    local_size=6).window is None  # a window past the length: causal
     assert describe(**{**ARGS, "device": "meta"}, mask_function=causal_mask_function) == "meta"
 
 

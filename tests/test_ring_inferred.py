@@ -75,3 +75,16 @@ def test_the_proof_refuses_sites_without_their_rotary_positions(pool):
     result = pool.run(ring_inferred_tasks.positions_dropped_is_refused, "ring", 1, 2)[0]
     assert "does not run at tp=1, sp=2" in result["message"] and "model.layers.0.self_attn" in result["message"]
     assert result["untouched"]
+
+
+MISTRAL = ("mistral", "MistralForCausalLM")
+
+
+@pytest.mark.parametrize("tp,sp,padded", [(1, 2, True), (1, 4, True), (1, 4, False), (2, 2, True)])
+def test_ring_computes_a_sliding_window(pool, tp, sp, padded):
+    """Mistral with a window of 3 over 7 tokens (every query past the third loses keys): the window is part of the
+    mask the ring computes, as data where the builder describes it."""
+    results = pool.run(ring_inferred_tasks.sp_equivalence, *MISTRAL, "ring", tp, sp, padded, sliding_window=3)
+    assert all(r["grads"] > 15 for r in results), results
+    assert all(r["masks"].get("data") and len(r["masks"]) == 1 for r in results), results[0]["masks"]
+
