@@ -126,12 +126,7 @@ def own_configs(model: nn.Module) -> None:
 
 
 def set_attention(model: nn.Module, implementation: str | None) -> None:
-    """Make every attention module of ``model`` call ``implementation`` (HF's own switch; None: leave it; "blocks":
-    block attention around the model's own implementation)."""
-    if implementation == "blocks":
-        from .ring_attention import blocks_name
-
-        implementation = blocks_name(model.config._attn_implementation or "sdpa")
+    """Make every attention module of ``model`` call ``implementation`` (HF's own switch; None: leave it)."""
     if implementation is not None and model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
 

@@ -12,7 +12,6 @@ mask are skipped, unless some row sees no key at all: such a row averages over e
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -21,9 +20,8 @@ import torch
 
 from shardlib.parallel.collectives import all_to_all
 
-from .attention import (
-    BLOCKS_PREFIX, _register_wrapper, base_implementation, inner_attention, sequence_bias, to_heads,
-)
+from .attention import _register_wrapper, inner_attention, sequence_bias, to_heads
+from .block_attention import block_attention_forward
 from .mask_spec import MASKS_BUILT, MaskSpec
 from .ring_blocks import ACC_DTYPES, RingGeometry, RingLayout, RingProblem, ring_attention
 
@@ -215,46 +213,5 @@ def ring_name(implementation: str) -> str:
     return _register_wrapper(RING_PREFIX + implementation, ring_attention_forward, implementation, masks_as_data=True)
 
 
-# ------------------------------------------------------------------------------------ a ring of one: blocks
-def block_attention_forward(module, query, key, value, attention_mask, *, implementation: str, **kwargs):
-    """``Kernels(attention="blocks")`` without sequence parallelism: a mask described as data
-    (:class:`~.mask_spec.MaskSpec`) runs as the pieces of a ring of one (no [L, L] tensor: each piece is a run of
-    queries against a run of keys they all see); cross-attention takes the one key row every query sees; anything
-    else the inner ``implementation`` computes (with the dense mask where the spec must become one: a position bias,
-    a sliding window, queries that see different keys of another sequence)."""
-    inner = inner_attention(module, implementation)
-    spec = attention_mask
-    if not isinstance(spec, MaskSpec):
-        return inner(module, query, key, value, attention_mask, **kwargs)
-    base = base_implementation(implementation)
-    dense = [name for name in ("position_bias", *UNSUPPORTED) if kwargs.get(name) is not None]
-    if key.shape[2] != query.shape[2] and not dense:
-        row = spec.key_row(base, query.dtype)
-        if row is not None:
-            return inner(module, query, key, value, row, **kwargs)
-        dense.append("cross-attention per query")
-    if dense:
-        MASKS_BUILT["dense: " + ", ".join(dense)] += 1
-        return inner(module, query, key, value, spec.dense(base, query.dtype), **kwargs)
-    scaling, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
-    acc = ACC_DTYPES.get(query.dtype, query.dtype)
-    problem = RingProblem(None, RingGeometry.whole(query.shape[2], query.device),
-                          query.shape[-1] ** -0.5 if scaling is None else scaling, acc, spec=spec,
-                          softcap=kwargs.get("softcap") or 0.0)
-    if dropout and module.training:
-        problem.dropout, problem.seed = dropout, int(torch.randint(2 ** 62, ()))
-    return ring_attention(problem, query, key, value).transpose(1, 2).contiguous(), None
-
-
-def blocks_name(implementation: str) -> str:
-    """Register (once) and return the attention-interface name of block attention around ``implementation``
-    ("sdpa" or "eager", whose mask semantics it keeps)."""
-    if implementation.startswith(BLOCKS_PREFIX):
-        return implementation
-    return _register_wrapper(BLOCKS_PREFIX + implementation,
-                             functools.partial(block_attention_forward, implementation=implementation),
-                             implementation, masks_as_data=True)
-
-
-__all__ = ["ring_attention_forward", "ring_name", "block_attention_forward", "blocks_name", "BLOCKS_PREFIX", "relative_bias_vector", "RingContext", "UlyssesGroup", "MaskCache",
+__all__ = ["ring_attention_forward", "ring_name", "relative_bias_vector", "RingContext", "UlyssesGroup", "MaskCache",
            "CONTEXT_ATTR", "RING_PREFIX"]

@@ -22,6 +22,7 @@ import shardlib
 import t5_cases
 from harness import mesh as pool_mesh
 from shardlib.kernels.attention import set_attention
+from shardlib.kernels.block_attention import blocks_name
 from shardlib.kernels.mask_spec import MASKS_BUILT
 from train_tasks import MAX_GRAD_NORM, adamw
 
@@ -51,7 +52,8 @@ def make_model(spec: dict) -> torch.nn.Module:
         model = moe_cases.build_model(kind, experts=4, seed=seed, vocab_size=41, initializer_range=0.5)
     else:
         model = inference_cases.make_model(INFERRED[kind][1], INFERRED[kind][0], torch.float64, seed)
-    set_attention(model, spec.get("attention", "sdpa"))
+    attention = spec.get("attention", "sdpa")
+    set_attention(model, blocks_name("sdpa") if attention == "blocks" else attention)
     return model
 
 

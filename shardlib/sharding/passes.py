@@ -34,6 +34,7 @@ from ..kernels import Kernels
 from ..kernels.attention import (
     IMPLEMENTATIONS, base_implementation, local_rng_name, own_configs, registered_problems, set_attention,
 )
+from ..kernels.block_attention import blocks_name
 from ..parallel.collectives import all_reduce
 from ..parallel.layout import LAYOUTS_ATTR, layout_of, set_layout
 from ..parallel.random import LOCAL_STREAM_ATTR
@@ -250,7 +251,10 @@ class KernelsPass:
 
     def prepare(self, r: Resolved) -> None:
         own_configs(r.model)  # the attention switches below and later write to the config: not to a shared one
-        set_attention(r.model, self.kernels.attention)
+        chosen = self.kernels.attention
+        if chosen == "blocks":  # block attention around the model's own implementation (its mask semantics)
+            chosen = blocks_name(r.model.config._attn_implementation or "sdpa")
+        set_attention(r.model, chosen)
 
     def install(self, r: Resolved) -> None:
         sites = list(kernel_sites(self.kernels, r.plan, dict(r.model.named_modules())))  # the sharded modules
