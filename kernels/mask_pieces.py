@@ -10,10 +10,10 @@ import torch
 WINDOW_TILE = 512
 
 
-def real_prefix(g, block: int) -> int:
-    """How many of block ``block``'s positions are within the length: a prefix of the chunk (of its first segment,
-    or all of it and of the second's), since positions past the length are the sequence's last."""
-    return sum(max(0, min(last, g.length - 1) - first + 1) for _, _, first, last in g.runs(block))
+def real_prefix(runs, length: int) -> int:
+    """How many of a block's positions (its ``runs``) are within ``length``: a prefix of the chunk (of its first
+    segment, or all of it and of the second's), since positions past the length are the sequence's last."""
+    return sum(max(0, min(last, length - 1) - first + 1) for _, _, first, last in runs)
 
 
 def keys_real_in(keys, start: int, stop: int) -> torch.Tensor | None:
@@ -43,12 +43,15 @@ def _clip(runs, first: int, last: int):
 
 
 def matching_runs(query_runs, key_runs, query_span, key_span):
-    """((query start, stop), (key start, stop)) of every query run and key run of the same id within the spans."""
+    """((query start, stop), (key start, stop)) of every query run and key run of the same id within the spans; a
+    padding query run (id < 0) of a row whose keys hold no padding meets every key run (:class:`MaskSpec`)."""
     keys: dict[int, list] = {}
     for c, d, value in _clip(key_runs, *key_span):
         keys.setdefault(value, []).append((c, d))
+    everything = sorted(span for spans in keys.values() for span in spans)
+    sees_all = not any(value < 0 for _, _, value in key_runs)
     for a, b, value in _clip(query_runs, *query_span):
-        for c, d in keys.get(value, ()):
+        for c, d in everything if value < 0 and sees_all else keys.get(value, ()):
             yield (a, b), (c, d)
 
 

@@ -42,30 +42,52 @@ MASKS_BUILT: collections.Counter = collections.Counter()
 _DOCUMENTS: contextvars.ContextVar = contextvars.ContextVar("shardlib_documents", default=None)
 
 
-def enter_documents(documents: torch.Tensor):
-    """From now until :func:`leave_documents`: the spec builders describe self-attention masks by ``documents``
-    [rows, length] (a packed forward's, handed over by the document hook) rather than by the padding mask
-    transformers passes. Returns the token to leave with."""
-    return _DOCUMENTS.set(documents)
+def enter_documents(causal=None, bidirectional=None):
+    """From now until :func:`leave_documents`: the spec builders describe masks by document ids (a packed forward's,
+    handed over by the document hook) rather than by the padding mask transformers passes: a causal mask by
+    ``causal`` and a bidirectional one by ``bidirectional``, each (query ids [rows, Lq], key ids [rows, Lk]); a
+    kind given as None may not be built meanwhile (a mask no document hook prepared for: refused, not guessed).
+    Returns the token to leave with."""
+    return _DOCUMENTS.set({True: causal, False: bidirectional})
 
 
 def leave_documents(token) -> None:
     _DOCUMENTS.reset(token)
 
 
-def same_document(documents: torch.Tensor):
-    """The mask function (transformers' index signature) of "query and key are in the same document"."""
+def same_document(queries: torch.Tensor, keys: torch.Tensor):
+    """The mask function (transformers' index signature) of "query and key are in the same document" (a padding
+    query, id < 0, sees the keys' padding, or every key of a row without padding: :class:`MaskSpec`)."""
+    keys_pad = (keys < 0).any(-1)
 
     def mask(batch, head, q, kv):
-        return documents[batch, q] == documents[batch, kv]
+        mine = queries[batch, q]
+        return (mine == keys[batch, kv]) | ((mine < 0) & ~keys_pad[batch])
 
     return mask
+
+
+def _documents_of(causal: bool, batch_size: int, q_length: int, kv_length: int):
+    """The (query ids, key ids) the document hook gave for this kind of mask, None outside a packed forward."""
+    documents = _DOCUMENTS.get()
+    if documents is None:
+        return None
+    pair = documents[causal]
+    if pair is None or tuple(pair[0].shape) != (batch_size, q_length) or tuple(pair[1].shape) != (batch_size,
+                                                                                                  kv_length):
+        got = "none" if pair is None else f"{tuple(pair[0].shape)} x {tuple(pair[1].shape)}"
+        raise ValueError(f"packing: a {'causal' if causal else 'bidirectional'} mask of {q_length} queries x "
+                         f"{kv_length} keys (batch {batch_size}) in a packed forward whose document ids for it are "
+                         f"{got}")
+    return pair
 
 
 @dataclass(eq=False)
 class MaskSpec:
     """Query q of row b sees key k when ``query_ids[b, q] == key_ids[b, k]`` (and k <= q when ``causal``, and
-    q - k < ``window`` where given): see the module docstring. Every query sees at least one key (the builder checks it)."""
+    q - k < ``window`` where given); a padding query (id < 0) of a row whose keys hold no padding sees every key
+    (a packed decoder's padding against a full encoder row, as transformers' dense document masks have it). See
+    the module docstring. Every query sees at least one key (the builder checks it)."""
 
     query_ids: torch.Tensor  # [b, Lq] int64
     key_ids: torch.Tensor  # [b, Lk] int64
@@ -102,7 +124,9 @@ class MaskSpec:
 
     def dense(self, base: str, dtype: torch.dtype) -> torch.Tensor:
         """The [b, 1, Lq, Lk] mask transformers would have built (a fallback for kernels that take only that)."""
-        seen = self.query_ids[:, None, :, None] == self.key_ids[:, None, None, :]
+        keys_pad = (self.key_ids < 0).any(-1)[:, None, None, None]
+        seen = (self.query_ids[:, None, :, None] == self.key_ids[:, None, None, :]) | \
+            ((self.query_ids[:, None, :, None] < 0) & ~keys_pad)
         if self.causal:
             q, k = seen.shape[-2:]
             distance = torch.arange(q, device=seen.device)[:, None] - torch.arange(k, device=seen.device)
@@ -120,21 +144,22 @@ class MaskSpec:
         ``make_piece`` depends on), and reused by the other layers and the backward."""
         if cache_key is None:
             return self._cut_block(geometry, src, make_piece)
-        key = (geometry.rank, geometry.size, geometry.chunk, geometry.length, src, cache_key)
+        g = geometry
+        key = (type(g).__name__, g.rank, g.size, g.chunk, g.query_length, g.key_length, src, cache_key)
         if key not in self._pieces:
             self._pieces[key] = self._cut_block(geometry, src, make_piece)
         return self._pieces[key]
 
-    def _cut_block(self, geometry, src: int, make_piece) -> list:
-        g, pieces = geometry, []
+    def _cut_block(self, g, src: int, make_piece) -> list:
         if not self.causal and not bool(self.query_ids.any()):
             return self._padding_pieces(g, src, make_piece)
-        block = [run for run in g.runs(src) if run[2] < g.length]
+        pieces = []
+        block = [run for run in g.key_runs(src) if run[2] < g.key_length]
         for batch, query_runs, key_runs, shared in self.groups():
-            for q_start, _, q_first, q_last in g.runs(g.rank):
+            for q_start, _, q_first, q_last in g.query_runs():
                 for k_start, _, k_first, k_last in block:
                     # padding positions (past the length) neither ask nor answer: their rows are cut off at the exit
-                    spans = (q_first, min(q_last, g.length - 1)), (k_first, min(k_last, g.length - 1))
+                    spans = (q_first, min(q_last, g.query_length - 1)), (k_first, min(k_last, g.key_length - 1))
                     for queries, keys in matching_runs(query_runs, key_runs, *spans):
                         for (a, b), (c, d), diagonal, edge in self._cut(queries, keys):
                             rows = slice(q_start + a - q_first, q_start + b - q_first)
@@ -148,17 +173,17 @@ class MaskSpec:
         """Padding without causality: every query sees the same keys, so one piece per block: this rank's real
         queries against the block's keys up to its last real one (positions past the length come last in each
         chunk), with a key row where some row's key among them is padding."""
-        rows, cols = real_prefix(g, g.rank), real_prefix(g, src)
+        rows, cols = real_prefix(g.query_runs(), g.query_length), real_prefix(g.key_runs(src), g.key_length)
         if not rows or not cols:
             return []
-        positions = g.positions(src)[:cols]
+        positions = g.key_positions(src)[:cols]
         real = self.key_ids.index_select(1, positions) == 0  # [b, cols]
         seen = real.any(0)
         if not bool(seen.any()):
             return []
         cols = int(torch.nonzero(seen).max()) + 1
         real = real[:, :cols]
-        return [make_piece(slice(None), slice(0, rows), slice(0, cols), g.positions(g.rank)[:rows], positions[:cols],
+        return [make_piece(slice(None), slice(0, rows), slice(0, cols), g.query_positions()[:rows], positions[:cols],
                            False, src * 2 ** 20, None if bool(real.all()) else real, None)]
 
     def _cut(self, queries, keys):
@@ -196,12 +221,9 @@ def describe(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         return "meta"
     causal = window is not None or mask_function is causal_mask_function
     window = window if window is not None and window < kv_length else None  # a window past the length: causal
-    documents = _DOCUMENTS.get()
-    if documents is not None:
-        if tuple(documents.shape) != (batch_size, q_length) or q_length != kv_length:
-            return "documents across sequences"
-        ids = documents.to(device=device, dtype=torch.long)
-        return MaskSpec(ids, ids, causal, window)  # every token sees itself
+    documents = _documents_of(causal, batch_size, q_length, kv_length)
+    if documents is not None:  # every real token sees its own document (a padding query may see none)
+        return MaskSpec(*(ids.to(device=device, dtype=torch.long) for ids in documents), causal, window)
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device) if padding is None else \
         padding.to(device=device, dtype=torch.bool).expand(batch_size, kv_length)
@@ -209,6 +231,17 @@ def describe(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
         return "a query that sees no key"  # transformers' kernels decide what such a row computes
     key_ids = torch.where(valid, 0, -1)
     return MaskSpec(torch.zeros(batch_size, q_length, dtype=torch.long, device=device), key_ids, causal, window)
+
+
+def _causal_kind(mask_function, local_size) -> bool:
+    """Whether a mask function transformers passes is of the causal kind (causal, sliding window, anything built
+    on them) rather than bidirectional: by whether query 0 sees key 1."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    if mask_function is bidirectional_mask_function:
+        return False
+    zero, one = torch.tensor(0), torch.tensor(1)
+    return not bool(mask_function(zero, zero, zero, one))
 
 
 def _every_query_sees_a_key(valid: torch.Tensor, causal: bool, window: int | None) -> bool:
@@ -255,15 +288,13 @@ def spec_builder(dense):
         MASKS_BUILT["data" if isinstance(spec, MaskSpec) else f"dense: {spec}"] += 1
         if isinstance(spec, MaskSpec):
             return spec
-        documents = _DOCUMENTS.get()
+        documents = None if _DOCUMENTS.get() is None else _documents_of(
+            _causal_kind(kwargs.get("mask_function"), kwargs.get("local_size")), kwargs["batch_size"],
+            kwargs["q_length"], kwargs["kv_length"])
         if documents is not None:  # a packed forward: the dense mask keeps the documents apart too
             from transformers.masking_utils import and_masks
 
-            if tuple(documents.shape) != (kwargs["batch_size"], kwargs["q_length"]) or \
-                    kwargs["q_length"] != kwargs["kv_length"]:
-                raise ValueError(f"packing: a mask of {kwargs['q_length']} queries x {kwargs['kv_length']} keys in a "
-                                 f"packed forward whose documents are {tuple(documents.shape)}")
-            kwargs = {**kwargs, "mask_function": and_masks(kwargs["mask_function"], same_document(documents)),
+            kwargs = {**kwargs, "mask_function": and_masks(kwargs["mask_function"], same_document(*documents)),
                       "attention_mask": None, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False,
                       "use_vmap": False}
         return dense(**kwargs)

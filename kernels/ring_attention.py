@@ -21,8 +21,8 @@ import torch
 from shardlib.parallel.collectives import all_to_all
 
 from .attention import _register_wrapper, inner_attention, sequence_bias, to_heads
-from .block_attention import block_attention_forward
-from .mask_spec import MASKS_BUILT, MaskSpec
+from .block_attention import block_attention_forward, cross_attention
+from .mask_spec import MaskSpec
 from .ring_blocks import ACC_DTYPES, RingGeometry, RingLayout, RingProblem, ring_attention
 
 RING_PREFIX = "shardlib_ring_"
@@ -188,15 +188,17 @@ def _self_attention(module, ctx: RingContext, g: RingGeometry, query, key, value
 def _cross_attention(module, ctx: RingContext, g: RingGeometry, query, key, value, attention_mask, **kwargs):
     """Cross-attention: this rank's queries against the whole other sequence (replicated, entered into the sp
     region once so that its gradient, from this rank's queries only, is summed): the inner implementation with the
-    mask's rows of this chunk."""
+    mask's rows of this chunk, or a mask spec's pieces (its query ids read at this rank's positions; T5's
+    cross-attention bias, zeros, left out)."""
+    inner = inner_attention(module, ctx.implementation)
     if isinstance(attention_mask, MaskSpec):
-        mask = attention_mask.key_row(ctx.base, query.dtype)
-        if mask is None:
-            MASKS_BUILT["dense: cross-attention per query"] += 1
-            mask = _rows(attention_mask.dense(ctx.base, query.dtype), g)
-    else:
-        mask = None if attention_mask is None else _rows(attention_mask, g)
-    return inner_attention(module, ctx.implementation)(module, query, key, value, mask, **kwargs)[0]
+        spec = attention_mask
+        rows = g.positions(g.rank).clamp(max=g.length - 1)  # a padding query takes the last real query's ids
+        local = MaskSpec(spec.query_ids.index_select(1, rows), spec.key_ids)
+        kwargs.pop("position_bias", None)
+        return cross_attention(module, inner, ctx.base, local, query, key, value, **kwargs)
+    mask = None if attention_mask is None else _rows(attention_mask, g)
+    return inner(module, query, key, value, mask, **kwargs)[0]
 
 
 def relative_bias_vector(compute_bias, stream):

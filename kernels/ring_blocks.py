@@ -86,6 +86,29 @@ class RingGeometry:
     length: int
     order: torch.Tensor
 
+    # the mask spec's view (queries and keys of one sequence here; :class:`CrossGeometry`: of two)
+    @property
+    def device(self) -> torch.device:
+        return self.order.device
+
+    @property
+    def query_length(self) -> int:
+        return self.length
+
+    key_length = query_length
+
+    def query_runs(self) -> list[tuple[int, int, int, int]]:
+        return self.runs(self.rank)
+
+    def key_runs(self, block: int) -> list[tuple[int, int, int, int]]:
+        return self.runs(block)
+
+    def query_positions(self) -> torch.Tensor:
+        return self.positions(self.rank)
+
+    def key_positions(self, block: int) -> torch.Tensor:
+        return self.positions(block)
+
     @classmethod
     def whole(cls, length: int, device) -> "RingGeometry":
         """A ring of one: the whole sequence, unpadded, on this rank (attention without sequence parallelism)."""
@@ -103,6 +126,34 @@ class RingGeometry:
             return [(0, self.chunk, 0, self.chunk - 1)]
         half, far = self.chunk // 2, 2 * self.size - 1 - block
         return [(0, half, block * half, (block + 1) * half - 1), (half, self.chunk, far * half, (far + 1) * half - 1)]
+
+
+@dataclass
+class CrossGeometry:
+    """Queries of one sequence against all keys of another, on this rank: a ring of one (nothing travels), for
+    cross-attention whose mask is data (the queries' positions are their local indices)."""
+
+    query_length: int
+    key_length: int
+    device: torch.device
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def chunk(self) -> int:
+        return self.query_length
+
+    def query_runs(self):
+        return [(0, self.query_length, 0, self.query_length - 1)]
+
+    def key_runs(self, block: int):
+        return [(0, self.key_length, 0, self.key_length - 1)]
+
+    def query_positions(self) -> torch.Tensor:
+        return torch.arange(self.query_length, device=self.device)
+
+    def key_positions(self, block: int) -> torch.Tensor:
+        return torch.arange(self.key_length, device=self.device)
 
 
 @dataclass
@@ -247,7 +298,7 @@ class RingProblem:
         g = self.geometry
         if self.spec is not None:
             # a relative bias's index is [rows, cols] per piece: made when needed, never kept across layers
-            cache = None if self.relative_length else (self.acc, str(g.order.device))
+            cache = None if self.relative_length else (self.acc, str(g.device))
             return self.spec.pieces(g, src, self._spec_piece, cache)
         if self.visible is not None and not self.visible[src]:
             return []
@@ -289,7 +340,7 @@ class RingProblem:
         mask, or where rows of different lengths share it, a key row [b, 1, 1, cols] hiding each row's padding
         (``real``: [b, cols]), and at a sliding window's edge, the window's [rows, cols] (at most a tile square).
         Hidden entries are finfo.min, not -inf: a row that sees none of the piece's keys gets weight 0, not NaN."""
-        device = self.geometry.order.device
+        device = self.geometry.device
         qpos, kpos = (torch.arange(*x, device=device) if isinstance(x, tuple) else x for x in (queries, keys))
         hidden = None
         if real is not None:
@@ -419,5 +470,5 @@ def ring_attention(problem: RingProblem, q, k, v, relative=None) -> torch.Tensor
     return _RingAttention.apply(problem, q, k, v, relative)
 
 
-__all__ = ["RingLayout", "RingGeometry", "RingProblem", "Piece", "ring_attention", "piece_forward", "piece_backward",
+__all__ = ["RingLayout", "RingGeometry", "CrossGeometry", "RingProblem", "Piece", "ring_attention", "piece_forward", "piece_backward",
            "ACC_DTYPES"]

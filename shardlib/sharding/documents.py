@@ -174,7 +174,8 @@ class _DocumentHooks:
         self.takes_positions = "position_ids" in accepted
         self.first_position = position_offset(model)
         self.takes_cache = "use_cache" in accepted
-        self.cross_mask = self.starts = self.documents_token = None
+        self.cross_mask = self.starts = self.stack_documents = None
+        self.documents_tokens: list = []
         self.pools = plan.document_pool is not None
         self.cross_attention = bool(getattr(model.config, "add_cross_attention", False))
         model.register_forward_pre_hook(self.before_model, with_kwargs=True)
@@ -183,6 +184,9 @@ class _DocumentHooks:
             return
         if self.seq2seq:
             model.get_decoder().register_forward_pre_hook(self.before_decoder, with_kwargs=True)
+            for name, stack in (("encoder", model.get_encoder()), ("decoder", model.get_decoder())):
+                stack.register_forward_pre_hook(self._stack_entry(name))
+                stack.register_forward_hook(self.after_model, always_call=True)
         if self.pools:
             model.get_submodule(plan.document_pool).register_forward_pre_hook(self.before_pool)
 
@@ -211,9 +215,12 @@ class _DocumentHooks:
             raise ValueError("packing: a packed batch (document_ids) takes no attention_mask: the documents are the "
                              "mask")
         dtype = self._dtype()
-        if self._masks_as_data():  # the attention's mask builder reads the documents themselves: O(L), no 4-D mask
+        as_data = self._masks_as_data()
+        if as_data:  # the attention's mask builder reads the documents themselves: O(L), no 4-D mask
             kwargs["attention_mask"] = (documents >= 0).long()
-            self.documents_token = enter_documents(documents)
+            pair = (documents, documents)
+            # seq2seq: the encoder's and decoder's own hooks say which ids each mask takes; none outside them
+            self.documents_tokens.append(enter_documents() if self.seq2seq else enter_documents(pair, pair))
         else:
             kwargs["attention_mask"] = document_mask(self.config, documents, documents,
                                                      causal=self.causal, dtype=dtype)
@@ -225,25 +232,41 @@ class _DocumentHooks:
             if targets is None:
                 raise ValueError(f"packing: {type(module).__name__} is a seq2seq model: a packed batch needs "
                                  "decoder_document_ids for its targets (PackingCollator(target_length=...))")
-            kwargs["decoder_attention_mask"] = document_mask(self.config, targets, targets, causal=True, dtype=dtype)
-            self.cross_mask = document_mask(self.config, targets, documents, causal=False, dtype=dtype)
+            if as_data:  # the encoder's self-attention, the decoder's (causal) and its cross-attention
+                kwargs["decoder_attention_mask"] = (targets >= 0).long()
+                self.stack_documents = {"encoder": {"bidirectional": (documents, documents)},
+                                        "decoder": {"causal": (targets, targets), "bidirectional": (targets, documents)}}
+            else:
+                kwargs["decoder_attention_mask"] = document_mask(self.config, targets, targets, causal=True,
+                                                                 dtype=dtype)
+                self.cross_mask = document_mask(self.config, targets, documents, causal=False, dtype=dtype)
         if self.pools:
             self._pool_positions(documents, kwargs.get("labels"))
         return args, kwargs
 
     def _masks_as_data(self) -> bool:
         """Whether the model's attention takes masks described as data (:mod:`shardlib.kernels.mask_spec`): ring
-        attention, ``Kernels(attention="blocks")``; self-attention only (seq2seq and cross-attention models keep
-        the 4-D masks)."""
+        attention, ``Kernels(attention="blocks")``. A decoder with cross-attention beside its own encoder (BERT's
+        ``add_cross_attention``) keeps the 4-D masks: its encoder states come from outside the packed forward."""
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
         builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(self.config._attn_implementation)
-        return is_spec_builder(builder) and not self.seq2seq and not self.cross_attention
+        return is_spec_builder(builder) and not self.cross_attention
+
+    def _stack_entry(self, name: str):
+        def enter(module, args):
+            if self.documents_tokens and self.stack_documents is not None:
+                self.documents_tokens.append(enter_documents(**self.stack_documents[name]))
+            return None
+
+        return enter
 
     def after_model(self, module, args, output):
-        if self.documents_token is not None:
-            leave_documents(self.documents_token)
-            self.documents_token = None
+        """After the model and after each seq2seq stack: leave the documents their pre-hook entered."""
+        if self.documents_tokens:
+            leave_documents(self.documents_tokens.pop())
+            if not self.documents_tokens:
+                self.stack_documents = None
         return None
 
     def _pool_positions(self, documents: torch.Tensor, labels) -> None:
