@@ -261,3 +261,17 @@ def test_cross_attention_pieces_equal_dense_attention(p):
     grad = torch.randn(expected.shape, dtype=torch.float64, generator=g)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_mask_no_document_hook_prepared_is_refused():
+    """In a packed seq2seq forward, a mask built outside the encoder's and decoder's hooks (no ids for its kind) is
+    refused, naming its kind and sizes, rather than described by padding alone (which would attend across
+    documents)."""
+    documents = torch.tensor([[0, 0, 1, 1, 1, -1]] * 2)
+    token = enter_documents(bidirectional=(documents, documents))
+    try:
+        with pytest.raises(ValueError, match=r"packing: a causal mask of 6 queries x 6 keys \(batch 2\) in a packed "
+                                             r"forward whose document ids for it are none"):
+            describe(**ARGS, mask_function=causal_mask_function, attention_mask=documents >= 0)
+    finally:
+        leave_documents(token)
