@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from _anatomy_measure import ORDER
@@ -37,7 +38,7 @@ def layouts(modes: list[str], rec: dict, base: str, tokens: int, heading: str) -
         print_table(f"{heading}: step time (median of rounds [range])", header + (
             [f"{base} / layout, wall (paired)", f"{base} / layout, CPU (paired)"] if ref else []), rows)
     if rec.get("started_s"):
-        print("started (spawn, build, 2 warm-up steps: the compile of a _compiled mode), s: "
+        print("started (spawn, build, --warmup steps: the compile of a _compiled mode), s: "
               + ", ".join(f"{m} {s:.0f}" for m, s in rec["started_s"].items()))
     if not anatomy:
         return
@@ -83,6 +84,51 @@ def peak_rows(modes: list[str], peaks: dict, base: str = "unsharded") -> None:
         rows.append([name(m), f"{max(per_rank):.0f}", " / ".join(f"{v:.0f}" for v in per_rank), ratio, largest])
     print_table("Peak of live tensors in one step, MiB (parameters and their gradients excluded)",
                 ["layout", "largest rank", "per rank", f"/ {base}", "largest storages at the peak (MiB op)"], rows)
+
+
+def unpacked(mode: str) -> str | None:
+    """The mode whose rows a ``_docs`` mode packs as documents (None for any other mode)."""
+    layout, at, baseline = mode.partition("@")
+    return layout.removesuffix("_docs") + at + baseline if layout.endswith("_docs") else None
+
+
+def documents_rows(modes: list[str], rec: dict) -> None:
+    """Each ``_docs`` layout's step against the same rows unpacked (its mode without ``_docs``), paired by round."""
+    seconds, cpu, rows = rec["seconds"], rec["cpu_seconds"], []
+    for m in modes:
+        plain = unpacked(m)
+        if plain in modes and seconds[m]:
+            rows.append([name(m), spread(seconds[m], 1e3), spread(seconds[plain], 1e3),
+                         f"**{spread([d / u for d, u in zip(seconds[m], seconds[plain])], 1, '.3f')}**",
+                         spread([d / u for d, u in zip(cpu[m], cpu[plain])], 1, ".3f")])
+    if rows:
+        print_table("Packed documents against the same rows unpacked (median of rounds [range])",
+                    ["layout", "wall ms / step, packed", "wall ms / step, unpacked", "packed / unpacked, wall (paired)",
+                     "packed / unpacked, CPU (paired)"], rows)
+
+
+def sweep_peaks(modes: list[str], points: list[dict], documents: int) -> None:
+    """A sweep's peaks (largest rank, MiB) per layout and mask at each length, with the ratio to the same layout
+    unmasked (padding 0, no documents) at that length, and the growth exponent log(peak2 / peak1) / log(L2 / L1)
+    between consecutive lengths."""
+    seqs = sorted({p["seq"] for p in points})
+    peak = {(p["size"], p["seq"], p["padding"], m): max(r["peak_mib"] for r in p["peaks"][m])
+            for p in points for m in p["peaks"]}
+    rows = []
+    for size, padding, m in dict.fromkeys((p["size"], p["padding"], m) for p in points for m in modes
+                                          if m in p["peaks"]):
+        mine = [peak.get((size, n, padding, m)) for n in seqs]
+        plain = [peak.get((size, n, 0.0, unpacked(m) or m)) for n in seqs]
+        cells = [f"{v:.0f}" + (f" ({v / u:.2f}x)" if u and v and (padding or unpacked(m)) else "")
+                 for v, u in zip(mine, plain)]
+        growth = [f"{math.log(b / a) / math.log(n2 / n1):.2f}" if a and b else "-"
+                  for (n1, a), (n2, b) in zip(zip(seqs, mine), zip(seqs[1:], mine[1:]))]
+        mask = ", ".join([f"{documents} documents"] * bool(unpacked(m)) + [f"padding {padding:g}"] * bool(padding))
+        rows.append([name(m) + (f" ({size})" if len({p["size"] for p in points}) > 1 else ""), mask or "none",
+                     *cells, *growth])
+    print_table("Peak of live tensors per rank by length, MiB (largest rank; in brackets: / the same layout unmasked)",
+                ["layout", "mask", *(f"{n} tokens" for n in seqs),
+                 *(f"exponent {a}-{b}" for a, b in zip(seqs, seqs[1:]))], rows)
 
 
 def forms(modes: list[str], rec: dict, real_tokens: float, slots: dict) -> dict:

@@ -4,7 +4,8 @@
 hidden states, no optimizer; ``cls`` (``--lengths``): a ``BertForSequenceClassification`` (2 labels) step with AdamW by
 ``Trainer.train_step`` on global batches of samples whose lengths follow a dataset's histogram (``LENGTHS``), one
 batch form per mode (``FORMS``: padded, or packed by ``PackingCollator``), each window one pass over the same batches.
-Layouts: ``MODES``; ``_compiled``, and ``_loop`` / ``_fit`` (a window timed whole)."""
+Layouts: ``MODES``; ``_compiled``, ``_loop`` / ``_fit`` (a window timed whole), and ``_docs`` (the encoder workload's
+rows packed as ``--documents N`` equal documents: ``document_ids`` in place of the mask)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from _anatomy_measure import release  # noqa: E402
 MODES = {  # name: (world, threads per rank, shard() options or None for the hand loop)
     "unsharded": (1, 2, None),
     "world1": (1, 2, {}),
+    "world1_blocks": (1, 2, {"kernels": {"attention": "blocks"}}),  # kernels: Kernels' fields (built in the rank)
     "tp2": (2, 1, {}),
     "tp2_sp": (2, 1, {"sequence_parallel": True}),
     "tp2_c10d": (2, 1, {}),
@@ -30,7 +32,8 @@ MODES = {  # name: (world, threads per rank, shard() options or None for the han
     **{f"sp{n}_{kind}": (n, 1, {"sequence_parallel": option}) for n in (2, 4)
        for kind, option in (("a2a", "all_to_all"), ("ring", "ring"))},
 }
-SUFFIXES = {"_compiled": ", compiled", "_loop": ", train_step loop", "_fit": ", Trainer.fit"}
+SUFFIXES = {"_compiled": ", compiled", "_loop": ", train_step loop", "_fit": ", Trainer.fit",
+            "_docs": ", packed documents"}
 #: ``--lengths``: token-length histograms of real datasets' samples (docs/data/, each with its ``source``)
 LENGTHS = {"sst2": "sst2_train_token_lengths.json"}
 #: ``--lengths``: how a global batch of samples becomes the step's batch (a suffix of world1 and tp2)
@@ -42,6 +45,8 @@ MODES.update({m + f: MODES[m] for m in ("world1", "tp2") for f in FORMS})
 LENGTH_MODES = tuple(m + f for m in ("world1", "tp2") for f in ("_padded", "_longest", "_packed"))
 MODES.update({m + "_compiled": MODES[m] for m in ("unsharded", "world1", "tp2", "tp2_sp", "sp2_a2a")})
 MODES.update({m + s: MODES[m] for m in ("world1", "tp2", "dp2_zero0") for s in ("_loop", "_fit")})
+#: ``--documents N``: the encoder workload's rows packed as N equal documents (``document_ids``; sharded layouts only)
+MODES.update({m + "_docs": MODES[m] for m in ("world1", "world1_blocks", "sp2_a2a", "sp4_a2a", "sp2_ring", "sp4_ring")})
 #: what ``step_anatomy.py`` runs without ``--modes``
 DEFAULT_MODES = ("unsharded", "world1", "tp2", "tp2_sp", "tp2_c10d", "tp2_sp_c10d")
 #: init_mesh options of a layout (default: tp over its ranks, the default transport)
@@ -51,7 +56,8 @@ MESH_OPTIONS = {"tp2_c10d": {"tp": 2, "transport": "c10d"}, "tp2_sp_c10d": {"tp"
 #: Trainer options of a layout (default: none)
 TRAINER_OPTIONS = {**{m: {"zero": 1} for m in MODES if m.endswith("_zero1")},
                    **{m: {"zero": 1, "overlap_param_gather": True} for m in MODES if m.endswith("_overlap")}}
-TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one", "tp2": "shardlib tp=2",
+TITLES = {"unsharded": "unsharded (hand loop)", "world1": "shardlib world of one",
+          "world1_blocks": 'shardlib world of one, Kernels(attention="blocks")', "tp2": "shardlib tp=2",
           "tp2_sp": "shardlib tp=2 + SP", "tp2_c10d": "shardlib tp=2, gloo transport",
           "tp2_sp_c10d": "shardlib tp=2 + SP, gloo transport",
           **{f"dp{n}_zero{z}": f"shardlib dp={n}, zero={z}" for n in (2, 4) for z in (0, 1)},
@@ -65,6 +71,7 @@ _TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, interme
 #: config fields per size; the family (bert, vit, t5) is the part of the name before the dash
 SIZES = {
     "bert-base": _BASE, "bert-small": _SMALL, "bert-tiny": _TINY,
+    "bert-256": dict(_SMALL, num_hidden_layers=1),  # one layer of BERT-small's width: the long-sequence masks' model
     #: host-bound: each op's dispatch costs about what its arithmetic does (the Trainer's per-step work shows)
     "bert-host": dict(_TINY, vocab_size=1000),
     "vit-base": dict(_BASE, image_size=224, patch_size=16), "vit-small": dict(_SMALL, image_size=224, patch_size=16),
@@ -163,17 +170,27 @@ def slots(mode: str, lengths: list[list[int]], seq: int) -> float:
     return sum(b["input_ids"].numel() for b in form_batches(form, lengths, seq)) / len(lengths)
 
 
-def encoder_batches(size: str, cfg, batch: int, seq: int, padding: float) -> list[dict]:
-    """The ``encoder`` workload's inputs: ids and mask (T5: the same ids into the decoder), or random images."""
+def encoder_batches(size: str, cfg, batch: int, seq: int, padding: float, documents: int = 0) -> list[dict]:
+    """The ``encoder`` workload's inputs: ids and mask (T5: the same ids into the decoder), or random images;
+    ``documents``: each row's real tokens as that many equal documents (``document_ids``, -1 on padding), no mask."""
     if family(size) == "vit":
         g = torch.Generator().manual_seed(1)
         return [{"pixel_values": torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g)} for _ in range(4)]
     out = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
            for b in batches(4, batch, seq, cfg.vocab_size, padding)]
+    for b in out if documents else ():
+        b["document_ids"] = document_ids(b.pop("attention_mask"), documents)
     if family(size) == "t5":
         for b in out:
             b.update(decoder_input_ids=b["input_ids"], use_cache=False)
     return out
+
+
+def document_ids(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """[rows, L] ids of ``n`` equal documents over each row's real tokens (``mask``: 1 there, 0 on trailing padding),
+    -1 on its padding."""
+    ids = torch.arange(mask.shape[-1]) * n // mask.sum(-1, keepdim=True)
+    return torch.where(mask.bool(), ids, -1)
 
 
 class Step:
@@ -181,7 +198,7 @@ class Step:
 
     def __init__(self, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str = "mlm",
                  hand_loop: bool = False, layers: int | None = None, padding: float = 0.0,
-                 lengths: str | None = None, window: int = 3):
+                 lengths: str | None = None, window: int = 3, documents: int = 0):
         import transformers
 
         import shardlib
@@ -193,6 +210,9 @@ class Step:
             raise ValueError(f"{mode} times the Trainer: --workload mlm")
         if (form is not None) != (workload == "cls") or (workload == "cls") != (lengths is not None):
             raise ValueError(f"{mode}: the batch forms {list(FORMS)} are the modes of --lengths (workload cls)")
+        documents = documents if mode.endswith("_docs") else 0
+        if mode.endswith("_docs") and (workload != "encoder" or family(size) != "bert" or documents < 1):
+            raise ValueError(f"{mode} packs BERT's rows as --documents N (N >= 1) documents: --workload encoder")
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         cls = {"mlm": "BertForMaskedLM", "cls": "BertForSequenceClassification"}.get(workload)
@@ -206,7 +226,7 @@ class Step:
         elif workload == "mlm":
             self.data = batches(4, batch, seq, model.config.vocab_size, padding)
         else:
-            self.data = encoder_batches(size, model.config, batch, seq, padding)
+            self.data = encoder_batches(size, model.config, batch, seq, padding, documents)
         self.i, self.world, self.workload, self.batch = 0, world, workload, batch
         self.ring = options is not None and options.get("sequence_parallel") == "ring"
         self.fit, self.windowed = mode.endswith("_fit"), mode.endswith(("_loop", "_fit")) or workload == "cls"
@@ -216,7 +236,12 @@ class Step:
             self.model = model
         else:
             self.mesh = shardlib.init_mesh(**MESH_OPTIONS.get(layout, {"tp": world}))
-            self.model = shardlib.shard(model, self.mesh, **options)
+            self.model = shardlib.shard(model, self.mesh, **{k: shardlib.Kernels(**v) if k == "kernels" else v
+                                                             for k, v in options.items()})
+        if documents:
+            from shardlib.sharding.documents import accept_documents
+
+            accept_documents(self.model)
         if workload in ("mlm", "cls") and options is not None and not hand_loop:
             self.trainer = shardlib.Trainer(self.model, make_optimizer, compile=compiled,
                                             **TRAINER_OPTIONS.get(layout, {}))
@@ -260,10 +285,11 @@ class Step:
 
 
 def setup(rank: int, world: int, mode: str, size: str, batch: int, seq: int, dropout: float, workload: str,
-          layers: int | None = None, padding: float = 0.0, lengths: str | None = None, window: int = 3) -> Step:
+          layers: int | None = None, padding: float = 0.0, lengths: str | None = None, window: int = 3,
+          documents: int = 0, warmup: int = 2) -> Step:
     step = Step(mode, size, batch, seq, dropout, workload, layers=layers, padding=padding, lengths=lengths,
-                window=window)
-    for _ in range(max(2, len(step.real_tokens or ()))):  # warm-up: allocator, optimizer state, first-call paths
+                window=window, documents=documents)
+    for _ in range(max(warmup, len(step.real_tokens or ()))):  # warm-up: allocator, optimizer state, first calls
         step.run()  # (and compiling); --lengths: each batch of the window, each shape once
     release(step)
     if step.fit:

@@ -20,6 +20,9 @@ docs/benchmarks/tensor-parallel.md (also long-sequences.md, one-gpu.md, kernels-
         --baseline /tmp/before                                   # after `git worktree add /tmp/before <commit>`
     .venv/bin/python benchmarks/step_anatomy.py --workload encoder --batch 1 --seq 4096 --layers 2 --padding 0.1 \
         --modes sp2_a2a,sp2_ring --base sp2_a2a     # ring against Ulysses; --modes unsharded,sp4_ring --peak --seq 8192
+    .venv/bin/python benchmarks/step_anatomy.py --workload encoder --size bert-256 --batch 1 --seq 4096,8192,16384 \
+        --padding 0,0.1 --modes world1,world1_blocks,world1_docs,world1_blocks_docs --peak --rounds 0 \
+        --profile-steps 0     # masks as data: peaks by length, unmasked, padded, 8 packed documents (~6 min)
     .venv/bin/python benchmarks/step_anatomy.py --lengths sst2 --peak --batch 32 --steps 2 \
         --modes world1_padded,world1_longest,world1_packed    # packed vs padded, BERT-base, SST-2 lengths (~5 min);
         # tp2_padded,tp2_longest,tp2_packed for tp=2: one layout per run (docs/benchmarks/packing.md)
@@ -57,9 +60,13 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", help="of: " + ", ".join(workload.MODES) + " (default "
                     + ",".join(workload.DEFAULT_MODES) + ")")
     ap.add_argument("--batch", type=int, help="samples per step (default 8; --lengths 64)")
-    ap.add_argument("--seq", type=int, help="tokens per sequence (default 128; --throughput --quick 32)")
+    ap.add_argument("--seq", help="tokens per sequence, comma-separated for a sweep (default 128; --throughput "
+                    "--quick 32)")
     ap.add_argument("--layers", type=int, help="layers of the model (default: the size's)")
-    ap.add_argument("--padding", type=float, default=0.0, help="fraction of every row the attention mask hides")
+    ap.add_argument("--padding", default="0", help="fraction of every row the attention mask hides, comma-separated "
+                    "for a sweep (each length at each padding; with --peak a table of peaks by length)")
+    ap.add_argument("--documents", type=int, help="the rows of the modes named MODE_docs (encoder workload, sharded "
+                    "layouts) packed as N equal documents (document_ids, accept_documents; default 8)")
     ap.add_argument("--base", default="unsharded", help="the layout of the paired ratios base / layout")
     ap.add_argument("--peak", action="store_true", help="each layout's peak of live tensors in one step, per rank")
     ap.add_argument("--workload", choices=("mlm", "encoder", "cls"), help="mlm: BertForMaskedLM training step "
@@ -77,6 +84,8 @@ def parse(argv=None) -> argparse.Namespace:
                     "--lengths: BERT-tiny, 2 rounds)")
     ap.add_argument("--throughput", action="store_true", help="tp throughput: the encoder workload of BERT, ViT, T5 at "
                     "4 layouts, one round, no profile, waiting for quiet")
+    ap.add_argument("--warmup", type=int, default=2, help="steps a layout's ranks run before any measurement "
+                    "(default 2; --lengths: at least each batch once)")
     ap.add_argument("--fresh", action="store_true", help="new ranks per layout and round, one warm-up step")
     ap.add_argument("--json", help="write every measurement here")
     ap.add_argument("--in-process", action="store_true", help="the world of one's variants in this one process")
@@ -96,7 +105,9 @@ def parse(argv=None) -> argparse.Namespace:
     args.modes = (args.modes or (THROUGHPUT[2] if tp else ",".join(workload.LENGTH_MODES if lengths
                                                                     else workload.DEFAULT_MODES))).split(",")
     args.batch = args.batch or (64 if lengths else 8)
-    args.seq = args.seq or (32 if tp and quick else 128)
+    args.seqs = [int(n) for n in (args.seq or str(32 if tp and quick else 128)).split(",")]
+    args.paddings = [float(f) for f in args.padding.split(",")]
+    args.seq, args.padding = args.seqs[0], args.paddings[0]
     args.rounds = args.rounds if args.rounds is not None else 1 if tp else 2 if lengths and quick else 5
     args.profile_steps = args.profile_steps if args.profile_steps is not None else 0 if tp or lengths else 2
     args.wait_idle = args.wait_idle if args.wait_idle is not None else 60 if tp else 0
@@ -104,6 +115,7 @@ def parse(argv=None) -> argparse.Namespace:
     bert = all(workload.family(s) == "bert" for s in args.sizes)
     args.workload = args.workload or ("cls" if lengths else "mlm" if bert and not tp else "encoder")
     args.dropout = args.dropout if args.dropout is not None else 0.1 if args.workload in ("mlm", "cls") else 0.0
+    check_documents(ap, args)
     unknown = [x for x in args.sizes if x not in workload.SIZES]
     unknown += [m for m in args.modes if m.partition("@")[0] not in workload.MODES]
     if unknown:
@@ -116,7 +128,23 @@ def parse(argv=None) -> argparse.Namespace:
                  "only under --lengths")
     if any("@" in m for m in args.modes) and not args.baseline:
         ap.error("a mode@baseline needs --baseline CHECKOUT")
+    if len(args.seqs) + len(args.paddings) > 2 and (args.switch or args.in_process or args.gpu or args.cpu_test
+                                                   or lengths):
+        ap.error("a sweep of --seq or --padding runs the layouts (not --switch, --in-process, --gpu, --lengths)")
     return args
+
+
+def check_documents(ap, args) -> None:
+    """``--documents N`` goes with the modes named MODE_docs (encoder workload): N, by default 8."""
+    packed = [m for m in args.modes if m.partition("@")[0].endswith("_docs")]
+    if "unsharded_docs" in args.modes:
+        ap.error("the unsharded hand loop cannot take document_ids (shardlib's document hook turns them into masks): "
+                 "world1_docs is the same model at a world of one")
+    if args.documents is not None and not packed:
+        ap.error("--documents N packs the rows of the modes named MODE_docs (e.g. --modes sp4_ring,sp4_ring_docs)")
+    if packed and args.workload != "encoder":
+        ap.error(f"{packed} pack the encoder workload's rows: --workload encoder")
+    args.documents = args.documents or (8 if packed else 0)
 
 
 def main(argv=None) -> None:
@@ -128,10 +156,29 @@ def main(argv=None) -> None:
         return in_process(args)
     if args.gpu or args.cpu_test:
         return gpu(args)
+    if len(args.seqs) + len(args.paddings) > 2:
+        return sweep(args, started)
     runs = {size: layouts(args, size, args.steps or (THROUGHPUT_STEPS.get(size, 3) if args.throughput
                                                      and not args.quick else 3)) for size in args.sizes}
     if args.json:
         write_json(args.json, {"args": vars(args), **(runs[args.sizes[0]] if len(runs) == 1 else {"sizes": runs})})
+    print(f"total wall time {time.perf_counter() - started:.0f} s")
+
+
+def sweep(args, started: float) -> None:
+    """Every size at every ``--seq`` and ``--padding``, one after another (the JSON's ``points``); with ``--peak``, the
+    peaks by length with their growth and their ratio to the same layout unmasked. Peaks alone (no rounds, no
+    profile): one layout's ranks at a time, the longest rows' memory."""
+    points = []
+    alone = not args.rounds and not args.profile_steps
+    for size, seq, padding, modes in ((z, n, f, m) for z in args.sizes for n in args.seqs for f in args.paddings
+                                      for m in ([[m] for m in args.modes] if alone else [args.modes])):
+        point = argparse.Namespace(**{**vars(args), "seq": seq, "padding": padding, "modes": modes})
+        points.append({"size": size, "seq": seq, "padding": padding, **layouts(point, size, args.steps or 3)})
+        if args.json:  # after every point: a sweep cut short keeps what it measured
+            write_json(args.json, {"args": vars(args), "points": points})
+    if args.peak:
+        report.sweep_peaks(args.modes, points, args.documents)
     print(f"total wall time {time.perf_counter() - started:.0f} s")
 
 
@@ -141,7 +188,9 @@ def layouts(args, size: str, steps: int) -> dict:
     what = {"mlm": "BertForMaskedLM training step (AdamW)", "encoder": "forward + backward",
             "cls": "BertForSequenceClassification training step (AdamW)"}[args.workload]
     lengths = workload.length_batches(args.lengths, steps, args.batch, args.seq) if args.lengths else None
-    shape = f"batch {args.batch} x {args.seq}" if not lengths else (
+    masks = (f", padding {args.padding:g}" if args.padding else "") + (
+        f", {args.documents} documents in the _docs modes" if args.documents else "")
+    shape = f"batch {args.batch} x {args.seq}{masks}" if not lengths else (
         f"{steps} global batches of {args.batch} samples of {args.lengths} lengths (mean "
         f"{sum(map(sum, lengths)) / steps / args.batch:.1f}, max {max(map(max, lengths))} tokens), rows of {args.seq}")
     print(f"step anatomy: {what}, {size}, {shape}, dropout {args.dropout}; "
@@ -154,7 +203,8 @@ def layouts(args, size: str, steps: int) -> dict:
         name, _, baseline = mode.partition("@")
         setup = functools.partial(workload.setup, mode=name, size=size, batch=args.batch, seq=args.seq,
                                   dropout=args.dropout, workload=args.workload, layers=args.layers,
-                                  padding=args.padding, lengths=args.lengths, window=steps)
+                                  padding=args.padding, lengths=args.lengths, window=steps,
+                                  documents=args.documents, warmup=args.warmup)
         t0 = time.perf_counter()
         with checkout(args.baseline if baseline else None):
             pools[mode] = RankPool(workload.MODES[name][0], setup, measure.serve)
@@ -185,6 +235,7 @@ def layouts(args, size: str, steps: int) -> dict:
     rec["started_s"] = started_s
     real = sum(map(sum, lengths)) / steps if lengths else None
     report.layouts(modes, rec, args.base, real or workload.tokens(size, args.batch, args.seq), size)
+    report.documents_rows(modes, rec)
     if rec["peaks"]:
         report.peak_rows(modes, rec["peaks"], args.base)
     if lengths:
