@@ -212,6 +212,8 @@ def describe(*, batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
     if torch.compiler.is_compiling():
         return "torch.compile"  # the pieces are read from the data: a compiled graph keeps transformers' mask
     window = sliding_window(mask_function, local_size)
+    if window is not None and window < 1:
+        return "a window that hides every key"  # built by models that never use it (Qwen2-MoE's window of 0)
     if window is None and (mask_function not in (causal_mask_function, bidirectional_mask_function)
                            or local_size is not None):
         return "mask function"  # chunks, packed position ids, overlays

@@ -217,6 +217,8 @@ def test_the_builder_describes_documents_and_leaves_what_it_cannot():
                     local_size=3) == "a query that sees no key"
     assert describe(**ARGS, mask_function=sliding_window_causal_mask_function(6), attention_mask=padding,
                     local_size=6).window is None  # a window past the length: causal
+    assert describe(**ARGS, mask_function=sliding_window_causal_mask_function(0), attention_mask=padding,
+                    local_size=0) == "a window that hides every key"
     assert describe(**{**ARGS, "device": "meta"}, mask_function=causal_mask_function) == "meta"
 
 
