@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .calibrate import add_calibrate_parser, calibrate_command  # noqa: F401  (the CLI's calibrate command)
@@ -28,6 +29,7 @@ def add_plan_parser(sub) -> None:
     examples = ("examples:\n  shardlib plan ./bert-base --tp 4 --pp 2 --dp 2\n"
                 "  shardlib plan t5-small/config.json --tp 2 --sp all_to_all 2 --seq 512 --json\n"
                 "  shardlib plan ./llama-1b --sp ring 4 --seq 16384\n"
+                "  shardlib plan ./llama-1b --sp ring 8 --ulysses 2 --seq 16384\n"
                 "  shardlib plan ./mixtral --dp 4 --ep 4 --expert-capacity 1.25\n"
                 "  shardlib plan ./bert-large --world 64 --memory 16GiB --profile h100.json --global-batch 512\n"
                 "  shardlib plan ./bert-base --world 4 --global-batch 32 --seq 128 --packing 13.3   # packed SST-2")
@@ -44,6 +46,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--sp", nargs="+", metavar=("MODE", "N"),
                    help="sequence parallelism: 'megatron' (on the tp group), 'all_to_all N' or 'ring N' (N ranks per "
                         "sequence)")
+    p.add_argument("--ulysses", type=int, default=1, metavar="U",
+                   help="with --sp ring N: Ulysses x ring, rings of N / U positions, each position U ranks exchanging "
+                        "sequence for heads (U divides N, and tp x U the heads; default 1: the plain ring)")
     p.add_argument("--class", dest="cls", help="model class in transformers (default: the config's architectures[0])")
     p.add_argument("--batch", type=int, default=8, help="examples per microbatch and dp rank (default 8)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128; image models: the config's)")
@@ -64,6 +69,9 @@ def add_plan_parser(sub) -> None:
                    help="with --world: the samples average this many tokens and train packed into rows of --seq "
                         "(fit(packing=SEQ)): layouts are priced on the rows packing makes, ranked by real tokens/s")
     p.add_argument("--top", type=int, default=15, help="with --world: rows of the ranked table (default 15)")
+    p.add_argument("--jobs", type=int, metavar="J",
+                   help="with --world: processes dry-running the layer tables, the same answer with any J (default: "
+                        "one per CPU core this process may use)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--auto", action="store_true",
                    help="print the plan inferred from the model's graph, with its evidence, instead of a dry run")
@@ -122,7 +130,7 @@ def plan_command(args: argparse.Namespace) -> int:
                       cls=args.cls, batch=args.batch, seq=args.seq, microbatches=args.microbatches, dtype=args.dtype,
                       activation_checkpointing=args.activation_checkpointing, precision=args.precision,
                       device_type=args.device_type or profile.device, ep=args.ep,
-                      expert_capacity=args.expert_capacity)
+                      expert_capacity=args.expert_capacity, ulysses=args.ulysses)
         return report, _predict(report, profile, args)
 
     status, found = _planning(dry_run)
@@ -162,7 +170,8 @@ def _predict(report, profile, args):
     layout = Layout(dp=args.dp, pp=args.pp, tp=args.tp, sp=sp, sequence_parallel=report.sequence_parallel,
                     zero=args.zero, microbatches=args.microbatches, schedule=args.schedule,
                     activation_checkpointing=args.activation_checkpointing, precision=args.precision,
-                    batch=args.batch, seq=args.seq, ep=args.ep, expert_capacity=args.expert_capacity)
+                    batch=args.batch, seq=args.seq, ep=args.ep, expert_capacity=args.expert_capacity,
+                    ulysses=report.mesh.get("ulysses", 1))
     return predict(report, profile, layout)
 
 
@@ -174,12 +183,14 @@ def _search_command(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
         if args.world < 1:
             raise _input_error(f"--world must be >= 1, got {args.world}")
-        if args.ep != 1 or args.expert_capacity is not None:
-            raise _input_error("--ep and --expert-capacity price one layout; with --world the search enumerates ep "
-                               "itself (dropless)")
+        if args.jobs is not None and args.jobs < 1:
+            raise _input_error(f"--jobs must be >= 1, got {args.jobs}")
+        if args.ep != 1 or args.expert_capacity is not None or args.ulysses != 1:
+            raise _input_error("--ep, --expert-capacity and --ulysses price one layout; with --world the search "
+                               "enumerates ep (dropless) and Ulysses x ring itself")
         return search(args.source, args.world, memory_bytes=memory, profile=_profile(args),
                       global_batch=args.global_batch, seq=args.seq, cls=args.cls, precision=args.precision,
-                      mean_tokens=args.packing)
+                      mean_tokens=args.packing, ulysses=True, workers=args.jobs or _cores())
 
     try:
         status, result = _planning(run)
@@ -190,6 +201,11 @@ def _search_command(args: argparse.Namespace) -> int:
         return status
     print(json.dumps(result.to_dict(), indent=1) if args.json else render(result, args.top))
     return 0 if result.ranked else 3
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _auto_plan_command(args: argparse.Namespace) -> int:

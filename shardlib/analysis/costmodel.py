@@ -188,9 +188,32 @@ def transport_pages(stage: StageInfo, layout: Layout, profile: Profile) -> dict[
 
 
 # -------------------------------------------------------------------------------------------------------- time
-def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dtype: str) -> dict[str, float]:
+class _Prices:
+    """The profile's seconds of each GEMM size and collective, each asked once (a search prices thousands of stages
+    made of a few sizes)."""
+
+    def __init__(self, profile: Profile):
+        self.profile, self._gemms, self._collectives = profile, {}, {}
+
+    def gemm(self, flops: int, dtype: str) -> float:
+        found = self._gemms.get((flops, dtype))
+        if found is None:
+            found = self._gemms[flops, dtype] = self.profile.gemm_seconds(flops, dtype)
+        return found
+
+    def collective(self, op: str, group_size: int, nbytes: int, dim: str | None = None) -> float:
+        key = (op, group_size, nbytes, dim)
+        found = self._collectives.get(key)
+        if found is None:
+            found = self._collectives[key] = self.profile.collective_seconds(op, group_size, nbytes, dim)
+        return found
+
+
+def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dtype: str,
+                     prices: _Prices | None = None) -> dict[str, float]:
     """Seconds of one microbatch (forward and backward) on a rank of ``stage``, by term."""
-    compute = sum(n * profile.gemm_seconds(f, dtype) for w in stage.work for f, n in w.gemms)
+    prices = prices or _Prices(profile)
+    compute = sum(n * prices.gemm(f, dtype) for w in stage.work for f, n in w.gemms)
     compute += profile.elementwise_seconds(sum(w.traffic for w in stage.work))
     host = profile.op_seconds * sum(w.ops for w in stage.work)
     if profile.device == "cpu":  # the cores that dispatch an op also run it
@@ -201,8 +224,8 @@ def _microbatch_time(report: PlanReport, stage: StageInfo, profile: Profile, dty
         for c in entry.collectives:
             if not _is_ring(c):
                 key = f"{c.dim} {c.op}"
-                terms[key] = terms.get(key, 0.0) + profile.collective_seconds(c.op, c.group_size, c.bytes, c.dim)
-    ring = _ring_exposed(stage, profile, dtype)
+                terms[key] = terms.get(key, 0.0) + prices.collective(c.op, c.group_size, c.bytes, c.dim)
+    ring = _ring_exposed(stage, prices, dtype)
     if ring is not None:
         terms["sp ring send_recv"] = ring
     forward, backward = stage.send_bytes
@@ -216,17 +239,17 @@ def _is_ring(c) -> bool:
     return c.op == "send_recv" and c.dim == "sp"  # ring attention's K/V blocks and their gradients
 
 
-def _ring_exposed(stage: StageInfo, profile: Profile, dtype: str) -> float | None:
+def _ring_exposed(stage: StageInfo, prices: _Prices, dtype: str) -> float | None:
     """Seconds of ring attention's transfers that its block compute does not hide (None: no ring). Each step of the
     ring sends a block on while it computes with the one it holds, so a step costs max(block compute, transfer), not
     their sum; with the steps of a layer alike, the transfers add max(0, transfers - block compute) to the compute,
     per layer. A transfer is priced as the send/recv pair the profile measured (each rank sends one block and
     receives one)."""
-    transfers = {e.layer: sum(profile.collective_seconds("send_recv", 2, c.bytes, c.dim)
+    transfers = {e.layer: sum(prices.collective("send_recv", 2, c.bytes, c.dim)
                               for c in e.collectives if _is_ring(c)) for e in stage.collectives}
     if not any(transfers.values()):
         return None
-    compute = {w.layer: sum(n * profile.gemm_seconds(f, dtype) for f, n in w.ring) for w in stage.work}
+    compute = {w.layer: sum(n * prices.gemm(f, dtype) for f, n in w.ring) for w in stage.work}
     return sum(max(0.0, seconds - compute.get(layer, 0.0)) for layer, seconds in transfers.items())
 
 
@@ -309,11 +332,12 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
     ``cache``: a dict kept across calls for the same profile (the search's), holding each stage's microbatch time."""
     dtype = _DTYPES[layout.precision]
     cache = {} if cache is None else cache
+    prices = cache.setdefault("prices", _Prices(profile))
     per_stage = []
     for s in report.stages:
         key = (id(s), dtype)
         if key not in cache:
-            cache[key] = (s, _microbatch_time(report, s, profile, dtype))  # (s: keeps its id unique while cached)
+            cache[key] = (s, _microbatch_time(report, s, profile, dtype, prices))  # (s: keeps its id unique)
         per_stage.append(cache[key][1])
     terms = _schedule(per_stage, layout, profile)
     tail = []
@@ -331,7 +355,7 @@ def step_time(report: PlanReport, layout: Layout, profile: Profile, cache: dict 
 def check_matches(report: PlanReport, layout: Layout) -> None:
     """The report must be the dry run of the layout's mesh and microbatch."""
     mesh = {"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp} | (
-        {"ep": layout.ep} if layout.ep > 1 else {})
+        {"ulysses": layout.ulysses} if layout.ulysses > 1 else {}) | ({"ep": layout.ep} if layout.ep > 1 else {})
     if (report.mesh != mesh or report.activation_checkpointing != layout.activation_checkpointing
             or report.precision != layout.precision):
         raise ValueError(f"the plan report is of mesh {report.mesh} (activation checkpointing "

@@ -101,11 +101,13 @@ class SavedCounter:
 
 class WorkRecorder(TorchDispatchMode):
     """Records the work of the ops run inside the block (module docstring). ``model``: its parameters and buffers
-    are states, not activations. ``where``: a function giving the module path the current op belongs to."""
+    are states, not activations. ``where``: a function giving the module path the current op belongs to.
+    ``kernel``: what runs an op, ``kernel(func, args, kwargs)`` (default: ``func`` itself; the dry run's:
+    :meth:`~shardlib.analysis.metarun.CollectiveRecorder.dispatch`, which records the collectives)."""
 
-    def __init__(self, model: nn.Module, where):
+    def __init__(self, model: nn.Module, where, kernel=None):
         super().__init__()
-        self.where = where
+        self.where, self.kernel = where, kernel
         self.work: dict[str, ModuleWork] = defaultdict(ModuleWork)
         self.saved = SavedCounter(model, where)
         self.states = self.saved.states
@@ -126,23 +128,23 @@ class WorkRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if self.kernel is None else self.kernel(func, args, kwargs)
         self.tick += 1
-        given = _tensors(args) + _tensors(kwargs.values())
-        inputs = {storage_key(t) for t in given}
+        given = _tensors(args) + _tensors(kwargs.values()) if kwargs else _tensors(args)
+        inputs = {t.untyped_storage()._cdata for t in given}  # storage_key
         kind = _KINDS.get(func)
         if kind is None:
             kind = _KINDS[func] = ("collective" if func.namespace in _COLLECTIVE_NAMESPACES else
                                    "gemm" if func._overloadpacket in _FLOPS else
                                    "view" if func.is_view else "other")
-        self.work[self.where()].ops += 1
+        work = self.work[self.where()]
+        work.ops += 1
         if kind == "gemm":
             flops = int(_FLOPS[func._overloadpacket](*args, **kwargs, out_val=out))
-            gemms = self.work[self.where()].gemms
-            gemms[flops] = gemms.get(flops, 0) + 1
+            work.gemms[flops] = work.gemms.get(flops, 0) + 1
         elif kind == "other":
             tensors = given + _tensors((out,))
-            self.work[self.where()].traffic += sum(t.numel() * t.element_size() for t in tensors)
+            work.traffic += sum(t.numel() * t.element_size() for t in tensors)
         self._track(out, inputs)
         return out
 

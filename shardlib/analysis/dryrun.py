@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels import ring_geometry
 from ..kernels.ring_attention import CONTEXT_ATTR as RING_CONTEXT
 from ..parallel.collectives import all_reduce_flat
 from ..parallel.flat import DEFAULT_BUCKET_BYTES, flat_buckets
@@ -60,7 +61,7 @@ from ..sharding.plan import PlanError
 from ..sharding.sequence import ALL_TO_ALL, MEGATRON, RING, SP_MODES  # shard(sequence_parallel=...)'s modes
 from ..sharding.sharded import shard_state
 from ..sharding.sharder import shard
-from .counting import KernelsAsOn, WorkRecorder, by_layer
+from .counting import KernelsAsOn, WorkRecorder, by_layer, storage_key
 from .expert_cost import expert_parallel_report
 from .meta_experts import install as balanced_experts, moe_layers
 from .meta_autocast import autocast_on_meta
@@ -135,33 +136,56 @@ def _checkpointing(model: nn.Module, forward_context) -> None:
         rng_safe_checkpointing(model, forward_context)
 
 
-def _adamw_state(params: list[nn.Parameter]) -> tuple[dict[int, tuple[int, int]], WorkRecorder]:
+#: the parameters' signature (:func:`_adamw_state`) -> (AdamW state bytes of each parameter or None, the second
+#: step's peak and traffic): the step depends on nothing else, and tables of one tp share it
+_ADAMW: dict[tuple, tuple[list, int, int]] = {}
+
+
+def _adamw_state(params: list[nn.Parameter]) -> tuple[dict[int, tuple[int, int]], int, int]:
     """id(parameter) -> bytes of its AdamW state after one step (only parameters with a gradient get state), as
-    (tensors shaped like the parameter: exp_avg and exp_avg_sq, the others: the step); and the recorder of the
-    second step's work (its temporaries and memory traffic; the first also allocates the state)."""
-    optimizer = torch.optim.AdamW(params, foreach=True)  # the default on CPU and CUDA with every tensor alike
-    optimizer.step()
-    recorder = WorkRecorder(nn.ParameterList(params), lambda: "")
-    with recorder:
+    (tensors shaped like the parameter: exp_avg and exp_avg_sq, the others: the step); and the second step's peak
+    (its temporaries) and memory traffic (the first also allocates the state). Counted once per signature of the
+    parameters (shape, stride, dtype, device, gradient and shared storage of each, in order)."""
+    storages: dict[int, int] = {}
+    signature = tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad, p.grad is not None,
+                       storages.setdefault(storage_key(p), len(storages))) for p in params)
+    if signature not in _ADAMW:
+        optimizer = torch.optim.AdamW(params, foreach=True)  # the default on CPU and CUDA with every tensor alike
         optimizer.step()
-    state = {}
-    for p, s in optimizer.state.items():
-        tensors = [t for t in s.values() if torch.is_tensor(t)]
-        shaped = _nbytes(t for t in tensors if t.shape == p.shape)
-        state[id(p)] = (shaped, _nbytes(tensors) - shaped)
-    return state, recorder
+        recorder = WorkRecorder(nn.ParameterList(params), lambda: "")
+        with recorder:
+            optimizer.step()
+        per_parameter = []
+        for p in params:
+            tensors = [t for t in optimizer.state[p].values() if torch.is_tensor(t)] if p in optimizer.state else None
+            shaped = _nbytes(t for t in tensors if t.shape == p.shape) if tensors is not None else 0
+            per_parameter.append((shaped, _nbytes(tensors) - shaped) if tensors is not None else None)
+        _ADAMW[signature] = (per_parameter, recorder.peaks([])[0], sum(w.traffic for w in recorder.work.values()))
+    per_parameter, peak, traffic = _ADAMW[signature]
+    return {id(p): s for p, s in zip(params, per_parameter) if s is not None}, peak, traffic
 
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _fsdp_local(nbytes: int, p: torch.Tensor, dp: int, rank: int) -> int:
-    """Of ``nbytes`` laid out like ``p``, what dp rank ``rank`` holds under FSDP2: dim 0 cut like ``torch.chunk``
-    (``ceil(n / dp)`` rows per rank, the last ranks fewer or none; FSDP2 pads every rank's memory to the first's)."""
-    n = p.shape[0] if p.dim() else 1
-    per = -(-n // dp)
-    return max(0, min(per, n - rank * per)) * (nbytes // n)
+def _fsdp_local(sized, dp: int) -> list[int]:
+    """Of each ``(nbytes, p)`` of ``sized`` (bytes laid out like ``p``), what each dp rank holds under FSDP2, summed
+    per rank: dim 0 cut like ``torch.chunk`` (``ceil(n / dp)`` rows per rank, the last ranks fewer or none; FSDP2 pads
+    every rank's memory to the first's). The ranks before ``n // per`` hold ``per`` rows, the next the rest."""
+    steps = [0] * (dp + 2)  # what each rank holds more than the one before it
+    for nbytes, p in sized:
+        n = p.shape[0] if p.dim() else 1
+        per, row = -(-n // dp), nbytes // n
+        full, rest = n // per, n % per
+        steps[0] += per * row
+        steps[full] += (rest - per) * row
+        steps[full + 1] -= rest * row
+    totals, held = [], 0
+    for step in steps[:dp]:
+        held += step
+        totals.append(held)
+    return totals
 
 
 def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh, late: set[int]) -> list[ZeroBytes]:
@@ -188,17 +212,27 @@ def _zero(params: list[nn.Parameter], state: dict[int, tuple[int, int]], mesh, l
                     optimizer[r] += shaped * overlap // p.numel() + other
     zero = [ZeroBytes(1, [_nbytes(params)] * dp, [_nbytes(trainable)] * dp, optimizer),
             ZeroBytes(2, [_nbytes(params)] * dp, gradients, optimizer)]
+    stepped = [p for p in params if id(p) in state]
+    other = sum(state[id(p)][1] for p in stepped)  # the step tensors: whole on every rank
     zero.append(ZeroBytes(  # under a pipeline: FSDP2 over the stage's parameters (shardlib.train.fsdp)
-        3, [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in params) for r in ranks],
-        [sum(_fsdp_local(_nbytes([p]), p, dp, r) for p in trainable) for r in ranks],
-        [sum(_fsdp_local(state[id(p)][0], p, dp, r) + state[id(p)][1] for p in params if id(p) in state)
-         for r in ranks]))
+        3, _fsdp_local([(_nbytes([p]), p) for p in params], dp),
+        _fsdp_local([(_nbytes([p]), p) for p in trainable], dp),
+        [held + other for held in _fsdp_local([(state[id(p)][0], p) for p in stepped], dp)]))
     return zero
 
 
 def late_gradient_bytes(params: list[nn.Parameter], late: set[int]) -> int:
     """The gradient bytes of the parameters among ``params`` whose ids are in ``late`` (StageInfo's field)."""
     return _nbytes(p for p in params if p.requires_grad and id(p) in late)
+
+
+def _forget_ring_indices() -> None:
+    """Empty the ring's caches of its zigzag index tensors (kept per length and ring size for the process), so that
+    every dry run counts building them, whatever ran before it in the process: a dry run that found them built (an
+    earlier table's) counted fewer ops and bytes, which made a layer table's two microbatch sizes disagree and the
+    search's answers depend on its history."""
+    for cached in (ring_geometry._zigzag, ring_geometry._inverse):
+        cached.cache_clear()
 
 
 def _stage_paths(model: nn.Module, index: int) -> tuple[list[str], list[str]]:
@@ -265,31 +299,31 @@ def _plan_stage(model, index: int, sizes: dict[str, int], shard_options: dict, i
         moe = balanced_experts(model, state.plan)  # its tokens spread evenly over each layer's experts
         if activation_checkpointing:
             _checkpointing(model, forward_context)
-        recorder = CollectiveRecorder(model, group_dims(mesh))
-        work = WorkRecorder(model, recorder.module_now)
-        with recorder:
-            try:
-                with work:
-                    sent = _forward_backward(model, inputs, received, lambda: setattr(work.saved, "counting", False),
-                                             forward_context)
-            except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
-                raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
-                                     f"{str(exc).splitlines()[0]}") from None
-            except (AttributeError, ValueError, TypeError) as exc:  # the model's own forward refused its config
-                raise PlanInputError(f"{type(model).__name__}'s forward failed on the planning batch (a config it "
-                                     f"cannot run with?): {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        recorder = CollectiveRecorder(model, group_dims(mesh, shard_options.get("ulysses", 1)), remember=True)
+        work = WorkRecorder(model, recorder.module_now, kernel=recorder.dispatch)  # one dispatch mode: both record
+        _forget_ring_indices()
+        try:
+            with recorder.watching(), work:
+                sent = _forward_backward(model, inputs, received, lambda: setattr(work.saved, "counting", False),
+                                         forward_context)
+        except NotImplementedError as exc:  # an op that needs values (T5ForSequenceClassification counts EOS)
+            raise PlanInputError(f"{type(model).__name__} cannot run on the meta device, so it cannot be planned: "
+                                 f"{str(exc).splitlines()[0]}") from None
+        except (AttributeError, ValueError, TypeError) as exc:  # the model's own forward refused its config
+            raise PlanInputError(f"{type(model).__name__}'s forward failed on the planning batch (a config it "
+                                 f"cannot run with?): {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        with recorder:  # the step's collectives
             recorder.phase = "step"
             if state.pipeline is not None:
                 state.pipeline.sync_tied_grads()
             if dp > 1:  # the Trainer's reduce_gradients without ZeRO: flat all-reduces per dtype
                 all_reduce_flat([p.grad for p in params if p.grad is not None], mesh.group("dp"))
-        optimizer, step = _adamw_state(params) if optimizer else ({}, WorkRecorder(model, str))
+        optimizer, step_peak, step_traffic = _adamw_state(params) if optimizer else ({}, 0, 0)
         late = late_gradients(model, state.pipeline)
         zero = _zero(params, optimizer, mesh, late)
     layers, modules = _stage_paths(model, index)
     peak, peak_with_gradients = work.peaks([p.grad for p in params if p.grad is not None])
-    memory = MemoryCounts(work.saved_bytes(), peak, peak_with_gradients, step.peaks([])[0],
-                          sum(w.traffic for w in step.work.values()))
+    memory = MemoryCounts(work.saved_bytes(), peak, peak_with_gradients, step_peak, step_traffic)
     blocks = ring_paths(model)
     per_layer = _layer_work(work.work, layers, blocks)
     per_microbatch = [c for c in recorder.records if c.phase != "step"]
@@ -324,16 +358,17 @@ def _mode(sequence_parallel, sp: int):
 def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1, sequence_parallel=None, cls=None,
          batch: int = 8, seq: int = 128, microbatches: int = 1, dtype=None, policy=None,
          activation_checkpointing: bool = False, precision: str = "fp32", device_type: str = "cpu", ep: int = 1,
-         expert_capacity: float | None = None) -> PlanReport:
+         expert_capacity: float | None = None, ulysses: int = 1) -> PlanReport:
     """Dry run of sharding ``model_or_config`` over dp x pp x sp x tp ranks, with no ranks: a :class:`PlanReport`
     of the rewrites, bytes per rank of every pipeline stage (parameters, gradients, AdamW state, ZeRO), what
     crosses each stage boundary, and every collective of a training step, per layer (module docstring).
 
     ``model_or_config``: a model (only its class, config and dtype are used), a transformers config, a model
     directory or a config.json file. ``cls``: the model class or its name in transformers (default: the model's,
-    else the config's ``architectures[0]``). ``sequence_parallel``, ``policy``: as :func:`shardlib.shard` (default:
-    all-to-all when ``sp > 1``; ``"ring"``: ring attention). ``batch`` x ``seq``: one microbatch of one dp rank (the
-    inputs and labels of the model's task, :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the
+    else the config's ``architectures[0]``). ``sequence_parallel``, ``policy``, ``ulysses``: as :func:`shardlib.shard`
+    (default: all-to-all when ``sp > 1``; ``"ring"``: ring attention; ``ulysses=N`` with it: Ulysses x ring).
+    ``batch`` x ``seq``: one microbatch of one dp rank (the inputs and labels of the model's task,
+    :func:`example_batch`); ``microbatches`` per step. ``dtype``: of the
     parameters (default: the model's, else torch's default dtype). ``precision``: the Trainer's ("fp32", or "bf16" /
     "fp16": the forward under autocast's casts as on ``device_type``, "cpu" or "cuda"). ``ep``: expert parallelism
     over ep of the dp ranks, ``expert_capacity`` its static capacity factor (None: dropless), priced from the dry
@@ -343,33 +378,34 @@ def plan(model_or_config, *, tp: int = 1, pp: int = 1, dp: int = 1, sp: int = 1,
     :class:`PlanInputError` for bad input. Run from a process where torch.distributed is initialized, the dry run
     happens in a ``python -m shardlib.cli plan`` subprocess (then ``policy`` must be None).
     """
-    _check_sizes(tp=tp, pp=pp, dp=dp, sp=sp, batch=batch, seq=seq, microbatches=microbatches)
+    _check_sizes(tp=tp, pp=pp, dp=dp, sp=sp, batch=batch, seq=seq, microbatches=microbatches, ulysses=ulysses)
     options = dict(tp=tp, pp=pp, dp=dp, sp=sp, sequence_parallel=sequence_parallel, batch=batch, seq=seq,
                    microbatches=microbatches, precision=precision, device_type=device_type,
-                   activation_checkpointing=activation_checkpointing)
+                   activation_checkpointing=activation_checkpointing, ulysses=ulysses)
     report = (_plan_in_subprocess(model_or_config, cls, dtype, policy, options) if dist.is_initialized()
               else _plan_here(model_or_config, cls, dtype, policy, **options))
     return expert_parallel_report(report, ep, expert_capacity)
 
 
 def _plan_here(model_or_config, cls, dtype, policy, *, tp, pp, dp, sp, sequence_parallel, batch, seq, microbatches,
-               precision, device_type, activation_checkpointing) -> PlanReport:
+               precision, device_type, activation_checkpointing, ulysses) -> PlanReport:
     """:func:`plan` in this process, without expert parallelism."""
     base = meta_model(model_or_config, cls, dtype)
     policy = planned_policy(base, policy)
     inputs = example_batch(base, batch, seq)
     mode, mode_name = _mode(sequence_parallel, sp)
     sizes, stages, received, sharding = dict(dp=dp, pp=pp, sp=sp, tp=tp), [], (), None
+    options = dict(policy=policy, sequence_parallel=mode) | ({"ulysses": ulysses} if ulysses > 1 else {})
     with torch.random.fork_rng(devices=[]):  # shard() seeds its dropout streams; the caller's RNG is left alone
         for index in range(pp):
             model = base if pp == 1 else copy.deepcopy(base)
-            info, sent, report = _plan_stage(model, index, sizes, dict(policy=policy, sequence_parallel=mode),
-                                             inputs, received, activation_checkpointing,
+            info, sent, report = _plan_stage(model, index, sizes, options, inputs, received, activation_checkpointing,
                                              precision=precision, device_type=device_type)
             stages.append(info)
             sharding = sharding or report
             received = tuple(t.detach().requires_grad_(t.requires_grad) for t in sent)
-    return PlanReport(model_class=type(base).__name__, policy=policy.name, mesh=sizes, sequence_parallel=mode_name,
+    mesh = sizes | ({"ulysses": ulysses} if ulysses > 1 else {})
+    return PlanReport(model_class=type(base).__name__, policy=policy.name, mesh=mesh, sequence_parallel=mode_name,
                       microbatches=microbatches, inputs={k: tensor_spec(v) for k, v in inputs.items()},
                       sharding=sharding, stages=stages, activation_checkpointing=activation_checkpointing,
                       precision=precision, device_type=device_type)
@@ -383,13 +419,14 @@ def _plan_in_subprocess(model_or_config, cls, dtype, policy, options: dict) -> P
     if isinstance(model_or_config, nn.Module):
         cls = cls or type(model_or_config)
         dtype = dtype or next(model_or_config.parameters()).dtype
-    sequence_parallel, sp = options.pop("sequence_parallel"), options.pop("sp")
+    sequence_parallel, sp, ulysses = options.pop("sequence_parallel"), options.pop("sp"), options.pop("ulysses", 1)
     flags = ["--activation-checkpointing"] if options.pop("activation_checkpointing", False) else []
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + flags
     if sequence_parallel in (True, MEGATRON):
         argv += ["--sp", MEGATRON]
     elif sp > 1 or sequence_parallel in SP_MODES:
         argv += ["--sp", sequence_parallel if sequence_parallel in SP_MODES else ALL_TO_ALL, str(sp)]
+    argv += [f"--ulysses={ulysses}"] if ulysses > 1 else []
     argv += [f"--class={cls if isinstance(cls, str) else cls.__name__}"] if cls is not None else []
     argv += [f"--dtype={str(dtype).removeprefix('torch.')}"] if dtype is not None else []
     with tempfile.TemporaryDirectory() as tmp:

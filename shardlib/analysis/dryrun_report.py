@@ -162,7 +162,7 @@ class PlanReport:
 
     model_class: str
     policy: str
-    mesh: dict[str, int]  # dp, pp, sp, tp; and ep (> 1: expert parallelism, within dp)
+    mesh: dict[str, int]  # dp, pp, sp, tp; ulysses (> 1: Ulysses x ring over sp); ep (> 1: expert parallelism)
     sequence_parallel: str  # "off", "megatron", "all_to_all" or "ring"
     microbatches: int
     inputs: dict[str, TensorSpec]  # one microbatch of one dp rank
@@ -251,9 +251,12 @@ def _shape(spec: TensorSpec) -> str:
 def _header(r: PlanReport) -> list[str]:
     m = r.mesh
     inputs = ", ".join(f"{name} {_shape(t)} {t.dtype}" for name, t in r.inputs.items())
+    ulysses = m.get("ulysses", 1)
     return [f"shardlib plan: {r.model_class} with policy '{r.policy}' on dp={m['dp']} x pp={m['pp']} x sp={m['sp']}"
             f" x tp={m['tp']} ({r.world_size} ranks)" + (f", ep={m['ep']} within dp" if m.get("ep", 1) > 1 else "")
-            + f", sequence parallel: {r.sequence_parallel}",
+            + f", sequence parallel: {r.sequence_parallel}"
+            + (f" (Ulysses x ring: {ulysses} ranks per position x {m['sp'] // ulysses} ring positions)"
+               if ulysses > 1 else ""),
             f"one microbatch per dp rank: {inputs}; {r.microbatches} microbatch(es) per step", ""]
 
 

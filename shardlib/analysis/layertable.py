@@ -145,7 +145,8 @@ class _Run:
     """The shallow model dry-run at one microbatch size: its roots, parameters and memory counts."""
 
     def __init__(self, base: nn.Module, policy, trunk, sizes: dict, mode, checkpointing: bool, batch: int,
-                 seq: int, stepped: "_Run | None" = None, precision: str = "fp32", device_type: str = "cpu"):
+                 seq: int, stepped: "_Run | None" = None, precision: str = "fp32", device_type: str = "cpu",
+                 ulysses: int = 1):
         model = copy.deepcopy(base)
         self.roots = list(stage_plan(model, trunk, 1).modules[0])
         self.by_root: dict[str, Root] = {r: Root() for r in [*self.roots, ""]}
@@ -154,8 +155,8 @@ class _Run:
         keep: dict = {}
         inputs = example_batch(model, batch, seq)
         with torch.random.fork_rng(devices=[]):
-            info, _, self.sharding = _plan_stage(model, 0, sizes, dict(policy=policy, sequence_parallel=mode),
-                                                 inputs, (), checkpointing, keep,
+            options = dict(policy=policy, sequence_parallel=mode) | ({"ulysses": ulysses} if ulysses > 1 else {})
+            info, _, self.sharding = _plan_stage(model, 0, sizes, options, inputs, (), checkpointing, keep,
                                                  optimizer=batch == BATCHES[0] and stepped is None,
                                                  precision=precision, device_type=device_type)
         for h in hooks:
@@ -176,10 +177,14 @@ class _Run:
         self.params = {root: [Param(name, tuple(t.shape), t.dtype, t.requires_grad, id(t) in late, state.get(id(t)),
                                     id(t)) for name, t in _held(model, root) if isinstance(t, nn.Parameter)]
                        for root in self.roots}
-        if stepped is not None:  # the AdamW step of the same parameters, counted by another table's run
-            self.params = stepped.params
-            self.memory = dataclasses.replace(self.memory, optimizer_peak_bytes=stepped.memory.optimizer_peak_bytes,
-                                              optimizer_traffic=stepped.memory.optimizer_traffic)
+        if stepped is not None:
+            self.adopt(stepped)
+
+    def adopt(self, stepped: "_Run") -> None:
+        """Take the AdamW step of the same parameters from another table's run (``stepped``), which counted it."""
+        self.params = stepped.params
+        self.memory = dataclasses.replace(self.memory, optimizer_peak_bytes=stepped.memory.optimizer_peak_bytes,
+                                          optimizer_traffic=stepped.memory.optimizer_traffic)
 
     def _inputs(self, root: str):
         def hook(module, args, kwargs):
@@ -191,13 +196,16 @@ class _Run:
 
 class LayerTable:
     """The costs of every root of ``full`` (the unsharded model on the meta device) under one tensor / sequence
-    parallel layout (module docstring). ``mode``: :func:`shardlib.shard`'s ``sequence_parallel``. ``like``: a
-    table of the same model and tp, sp and mode (another checkpointing): its AdamW counts and pipeline cuts are
-    reused, not counted again."""
+    parallel layout (module docstring). ``mode``: :func:`shardlib.shard`'s ``sequence_parallel`` (``ulysses``: its
+    Ulysses x ring, :func:`shardlib.shard`'s argument). ``like``: a table of the same model and tp, sp and mode
+    (another checkpointing, another Ulysses group): its AdamW counts, pipeline cuts and ZeRO bytes are reused, not
+    counted again. ``runs``: the table's dry runs, made elsewhere (a worker process of the search: a
+    :class:`LayerTable` of the same arguments without ``like``), instead of running them here."""
 
     def __init__(self, full: nn.Module, policy, *, tp: int, sp: int, mode, mode_name: str,
                  activation_checkpointing: bool, seq: int, like: "LayerTable | None" = None,
-                 precision: str = "fp32", device_type: str = "cpu", plain: "LayerTable | None" = None):
+                 precision: str = "fp32", device_type: str = "cpu", plain: "LayerTable | None" = None,
+                 ulysses: int = 1, runs: "list[_Run] | None" = None):
         from .metarun import meta_model
 
         #: under activation checkpointing, the same mesh's table without it: a checkpointed layer's backward first
@@ -205,7 +213,7 @@ class LayerTable:
         self.plain = plain
         self.full, self.policy, self.mode_name = full, policy, mode_name
         self.checkpointing, self.seq = activation_checkpointing, seq
-        self.precision, self.device_type = precision, device_type
+        self.precision, self.device_type, self.ulysses = precision, device_type, ulysses
         self.trunk = policy.plan(full, tp).trunk
         dtype = next(full.parameters()).dtype
         base = meta_model(shallow_config(full.config), type(full), dtype)
@@ -213,10 +221,16 @@ class LayerTable:
         self.depth = {s.layers: len(base.get_submodule(s.layers)._modules) for s in shallow_trunk}
         sizes = dict(dp=1, pp=1, sp=sp, tp=tp)
         stepped = like.runs[0] if like is not None else None
-        self.runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq,
-                          stepped if b == BATCHES[0] else None, precision, device_type) for b in BATCHES]
+        if runs is None:
+            runs = [_Run(base, policy, shallow_trunk, sizes, mode, activation_checkpointing, b, seq,
+                         stepped if b == BATCHES[0] else None, precision, device_type, ulysses) for b in BATCHES]
+        elif stepped is not None:  # as a run made here with ``like`` would have it
+            runs[0].adopt(stepped)
+        self.runs = runs
         self._plans: dict[int, object] = like._plans if like is not None else {}  # pipeline cuts: by pp only
-        self._states: dict[tuple, dict] = {}  # (pp, dp, stage) -> _stage_states
+        #: (pp, dp, stage) -> _stage_states: of the parameters, which a table shares with its ``like``
+        self._states: dict[tuple, dict] = like._states if like is not None else {}
+        self._at: dict[tuple[str, int], tuple] = {}  # (shallow root, microbatch) -> _root_at's counts
         self._order = {name: i for i, (name, _) in enumerate(full.named_parameters())}  # registration order
 
     def stage_plan(self, pp: int):
@@ -238,7 +252,8 @@ class LayerTable:
                                 t.numel() * t.element_size() // t.shape[0] * b, False)
                   for k, t in example_batch(self.full, b, self.seq).items()}
         return PlanReport(model_class=type(self.full).__name__, policy=self.policy.name,
-                          mesh={"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp},
+                          mesh={"dp": layout.dp, "pp": layout.pp, "sp": layout.sp, "tp": layout.tp}
+                          | ({"ulysses": self.ulysses} if self.ulysses > 1 else {}),
                           sequence_parallel=self.mode_name, microbatches=layout.microbatches, inputs=inputs,
                           sharding=self.runs[1].sharding, stages=stages, activation_checkpointing=self.checkpointing,
                           precision=self.precision, device_type=self.device_type)
@@ -252,14 +267,22 @@ class LayerTable:
         return (root if root.rpartition(".")[0] in self.depth else "", p.key)
 
     def _root_at(self, root: str, b: int) -> tuple[LayerWork, list[Collective], list[TensorSpec]]:
-        """The work, collectives and forward inputs of a root of the full model at microbatch ``b``."""
-        one, two = (run.by_root[_shallow_path(root, self.depth)] for run in self.runs)
-        work = LayerWork(root, _gemms_at(one.work.gemms, two.work.gemms, b),
-                         _affine(one.work.traffic, two.work.traffic, b), _affine(one.work.saved, two.work.saved, b),
-                         two.work.ops, _gemms_at(one.ring.gemms, two.ring.gemms, b))
-        inputs = [TensorSpec(y.shape, y.dtype, _affine(x.bytes, y.bytes, b), y.requires_grad)
-                  for x, y in zip(one.inputs, two.inputs)]
-        return work, _collectives_at(one.collectives, two.collectives, b), inputs
+        """The work, collectives and forward inputs of a root of the full model at microbatch ``b`` (new lists each
+        call; their counts computed once per root of the shallow copy and microbatch)."""
+        shallow = _shallow_path(root, self.depth)
+        found = self._at.get((shallow, b))
+        if found is None:
+            one, two = (run.by_root[shallow] for run in self.runs)
+            work = (_gemms_at(one.work.gemms, two.work.gemms, b), _affine(one.work.traffic, two.work.traffic, b),
+                    _affine(one.work.saved, two.work.saved, b), two.work.ops,
+                    _gemms_at(one.ring.gemms, two.ring.gemms, b))
+            found = self._at[shallow, b] = (
+                work,
+                _collectives_at(one.collectives, two.collectives, b),
+                [TensorSpec(y.shape, y.dtype, _affine(x.bytes, y.bytes, b), y.requires_grad)
+                 for x, y in zip(one.inputs, two.inputs)])
+        (gemms, traffic, saved, ops, ring), collectives, inputs = found
+        return LayerWork(root, list(gemms), traffic, saved, ops, list(ring)), list(collectives), list(inputs)
 
     def _moe_at(self, root: str, b: int) -> list[MoELayer]:
         """The mixture-of-experts layers of a root of the full model at microbatch ``b``."""

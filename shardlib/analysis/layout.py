@@ -21,7 +21,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 class Layout:
     """One way to train a model on ``world`` ranks. ``batch``: examples per microbatch on one dp rank (so the global
     batch is ``batch * microbatches * dp``); ``sequence_parallel``: "off", "megatron" (on the tp group),
-    "all_to_all" or "ring" (over ``sp`` ranks); ``ep``: expert parallelism, each mixture-of-experts layer's experts
+    "all_to_all" or "ring" (over ``sp`` ranks); ``ulysses``: under "ring", Ulysses x ring (``shard(...,
+    ulysses=N)``): rings of ``sp / ulysses`` positions, each position ``ulysses`` ranks exchanging sequence for heads
+    (1: the plain ring); ``ep``: expert parallelism, each mixture-of-experts layer's experts
     split over ``ep`` of the dp ranks (ep divides dp); ``expert_capacity``: its static-capacity exchange with this
     capacity factor (None: dropless)."""
 
@@ -39,6 +41,7 @@ class Layout:
     seq: int = 128
     ep: int = 1
     expert_capacity: float | None = None
+    ulysses: int = 1
 
     @property
     def world(self) -> int:
@@ -52,22 +55,31 @@ class Layout:
         """:func:`shardlib.shard`'s ``sequence_parallel`` argument."""
         return SHARD_MODES[self.sequence_parallel]
 
+    def shard_options(self) -> dict:
+        """:func:`shardlib.shard`'s sequence-parallel arguments: ``sequence_parallel``, and ``ulysses`` where set."""
+        return {"sequence_parallel": self.shard_mode()} | ({"ulysses": self.ulysses} if self.ulysses > 1 else {})
+
     def training_args(self) -> dict:
-        """The :class:`shardlib.train.TrainingArguments` fields this layout sets (``batch_size`` is global)."""
+        """The :class:`shardlib.train.TrainingArguments` fields this layout sets (``batch_size`` is global);
+        ``ulysses`` only where set (a field the Trainer does not have yet)."""
         return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "sp": self.sp,
                 "sequence_parallel": None if self.sequence_parallel == "off" else self.sequence_parallel,
                 "zero": self.zero, "microbatches": self.microbatches, "schedule": self.schedule,
                 "activation_checkpointing": self.activation_checkpointing, "precision": self.precision,
-                "batch_size": self.global_batch, "ep": self.ep, "expert_capacity": self.expert_capacity}
+                "batch_size": self.global_batch, "ep": self.ep, "expert_capacity": self.expert_capacity} | (
+            {"ulysses": self.ulysses} if self.ulysses > 1 else {})
 
     def name(self) -> str:
-        """Short text: ``dp2 pp2 tp1 zero1 mb4 1f1b``, with ``sp`` / ``ep`` (``ep2``, ``ep2-cap1.25``: static capacity)
-        / ``ckpt`` / precision where they are set."""
+        """Short text: ``dp2 pp2 tp1 zero1 mb4 1f1b``, with ``sp`` (``sp8-ring ulysses2``: Ulysses x ring, as
+        ``--sp ring 8 --ulysses 2`` asks for it) / ``ep`` (``ep2``, ``ep2-cap1.25``: static capacity) / ``ckpt`` /
+        precision where they are set."""
         parts = [f"dp{self.dp}", f"pp{self.pp}", f"tp{self.tp}"]
         if self.sequence_parallel == "megatron":
             parts.append("sp-megatron")
         elif self.sequence_parallel in _SP_NAMES:
             parts.append(f"sp{self.sp}-{_SP_NAMES[self.sequence_parallel]}")
+        if self.ulysses > 1:
+            parts.append(f"ulysses{self.ulysses}")
         if self.ep > 1 or self.expert_capacity is not None:
             parts.append(f"ep{self.ep}" + (f"-cap{self.expert_capacity:g}" if self.expert_capacity is not None else ""))
         parts += [f"zero{self.zero}", f"mb{self.microbatches}"]
@@ -80,10 +92,13 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        """The fields; ``ep`` and ``expert_capacity`` only where expert parallelism is set."""
+        """The fields; ``ep`` and ``expert_capacity`` only where expert parallelism is set, ``ulysses`` only where
+        Ulysses x ring is."""
         data = asdict(self)
         if self.ep == 1 and self.expert_capacity is None:
             del data["ep"], data["expert_capacity"]
+        if self.ulysses == 1:
+            del data["ulysses"]
         return data
 
 

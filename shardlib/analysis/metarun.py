@@ -5,6 +5,7 @@ tracing or exporting a sharded model under :func:`shardlib.parallel.mesh.fake_wo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..sharding.examples import PlanInputError, example_batch, task_of  # noqa: F401 (re-exported)
 from ..sharding.sharded import shard_state
+from . import meta_kernels
 from .dryrun_report import Collective, TensorSpec
 from .meta_experts import meta_op
 
@@ -48,11 +50,17 @@ class CollectiveRecorder(TorchDispatchMode):
     Point-to-point transfers (ring attention's K/V blocks) are recorded at their send as ``send_recv``.
 
     ``dims``: process-group name -> (mesh dim, size). ``phase``: None (forward / backward as they happen) or the
-    phase to record instead ("step")."""
+    phase to record instead ("step"). ``remember``: answer repeated calls on meta tensors from
+    :mod:`~shardlib.analysis.meta_kernels` (the recorder being the last mode before the kernels: a dry run's).
 
-    def __init__(self, model: nn.Module, dims: dict[str, tuple[str, int]]):
+    A mode of its own (``with recorder:``), or, inside :meth:`watching` (the module hooks alone), the kernel another
+    mode calls (:meth:`dispatch`; the dry run's :class:`~shardlib.analysis.counting.WorkRecorder`): one mode per op
+    instead of two."""
+
+    def __init__(self, model: nn.Module, dims: dict[str, tuple[str, int]], remember: bool = False):
         super().__init__()
         self.dims, self.phase, self.records = dims, None, []
+        self.kernel = meta_kernels.run if remember and meta_kernels.enabled() else None
         self.paths: dict[nn.Module, list[str]] = {}
         self.owner: dict[int, str] = {}  # id(parameter) -> path of the (first) module holding it
         for path, module in model.named_modules(remove_duplicate=False):
@@ -66,14 +74,24 @@ class CollectiveRecorder(TorchDispatchMode):
         self._found: dict[int, str] = {}  # sequence number -> module path, in backward (spans are final by then)
 
     def __enter__(self):
-        self._hooks = [register_module_forward_pre_hook(self._enter),
-                       register_module_forward_hook(self._leave, always_call=True)]
+        self._watching = self.watching()
+        self._watching.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        for hook in self._hooks:
-            hook.remove()
+        self._watching.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """The module hooks that follow which module runs, without the dispatch mode."""
+        hooks = [register_module_forward_pre_hook(self._enter),
+                 register_module_forward_hook(self._leave, always_call=True)]
+        try:
+            yield self
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _sequence_nr(self) -> int | None:
         node = self._probe.view(0).grad_fn  # None where grad mode is off
@@ -92,7 +110,10 @@ class CollectiveRecorder(TorchDispatchMode):
             self.spans.append((first, last, path))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.dispatch(func, args, kwargs or {})
+
+    def dispatch(self, func, args, kwargs):
+        """Record ``func`` if it is a collective, then run it (module docstring)."""
         collective = _IS_COLLECTIVE.get(func)
         if collective is None:
             collective = _IS_COLLECTIVE[func] = func.namespace in _NAMESPACES and func._opname not in _NOT_COLLECTIVES
@@ -101,7 +122,9 @@ class CollectiveRecorder(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return _meta_value(args[0])
         substitute = meta_op(func, args, kwargs)  # ops of mixture-of-experts layers the meta device lacks
-        return func(*args, **kwargs) if substitute is None else substitute
+        if substitute is not None:
+            return substitute
+        return func(*args, **kwargs) if self.kernel is None else self.kernel(func, args, kwargs)
 
     def _describe(self, func, args, kwargs) -> Collective:
         named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
@@ -147,12 +170,17 @@ def _meta_value(t: torch.Tensor) -> bool:
                          "values do not exist")
 
 
-def group_dims(mesh) -> dict[str, tuple[str, int]]:
-    """Process-group name -> (mesh dim, size) for the mesh's dims of more than one rank, and the world."""
+def group_dims(mesh, ulysses: int = 1) -> dict[str, tuple[str, int]]:
+    """Process-group name -> (mesh dim, size) for the mesh's dims of more than one rank, and the world; under Ulysses
+    x ring (``ulysses`` > 1) the sp dimension's two parts too, each on the dim "sp" at its own size (the
+    all-to-all's group of ``ulysses`` ranks, the ring's of sp / ulysses)."""
     dims = {dist.group.WORLD.group_name: ("world", dist.get_world_size())}
     for dim in ("dp", "pp", "sp", "tp"):
         if mesh.size(dim) > 1:
             dims[mesh.group(dim).group_name] = (dim, mesh.size(dim))
+    if ulysses > 1:
+        inner, ring = mesh.split_sp(ulysses)
+        dims |= {inner.group_name: ("sp", ulysses), ring.group_name: ("sp", mesh.sp // ulysses)}
     return dims
 
 

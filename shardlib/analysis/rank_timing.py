@@ -114,7 +114,7 @@ def optimizer_bandwidth(clock: RankClock, nbytes: int = 64 << 20, tensors: int =
     params = [torch.nn.Parameter(torch.ones(nbytes // 4 // tensors, device=clock.device)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
-    traffic = sum(w.traffic for w in _adamw_state(params)[1].work.values())
+    traffic = _adamw_state(params)[2]
     optimizer = torch.optim.AdamW(params, foreach=True)
     return traffic / clock.seconds(optimizer.step)
 
