@@ -193,9 +193,9 @@ class RingProbe:
     def __enter__(self):
         m, saved = self.module, self.saved
 
-        def noted_start(ring, send, tag):
+        def noted_start(ring, send, tag, *where):
             self.shape, self.ring = (send.shape, send.dtype), ring
-            return saved["start"](ring, send, tag)
+            return saved["start"](ring, send, tag, *where)
         for name in self.pieces:
             setattr(m, name, self._timed("pieces", saved[name]))
         m._Ring.start = self._timed("start", noted_start)

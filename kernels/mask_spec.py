@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -150,6 +150,16 @@ class MaskSpec:
             self._pieces[key] = self._cut_block(geometry, src, make_piece)
         return self._pieces[key]
 
+    def sees(self, geometry, src: int, position: int) -> bool:
+        """Whether the queries of ring position ``position`` see any key of block ``src`` (whether it would cut any
+        piece; none is made). The ids are the whole sequence's on every rank, so both ends of a transfer answer
+        alike: ring attention sends a block only where it is seen."""
+        g = geometry
+        key = ("sees", g.size, g.chunk, g.query_length, g.key_length, src, position)
+        if key not in self._pieces:
+            self._pieces[key] = bool(self._cut_block(replace(g, rank=position), src, _nothing))
+        return self._pieces[key]
+
     def _cut_block(self, g, src: int, make_piece) -> list:
         if not self.causal and not bool(self.query_ids.any()):
             return self._padding_pieces(g, src, make_piece)
@@ -193,6 +203,11 @@ class MaskSpec:
         if self.window is None:
             return [(rows, cols, diagonal, False) for rows, cols, diagonal in parts]
         return [cut for rows, cols, diagonal in parts for cut in window_cut(*rows, *cols, diagonal, self.window)]
+
+
+def _nothing(*args) -> bool:
+    """A piece maker that makes nothing (:meth:`MaskSpec.sees` asks only whether there would be a piece)."""
+    return True
 
 
 def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,11 +11,14 @@ queries against it, piece by piece (a piece: a run of consecutive query position
 it may see; under a causal mask a block of another rank is two of its four segment pairs), each piece's output and
 log-sum-exp (``s = q k^T * scale + bias + mask``, ``lse_b = logsumexp(s)``, ``o_b = softmax(s) v``) merged into the
 running result in fp32 (fp64 for fp64 inputs): ``lse = logaddexp(lse, lse_b)``, ``o = o e^(lse_old - lse) + o_b
-e^(lse_b - lse)``. The block travels to position ``p + 1`` (one send, one receive per step) while this rank computes
-with it, so the transfer runs under the block's compute. Backward (the flash-attention recurrence, recomputing each
-piece's probabilities from the saved global ``lse``): ``p = e^(s - lse)``, ``dv += p^T dO``, ``dp = dO v^T``,
-``ds = p (dp - rowsum(dO o))``, ``dq += ds k scale``, ``dk += ds^T q scale``; the K/V blocks circulate again and each
-block's dK/dV accumulator travels with it one step behind, arriving back at its owner after n hops.
+e^(lse_b - lse)``. The next step's block travels (one send, one receive per step) while this rank computes with the
+one it holds, so the transfer runs under the block's compute: relayed around the ring (the block travels to position
+``p + 1``), or, under a mask spec, sent straight from its owner to each position whose queries see it and to no
+other (:class:`_Ring`). Backward (the flash-attention recurrence, recomputing each piece's probabilities from the
+saved global ``lse``): ``p = e^(s - lse)``, ``dv += p^T dO``, ``dp = dO v^T``, ``ds = p (dp - rowsum(dO o))``,
+``dq += ds k scale``, ``dk += ds^T q scale``; the K/V blocks travel again and each block's dK/dV returns to its
+owner: relayed, an accumulator one step behind the block, home after n hops; direct, each position's share sent
+straight back.
 
 What a piece's scores see, each from global positions (exact for any length and any split): the model's mask (the
 caller gives this rank's rows over all columns in ring order), causality, padding (keys at positions >= L are -inf),
@@ -201,6 +204,11 @@ class RingProblem:
                 pieces.append(self._piece(src, row_run, seen, tag=src * 1024 + len(pieces)))
         return pieces
 
+    def sees(self, position: int, src: int) -> bool:
+        """Whether ring position ``position``'s queries see any key of block ``src``: under a mask spec as it says
+        (both ends of a transfer ask it alike), else taken as yes."""
+        return self.spec is None or self.spec.sees(self.geometry, src, position)
+
     def _piece(self, src: int, row_run, col_runs, tag: int) -> Piece:
         g, device = self.geometry, self.geometry.order.device
         rows, cols = slice(row_run[0], row_run[1]), slice(col_runs[0][0], col_runs[-1][1])  # one or both segments
@@ -248,43 +256,85 @@ class RingProblem:
 
 # ------------------------------------------------------------------------------------------------ the ring's wire
 class _Ring:
-    """Point-to-point sends to ring position + 1 and receives from position - 1, started and waited on later (each
-    wait bounded by the process group's timeout)."""
+    """The ring's transfers, started and waited on later (each wait bounded by the process group's timeout).
+
+    Relayed (no mask spec): at every step each position sends the block it holds to position + 1 and receives
+    position - 1's, so every block passes every position; the dK/dV accumulators follow one step behind. Direct
+    (a mask spec, :meth:`RingProblem.sees`): at step i each position sends its own block straight to position + i
+    and receives position - i's, and only where the receiver's queries see it; each dK/dV goes straight back to its
+    block's owner, who sums them. Both move the same bytes when every block is seen; the direct exchange skips
+    what no query needs (packed documents within a position's segments: no transfer at all)."""
 
     @classmethod
     def of(cls, problem: "RingProblem") -> "_Ring | None":
         """The wire of ``problem``'s ring (None for a ring of one, which sends nothing)."""
-        return cls(problem.group, problem.geometry) if problem.geometry.size > 1 else None
+        return cls(problem) if problem.geometry.size > 1 else None
 
-    def __init__(self, group, geometry: RingGeometry):
-        self.group = group
-        self.next = dist.get_global_rank(group, (geometry.rank + 1) % geometry.size)
-        self.prev = dist.get_global_rank(group, (geometry.rank - 1) % geometry.size)
+    def __init__(self, problem: "RingProblem"):
+        g = problem.geometry
+        self.group, self.rank, self.size, self.sees = problem.group, g.rank, g.size, problem.sees
+        self.direct = problem.spec is not None
+        self.peers = [dist.get_global_rank(self.group, position) for position in range(g.size)]
 
-    def start(self, send: torch.Tensor, tag: int):
-        """Send ``send`` on and receive the previous position's tensor of the same shape. ``tag``: K/V blocks (0)
+    def start(self, send: torch.Tensor, tag: int, hop: int = 1, outgoing: bool = True, incoming: bool = True):
+        """Send ``send`` to position + ``hop`` and receive position - ``hop``'s tensor of the same shape (either
+        left out where not ``outgoing`` / ``incoming``: ``send`` then only gives the shape). ``tag``: K/V blocks (0)
         and gradient blocks (1) travel at once in backward. On the meta device (the dry run's fake process group,
         which has no backend for it to coalesce) the two are issued one by one."""
-        received = torch.empty_like(send)
+        received = torch.empty_like(send) if incoming else None
+        ops = ([(dist.isend, send, self.peers[(self.rank + hop) % self.size])] if outgoing else []) + \
+            ([(dist.irecv, received, self.peers[(self.rank - hop) % self.size])] if incoming else [])
         if send.is_meta:
-            works = [dist.isend(send, self.next, self.group, tag), dist.irecv(received, self.prev, self.group, tag)]
+            works = [op(tensor, peer, self.group, tag) for op, tensor, peer in ops]
             return [w for w in works if w is not None], received
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, tag),
-                                        dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
+        works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, self.group, tag)
+                                        for op, tensor, peer in ops]) if ops else []
         return works, received
 
     @staticmethod
-    def wait(pending) -> torch.Tensor:
+    def wait(pending) -> torch.Tensor | None:
         works, received = pending
         for work in works:
             work.wait()
         return received
 
+    def next_block(self, step: int, held: torch.Tensor, own: torch.Tensor):
+        """Start bringing the K/V block of step + 1 (position rank - step - 1's): relayed, pass ``held`` on;
+        direct, ``own`` to the position that sees it, and the block only if this position sees it."""
+        if not self.direct:
+            return self.start(held, KV)
+        hop = step + 1
+        return self.start(own, KV, hop, self.sees((self.rank + hop) % self.size, self.rank),
+                          self.sees(self.rank, (self.rank - hop) % self.size))
+
+    def return_gradient(self, step: int, local: torch.Tensor | None, like: torch.Tensor, pending, total):
+        """Send the dK/dV of step ``step``'s block (``local``, None where this position saw none of it) on its
+        way, having settled the previous step's transfer. Relayed: added to the accumulator arriving from
+        position - 1 and passed on; direct: to the block's owner, while the gradient of this position's own block
+        computed at position + step arrives. Returns (the pending transfer, the own block's gradient so far)."""
+        if not self.direct:
+            local = like.new_zeros(like.shape) if local is None else local
+            return self.start(local if pending is None else self.wait(pending) + local, GRADIENTS), None
+        if step == 0:
+            return None, like.new_zeros(like.shape) if local is None else local
+        total = self.settle(pending, total)
+        holder = (self.rank + step) % self.size  # where this position's block was at this step
+        return self.start(like if local is None else local, GRADIENTS, -step, local is not None,
+                          self.sees(holder, self.rank)), total
+
+    def settle(self, pending, total):
+        """The own block's gradient once the last transfer is in: relayed, what arrives (the accumulator home from
+        its round); direct, ``total`` plus what arrives."""
+        received = self.wait(pending) if pending is not None else None
+        if not self.direct:
+            return received
+        return total if received is None else total + received
+
 
 # -------------------------------------------------------------------------------------------------- the function
 class _RingAttention(torch.autograd.Function):
     """forward: ring attention of this rank's queries over every rank's K/V (module docstring); backward: the K/V
-    circulate again and each block's dK/dV returns to its owner."""
+    travel again and each block's dK/dV returns to its owner."""
 
     @staticmethod
     def forward(ctx, problem: RingProblem, q, k, v, relative):
@@ -292,9 +342,9 @@ class _RingAttention(torch.autograd.Function):
         ring, n, r = _Ring.of(problem), problem.geometry.size, problem.geometry.rank
         out = q.new_zeros(q.shape, dtype=acc)
         lse = q.new_full(q.shape[:-1], -math.inf, dtype=acc)
-        kv = torch.stack((k, v)).contiguous()
+        own = kv = torch.stack((k, v)).contiguous()
         for step in range(n):
-            pending = ring.start(kv, KV) if step < n - 1 else None
+            pending = ring.next_block(step, kv, own) if step < n - 1 else None
             src = (r - step) % n
             for piece in problem.pieces(src):
                 at = (piece.batch, slice(None), piece.rows)
@@ -315,30 +365,33 @@ class _RingAttention(torch.autograd.Function):
         acc = out.dtype
         grad_out = grad_out.to(acc)
         ring, n, r = _Ring.of(problem), problem.geometry.size, problem.geometry.rank
-        kv = torch.stack((k, v)).contiguous()
+        own = kv = torch.stack((k, v)).contiguous()
+        like = torch.empty((2, *k.shape), dtype=acc, device=k.device)  # a dK/dV block's shape
         dq = torch.zeros_like(q, dtype=acc)
         drel = None if relative is None else torch.zeros_like(relative, dtype=acc)
-        dkv_pending = None
+        dkv_pending = dkv = None
         for step in range(n):
-            pending = ring.start(kv, KV) if step < n - 1 else None
+            pending = ring.next_block(step, kv, own) if step < n - 1 else None
             src = (r - step) % n
-            local = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+            local = None
             for piece in problem.pieces(src):
                 at, cols = (piece.batch, slice(None), piece.rows), (piece.batch, slice(None), piece.cols)
                 dq_b, dk_b, dv_b, drel_b = piece_backward(
                     grad_out[at], q[at], _expand_kv(kv[0][cols], groups), _expand_kv(kv[1][cols], groups), out[at],
                     lse[at], problem.scale, piece, relative, problem.dropout, problem.seed + piece.tag, problem.softcap)
                 dq[at] += dq_b
+                local = torch.zeros_like(like) if local is None else local
                 local[0][cols] += _fold_kv(dk_b, groups)
                 local[1][cols] += _fold_kv(dv_b, groups)
                 if drel_b is not None:
                     drel += drel_b
-            dkv = local if dkv_pending is None else ring.wait(dkv_pending) + local
-            if n > 1:  # on to the next holder of this block (at the last step: its owner)
-                dkv_pending = ring.start(dkv, GRADIENTS)
+            if ring is None:
+                dkv = torch.zeros_like(like) if local is None else local
+            else:  # on to the block's next holder (relayed) or straight to its owner (direct)
+                dkv_pending, dkv = ring.return_gradient(step, local, like, dkv_pending, dkv)
             if pending is not None:
                 kv = ring.wait(pending)
-        dkv = ring.wait(dkv_pending) if n > 1 else dkv
+        dkv = ring.settle(dkv_pending, dkv) if ring is not None else dkv
         return (None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None if drel is None else drel.to(relative.dtype))
 

@@ -73,3 +73,56 @@ def disagreeing_lengths(spec: dict) -> str:
     except RuntimeError as e:
         return str(e)
     raise AssertionError("disagreeing sequence lengths were not caught")
+
+
+def spec_wire(spec: dict) -> dict:
+    """Ring attention of a MaskSpec over the world's ranks (a ring of all of them), float64: this rank's output and
+    q / k / v gradients equal dense attention's under the spec's [L, L] mask, and the K/V and dK/dV blocks this rank
+    sent (counted at the wire; K/V blocks travel in forward and again in backward) are those
+    :meth:`RingProblem.sees` asks for: none where the documents stay within each rank's segments."""
+    import math
+
+    import torch.distributed as dist
+
+    from shardlib.kernels import ring_blocks
+    from shardlib.kernels.mask_spec import MaskSpec
+    from shardlib.kernels.ring_blocks import RingGeometry, RingLayout, RingProblem, ring_attention
+
+    n, rank, length = dist.get_world_size(), dist.get_rank(), spec["length"]
+    ids = torch.tensor(spec["ids"])[None]
+    mask = MaskSpec(ids, ids, causal=spec["causal"])
+    layout = RingLayout(ranks=n, ring=n)
+    geometry = RingGeometry(rank, n, layout.padded(length) // n, length, layout.order(length, "cpu"))
+    problem = RingProblem(dist.group.WORLD, geometry, 0.5, torch.float64, spec=mask)
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(1, 2, layout.padded(length), 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    mine = [t[:, :, geometry.positions(rank)].clone().requires_grad_(True) for t in full]
+    sent = []
+    start = ring_blocks._Ring.start
+
+    def counted(ring, send, tag, hop=1, outgoing=True, incoming=True):
+        if outgoing:
+            sent.append((tag, (ring.rank + hop) % ring.size))
+        return start(ring, send, tag, hop, outgoing, incoming)
+
+    ring_blocks._Ring.start = counted
+    try:
+        out = ring_attention(problem, *mine)
+        out.backward(torch.ones_like(out))
+    finally:
+        ring_blocks._Ring.start = start
+    reference = [t[:, :, :length].clone().requires_grad_(True) for t in full]
+    q, k, v = reference
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~mask.dense("sdpa", torch.float64), -math.inf)
+    expected = torch.softmax(scores, -1) @ v
+    real = geometry.positions(rank) < length
+    expected[:, :, geometry.positions(rank)[real]].backward(torch.ones_like(out[:, :, real]))
+    _exact("output", out[:, :, real], expected[:, :, geometry.positions(rank)[real]].detach())
+    _exact("dq", mine[0].grad[:, :, real], q.grad[:, :, geometry.positions(rank)[real]])
+    seen = {(position, src) for position in range(n) for src in range(n) if problem.sees(position, src)}
+    expected_sent = sorted(2 * [(0, position) for position in range(n) if position != rank and (position, rank) in seen]
+                           + [(1, src) for src in range(n) if src != rank and (rank, src) in seen])  # K/V: twice
+    assert sorted(sent) == expected_sent, (sorted(sent), expected_sent)
+    return {"sent": len(sent), "dk": k.grad.detach(), "dv": v.grad.detach(),
+            "mine_dk": mine[1].grad.detach(), "mine_dv": mine[2].grad.detach(),
+            "positions": geometry.positions(rank)}

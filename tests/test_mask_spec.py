@@ -3,7 +3,8 @@ attention under the [L, L] mask the spec stands for, forward and backward (given
 log-sum-exp), at every ring position of every ring size (zigzag, Ulysses x ring) and as a ring of one, for padding
 (any valid keys, several runs) and packed documents (any lengths, padding), causal or not, grouped K/V heads, T5's
 relative bias per distance and dropout; the builder describes what transformers asks for or falls back, by reason.
-The multi-rank wire and the models are covered by test_ring_attention.py, test_packing.py and test_masks_linear.py."""
+Which blocks travel where: exactly where a query sees them. The multi-rank wire and the models are covered by
+test_ring_attention.py, test_packing.py and test_masks_linear.py."""
 
 import math
 
@@ -181,6 +182,40 @@ def test_packed_work_is_the_documents_squares():
                 pairs += sum((pc.rows.stop - pc.rows.start) * (pc.cols.stop - pc.cols.start)
                              for pc in problem.pieces(src))
         assert pairs == length * length // documents, (n, pairs)
+
+
+@given(problems())
+def test_a_block_is_sent_exactly_where_a_query_sees_it(p):
+    """Ring attention under a spec sends block ``src`` to ring position ``position`` only where
+    :meth:`RingProblem.sees` says so: exactly where some real query of the position sees some real key of the block
+    under the spec's dense mask (never a block a query needs left behind, never one sent for nothing)."""
+    assume(p["n"] > 1)
+    problem, *_ = _setup(p)
+    g, L = problem.geometry, problem.geometry.length
+    seen = p["spec"].dense("sdpa", torch.float64)[:, 0]
+    for position in range(g.size):
+        rows = g.positions(position)
+        for src in range(g.size):
+            cols = g.positions(src)
+            expected = bool(seen[:, rows[rows < L]][:, :, cols[cols < L]].any())
+            assert problem.sees(position, src) == expected, (position, src)
+
+
+def test_documents_within_a_position_travel_nowhere():
+    """Documents each within one ring position's two segments (zigzag: segment p and 2n - 1 - p): no position sees
+    another's block, so no K/V is sent; documents spanning positions send only to the positions they span."""
+    n, length = 4, 64
+    layout = RingLayout(ranks=n, ring=n)
+    order = layout.order(length, "cpu")
+    chunk = layout.padded(length) // n
+    owner = torch.empty(length, dtype=torch.long)
+    owner[order] = torch.arange(length) // chunk  # each position's tokens one document
+    aligned = MaskSpec(owner[None], owner[None])
+    spanning = (torch.arange(length) // 24)[None]  # 24-token documents cross segment boundaries
+    for spec, expect_sent in ((aligned, False), (MaskSpec(spanning, spanning), True)):
+        sent = [RingProblem(None, RingGeometry(0, n, chunk, length, order), 1.0, torch.float64, spec=spec
+                            ).sees(position, src) for position in range(n) for src in range(n) if position != src]
+        assert any(sent) == expect_sent and not all(sent)
 
 
 ARGS = dict(batch_size=2, q_length=6, kv_length=6, device="cpu")

@@ -4,6 +4,7 @@ ViT and T5 / UMT5 (relative position bias per block, causal decoder, cross-atten
 parallelism, lengths sp does and does not divide, past the head count."""
 
 import pytest
+import torch
 
 import rank_tasks
 import ring_tasks
@@ -134,3 +135,27 @@ def test_ring_composes_with_the_trainer(pool, trainer):
     results = pool.run(ring_tasks.training_steps, {**_spec(T5, 1, 2), "dec_seq": 5, "trainer": trainer},
                        timeout_s=300)
     assert all(r["compared"] > 0 for r in results) or trainer.get("zero") == 3
+
+
+WITHIN_RANKS = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4 + [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4  # rank p: segments p, 7 - p
+
+
+@pytest.mark.parametrize("ids, causal, transfers", [
+    (WITHIN_RANKS, False, 0),
+    (WITHIN_RANKS, True, 0),
+    ([i // 12 for i in range(30)] + [-1, -1], True, None),  # documents across ranks, padding
+    ([0] * 32, False, 4 * 3 * 3),  # one document: every block to every rank (forward, backward), every dK/dV back
+], ids=["within-ranks", "within-ranks-causal", "spanning-causal", "whole"])
+def test_blocks_travel_only_where_a_query_sees_them(pool, ids, causal, transfers):
+    """Ring attention under a mask spec on 4 gloo ranks: exact against dense attention (output, dq, and dK / dV
+    summed over every rank's queries), sending each K/V block only to the ranks whose queries see it and each dK/dV
+    only back from them (documents within each rank's two zigzag segments: nothing at all)."""
+    results = pool.run(ring_tasks.spec_wire, {"ids": ids, "causal": causal, "length": len(ids)})
+    for name in ("dk", "dv"):
+        total = sum(r[name] for r in results)
+        for r in results:
+            real = r["positions"] < len(ids)
+            torch.testing.assert_close(r[f"mine_{name}"][:, :, real], total[:, :, r["positions"][real]],
+                                       **ring_tasks.EXACT)
+    sent = sum(r["sent"] for r in results)
+    assert sent == transfers if transfers is not None else 0 < sent < 4 * 3 * 3

@@ -407,7 +407,8 @@ def packed_attention(report: PlanReport, share: float) -> PlanReport:
     only each document against itself (masks as data, docs/masks.md), so a row of seq tokens in documents of mean
     length d costs about seq x d of its attention FLOPs, not seq^2: every call of the ring's blocks (``LayerWork.ring``,
     forward and backward, in ``gemms`` too) at ``share`` = d / seq of its FLOPs. Nothing else changes: the K/V blocks
-    still travel the whole ring, and memory is linear in the length either way."""
+    are priced as travelling the whole ring (an upper bound: the ring sends a block only to the ranks whose queries
+    see it), and memory is linear in the length either way."""
     def packed(w: LayerWork) -> LayerWork:
         gemms = dict(w.gemms)
         for flops, calls in w.ring:
