@@ -29,15 +29,10 @@ and compute the whole row.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import multiprocessing
-import threading
 import time
 from dataclasses import dataclass, field, replace
-
-import torch
 
 from ..sharding.plan import PlanError
 from .costmodel import Prediction, predict
@@ -47,6 +42,7 @@ from .layertable import LayerTable
 from .layout import SHARD_MODES as MODES, Layout
 from .metarun import PlanInputError, meta_model, planned_policy
 from .profile import Profile, default_profile
+from .search_workers import Makers, workers_for
 
 
 @dataclass
@@ -144,7 +140,7 @@ class _Pricer:
         self.tables: dict[tuple, LayerTable | str] = {}
         self.reports: dict[tuple, object] = {}
         self.times: dict = {}  # the cost model's cache of microbatch times per stage
-        self.makers: _Makers | None = None  # worker processes dry-running tables ahead (search(workers=...))
+        self.makers: Makers | None = None  # worker processes dry-running tables ahead (search(workers=...))
 
     @staticmethod
     def key(layout: Layout) -> tuple:
@@ -231,97 +227,6 @@ class _Pricer:
                 self.reports[key] = " ".join(str(exc).split())
 
 
-#: what a search's worker processes dry-run tables of (set before they fork): "full", "policy", "device_type"
-_FORKED: dict = {}
-
-
-def _dry_runs(key: tuple) -> tuple[tuple, list | str]:
-    """In a worker process: the dry runs of the table of ``key`` (:meth:`_Pricer.key`), or why shard() refuses it."""
-    tp, sp, mode, checkpointing, seq, precision, ulysses = key
-    try:
-        table = LayerTable(_FORKED["full"], _FORKED["policy"], tp=tp, sp=sp, mode=MODES[mode], mode_name=mode,
-                           activation_checkpointing=checkpointing, seq=seq, precision=precision,
-                           device_type=_FORKED["device_type"], ulysses=ulysses)
-    except (PlanError, PlanInputError) as exc:
-        return key, " ".join(str(exc).split())
-    return key, table.runs
-
-
-def _worker() -> None:
-    torch.set_num_threads(1)
-
-
-class _Makers:
-    """Worker processes dry-running layer tables (:func:`_dry_runs`) ahead of the pricing that takes them
-    (:meth:`take`), in the order asked (:meth:`ask`). A ring's table waits for its mesh's all-to-all table, and is
-    made only where shard() refuses that one (as :meth:`_Pricer._ring_only_past_the_heads` decides)."""
-
-    def __init__(self, pool):
-        self.pool = pool
-        self.done = threading.Condition()
-        self.results: dict[tuple, list | str | BaseException] = {}
-        self.asked: set[tuple] = set()
-        self.after: dict[tuple, list[tuple]] = {}  # an all-to-all table's key -> the ring tables waiting for it
-
-    def ask(self, key: tuple, probe: tuple | None = None) -> None:
-        """Dry-run the table of ``key``; where ``probe`` (its mesh's all-to-all table) is given, once that one is
-        refused."""
-        with self.done:
-            if probe is not None:
-                self._ask(probe)
-                found = self.results.get(probe)
-                if found is None:
-                    self.after.setdefault(probe, []).append(key)
-                    return
-                if not isinstance(found, str):
-                    return
-            self._ask(key)
-
-    def _ask(self, key: tuple) -> None:
-        if key not in self.asked:
-            self.asked.add(key)
-            self.pool.apply_async(_dry_runs, (key,), callback=self._made,
-                                  error_callback=lambda exc: self._made((key, exc)))
-
-    def _made(self, result: tuple) -> None:
-        key, made = result
-        with self.done:
-            self.results[key] = made
-            for waiting in self.after.pop(key, []):
-                if isinstance(made, str):
-                    self._ask(waiting)
-            self.done.notify_all()
-
-    def take(self, key: tuple) -> list | str | None:
-        """The dry runs of the table of ``key`` (or why shard() refuses it), once made; None where not asked."""
-        with self.done:
-            if key not in self.asked:
-                return None
-            while key not in self.results:
-                self.done.wait()
-            found = self.results[key]
-        if isinstance(found, BaseException):
-            raise found
-        return found
-
-
-@contextlib.contextmanager
-def _workers(pricer: _Pricer, count: int):
-    """``pricer`` with :class:`_Makers` of ``count`` worker processes forked from this one (none where one is
-    asked for, or fork is not there)."""
-    if count <= 1 or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
-        yield pricer
-        return
-    _FORKED.update(full=pricer.full, policy=pricer.policy, device_type=pricer.device_type)
-    try:
-        with multiprocessing.get_context("fork").Pool(count, initializer=_worker) as pool:
-            pricer.makers = _Makers(pool)
-            yield pricer
-    finally:
-        pricer.makers = None
-        _FORKED.clear()
-
-
 def search(model_or_config, world: int, *, memory_bytes: int | None = None, profile: Profile | None = None,
            global_batch: int = 32, seq: int = 128, cls=None, policy=None, checkpointing=(False, True),
            precision: str = "fp32", mean_tokens: float | None = None, ulysses: bool = False,
@@ -356,7 +261,7 @@ def search(model_or_config, world: int, *, memory_bytes: int | None = None, prof
     for layout in checkpointed:
         twins.setdefault(_Pricer.key(replace(layout, activation_checkpointing=False)), []).append(layout)
     last = {_Pricer.key(layout): i for i, layout in enumerate(plain)}
-    with _workers(pricer, workers):
+    with workers_for(pricer, workers):
         for layout in plain if pricer.makers is not None else ():
             pricer.ask(layout)
         for i, layout in enumerate(plain + checkpointed):  # a checkpointed layout after its twin, which may dominate it
