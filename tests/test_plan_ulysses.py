@@ -98,7 +98,7 @@ def test_layouts_and_the_cli_know_ulysses(tmp_path, capsys):
     """``Layout`` names Ulysses x ring as ``--sp ring N --ulysses U`` asks for it and hands shard() ``ulysses`` (JSON
     and the Trainer's arguments carry it only where set); ``shardlib plan --sp ring 4 --ulysses 2`` dry-runs and prices
     it; ``--ulysses`` without a ring is shard()'s refusal (exit 2), with ``--world`` bad input (the search enumerates
-    it)."""
+    it), as is ``--jobs 0``."""
     layout = Layout(sp=8, sequence_parallel="ring", ulysses=2)
     assert layout.name() == "dp1 pp1 tp1 sp8-ring ulysses2 zero0 mb1"
     assert layout.shard_options() == {"sequence_parallel": "ring", "ulysses": 2}
@@ -115,6 +115,8 @@ def test_layouts_and_the_cli_know_ulysses(tmp_path, capsys):
     assert "ulysses=2 applies to sequence_parallel='ring'" in capsys.readouterr().err
     assert cli.main(["plan", str(tmp_path), "--world", "8", "--ulysses", "2"]) == 1
     assert "enumerates ep (dropless) and Ulysses x ring itself" in capsys.readouterr().err
+    assert cli.main(["plan", str(tmp_path), "--world", "4", "--jobs", "0"]) == 1
+    assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ packed rows
